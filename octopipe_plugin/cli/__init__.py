@@ -1,0 +1,53 @@
+"""`octopipe` command line: one module per sub-command, each with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ..errors import OctoPipeError
+
+# sub-command name -> module under octopipe_plugin.cli
+COMMANDS = {
+    "model": "model_cmd",
+    "schedules": "schedules_cmd",
+    "simulate": "simulate_cmd",
+    "plan": "plan_cmd",
+    "dryrun": "dryrun_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser, one sub-parser per available sub-command."""
+    parser = argparse.ArgumentParser(prog="octopipe", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"{__name__}.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.endswith(module):
+                continue  # sub-command not built yet
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `octopipe` console script; bad input exits 2 with one message, no traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except OctoPipeError as exc:
+        print(f"octopipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

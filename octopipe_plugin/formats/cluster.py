@@ -1,0 +1,98 @@
+"""`octopipe-cluster/1`: devices, memory and links."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._fields import check_format, check_value, field, load_json, write_json
+
+CLUSTER_FORMAT = "octopipe-cluster/1"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    """A link class: bandwidth in GB/s (1e9 B/s) and latency in microseconds."""
+
+    bandwidth_gb_per_s: float
+    latency_us: float
+
+    def transfer_ms(self, nbytes: float) -> float:
+        """Time to move `nbytes` over this link (FORMATS.md)."""
+        return self.latency_us / 1000.0 + nbytes / (self.bandwidth_gb_per_s * 1e9) * 1000.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Devices 0..num_devices-1, `devices_per_node` to a node, equal memory each."""
+
+    num_devices: int
+    devices_per_node: int
+    memory_bytes: int
+    intra_node: Link
+    inter_node: Link
+    name: str = "cluster"
+
+    def same_node(self, d1: int, d2: int) -> bool:
+        """Whether two devices share a node."""
+        return d1 // self.devices_per_node == d2 // self.devices_per_node
+
+    def link(self, d1: int, d2: int) -> Link:
+        """The link class between two devices."""
+        return self.intra_node if self.same_node(d1, d2) else self.inter_node
+
+    def transfer_ms(self, d1: int, d2: int, nbytes: float) -> float:
+        """Transfer time of `nbytes` from d1 to d2; zero on the same device."""
+        if d1 == d2:
+            return 0.0
+        return self.link(d1, d2).transfer_ms(nbytes)
+
+
+def _read_link(data: dict, key: str, src: str) -> Link:
+    raw = field(data, key, src, "$", dict)
+    path = f"$.{key}"
+    return Link(
+        bandwidth_gb_per_s=field(raw, "bandwidth_gb_per_s", src, path, float, positive=True),
+        latency_us=field(raw, "latency_us", src, path, float, minimum=0),
+    )
+
+
+def cluster_from_dict(data: dict, src: str = "<dict>") -> Cluster:
+    """Build a Cluster from a parsed `octopipe-cluster/1` document, refusing bad input."""
+    check_format(data, src, "octopipe-cluster")
+    n = field(data, "num_devices", src, "$", int, minimum=1)
+    return Cluster(
+        num_devices=n,
+        devices_per_node=field(data, "devices_per_node", src, "$", int, minimum=1, default=n),
+        memory_bytes=field(data, "memory_bytes", src, "$", int, positive=True),
+        intra_node=_read_link(data, "intra_node", src),
+        inter_node=_read_link(data, "inter_node", src) if "inter_node" in data else _read_link(data, "intra_node", src),
+        name=check_value(data.get("name", "cluster"), src, "$.name", str),
+    )
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """Serialise a Cluster as an `octopipe-cluster/1` document."""
+
+    def link(lk: Link) -> dict:
+        return {"bandwidth_gb_per_s": lk.bandwidth_gb_per_s, "latency_us": lk.latency_us}
+
+    return {
+        "format": CLUSTER_FORMAT,
+        "name": cluster.name,
+        "num_devices": cluster.num_devices,
+        "devices_per_node": cluster.devices_per_node,
+        "memory_bytes": cluster.memory_bytes,
+        "intra_node": link(cluster.intra_node),
+        "inter_node": link(cluster.inter_node),
+    }
+
+
+def read_cluster(source) -> Cluster:
+    """Read an `octopipe-cluster/1` file or dict."""
+    data, src = load_json(source)
+    return cluster_from_dict(data, src)
+
+
+def write_cluster(cluster: Cluster, path) -> None:
+    """Write a Cluster as `octopipe-cluster/1` JSON."""
+    write_json(cluster_to_dict(cluster), path)

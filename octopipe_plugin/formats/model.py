@@ -1,0 +1,122 @@
+"""`octopipe-model/1`: the layer sequence with per-layer costs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field as dc_field
+
+from ._fields import check_format, check_value, field, load_json, write_json
+from ..errors import FormatError
+
+MODEL_FORMAT = "octopipe-model/1"
+
+_COST_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
+_BYTE_FIELDS = ("state_bytes", "activation_bytes", "output_bytes")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layer:
+    """One partitioning unit: its kind and its costs for one micro-batch (FORMATS.md)."""
+
+    name: str
+    kind: str
+    fwd_ms: float
+    bwd_ms: float
+    wgrad_ms: float
+    state_bytes: int
+    activation_bytes: int
+    output_bytes: int
+    # Activation memory when the layer is fully recomputed (input kept only); informational.
+    recompute_activation_bytes: int | None = None
+
+    @property
+    def total_ms(self) -> float:
+        """F + I + W time of one micro-batch."""
+        return self.fwd_ms + self.bwd_ms + self.wgrad_ms
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Model:
+    """A cost-annotated model: layers in execution order (layer i feeds layer i+1)."""
+
+    name: str
+    layers: tuple[Layer, ...]
+    # Producer layer indices per layer where the model branches (e.g. encoder -> decoder);
+    # empty means a plain chain. Keys and values are layer indices.
+    inputs: dict[int, tuple[int, ...]] = dc_field(default_factory=dict)
+    meta: dict = dc_field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+
+def model_from_dict(data: dict, src: str = "<dict>") -> Model:
+    """Build a Model from a parsed `octopipe-model/1` document, refusing bad input."""
+    check_format(data, src, "octopipe-model")
+    name = field(data, "name", src, "$", str)
+    raw_layers = field(data, "layers", src, "$", list)
+    if not raw_layers:
+        raise FormatError(src, "$.layers", "a non-empty list of layers", raw_layers)
+    layers = []
+    for i, raw in enumerate(raw_layers):
+        path = f"$.layers[{i}]"
+        check_value(raw, src, path, dict)
+        costs = {k: field(raw, k, src, path, float, minimum=0) for k in _COST_FIELDS}
+        sizes = {k: field(raw, k, src, path, int, minimum=0) for k in _BYTE_FIELDS}
+        rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, default=None)
+        layers.append(
+            Layer(
+                name=field(raw, "name", src, path, str, default=f"layer{i}"),
+                kind=field(raw, "kind", src, path, str, default="layer"),
+                recompute_activation_bytes=rec,
+                **costs,
+                **sizes,
+            )
+        )
+    inputs = _read_inputs(data, src, len(layers))
+    meta = field(data, "meta", src, "$", dict, default={})
+    return Model(name=name, layers=tuple(layers), inputs=inputs, meta=meta)
+
+
+def _read_inputs(data: dict, src: str, n: int) -> dict[int, tuple[int, ...]]:
+    raw = field(data, "inputs", src, "$", dict, default={})
+    inputs = {}
+    for key, producers in raw.items():
+        path = f"$.inputs.{key}"
+        if not str(key).isdigit() or int(key) >= n:
+            raise FormatError(src, path, f"a layer index in 0..{n - 1} as key", key)
+        check_value(producers, src, path, list)
+        for j, p in enumerate(producers):
+            check_value(p, src, f"{path}[{j}]", int, minimum=0)
+            if p >= int(key):
+                raise FormatError(src, f"{path}[{j}]", f"a producer before layer {key} (layers are in execution order)", p)
+        inputs[int(key)] = tuple(producers)
+    return inputs
+
+
+def model_to_dict(model: Model) -> dict:
+    """Serialise a Model as an `octopipe-model/1` document."""
+    layers = []
+    for layer in model.layers:
+        d = asdict(layer)
+        if d["recompute_activation_bytes"] is None:
+            del d["recompute_activation_bytes"]
+        layers.append(d)
+    doc = {"format": MODEL_FORMAT, "name": model.name, "layers": layers}
+    if model.inputs:
+        doc["inputs"] = {str(k): list(v) for k, v in model.inputs.items()}
+    if model.meta:
+        doc["meta"] = model.meta
+    return doc
+
+
+def read_model(source) -> Model:
+    """Read an `octopipe-model/1` file (JSON or YAML) or dict."""
+    data, src = load_json(source)
+    return model_from_dict(data, src)
+
+
+def write_model(model: Model, path) -> None:
+    """Write a Model as `octopipe-model/1` JSON."""
+    write_json(model_to_dict(model), path)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install OctoPipe with its test and framework dependencies into ./.venv (CPU machine, Python 3.11).
+# torch is pinned to 2.13.0 first so pip takes the local CPU build and nothing pulls a CUDA torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q "torch==2.13.0"
+pip install -q -e ".[test,solver]" "packaging>=24.2" numpy
+if ! python -c "import megatron.core" 2>/dev/null; then
+  # megatron-core 0.19.2 declares Python>=3.12 but its cp311 wheel works (DESIGN.md);
+  # --no-deps keeps it from pulling a CUDA torch. triton is imported by its schedules module.
+  pip install -q --ignore-requires-python --no-deps "megatron-core==0.19.2"
+  pip install -q triton
+fi
+if ! python -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 pip install -q --no-build-isolation "deepspeed==0.19.8"
+fi
+python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -1,0 +1,34 @@
+"""OctoPipe: pipeline-parallel plans for heterogeneous models (Megatron-LM, DeepSpeed)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="octopipe_plugin",
+    version="0.1.0",
+    description="Co-optimized partitioning, placement and scheduling for pipeline-parallel training",
+    packages=find_packages(include=["octopipe_plugin", "octopipe_plugin.*"]),
+    package_data={"octopipe_plugin": ["costs/zoo/*.yaml", "data/*.json"]},
+    python_requires=">=3.11",
+    install_requires=[
+        "networkx>=3.0",
+        "numpy>=1.24",
+        "pyyaml>=6.0",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        # On Python 3.11 megatron-core 0.19.2 needs `--ignore-requires-python --no-deps`
+        # (see scripts/install.sh); plain pip picks 0.16.1, which the core adapter supports.
+        "megatron": ["megatron-core>=0.16", "packaging>=24.2"],
+        # Build with DS_BUILD_OPS=0 and --no-build-isolation, after torch (scripts/install.sh).
+        "deepspeed": ["deepspeed==0.19.8"],
+        "test": [
+            "torch==2.13.0",
+            "pytest>=7",
+            "pytest-timeout>=2.1",
+            "hypothesis>=6.80",
+        ],
+        "solver": ["ortools>=9.8"],
+    },
+    entry_points={"console_scripts": ["octopipe=octopipe_plugin.cli:main"]},
+)
