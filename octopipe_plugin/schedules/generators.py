@@ -1,0 +1,287 @@
+"""Built-in schedule generators: plain functions (stage devices, devices, micro-batches) -> per-device lists.
+
+Every generator has the signature `generate(stage_devices, num_devices, num_microbatches)`
+and returns one tuple of Actions per device. Each first checks that the stage map is the
+placement it was written for and refuses other inputs with a PlanError saying why.
+
+DualPipeV representation: DualPipe overlaps the forward of one chunk with the backward of
+the other chunk on one device (compute of one hides the all-to-all of the other). The plan
+format has no fused action for that, so an overlapped pair "F of stage a, B of stage b" is
+written as the two ordinary actions `aF`, `bB` back to back (forward first, as DualPipe
+issues it). A simulator therefore charges F + B for the pair: the ordering and memory of
+DualPipeV are exact, the communication hiding inside a pair is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from ..errors import PlanError
+from .actions import Action, B, F, I, W
+from .placement import device_stages, looped, v_shape
+
+Schedule = tuple[tuple[Action, ...], ...]
+
+
+def _require_map(name: str, stage_devices: Sequence[int], expected: list[int]) -> None:
+    if list(stage_devices) != expected:
+        raise PlanError(f"{name}: needs stage->device map {expected}, got {list(stage_devices)}")
+
+
+def _stages_per_device(name: str, stage_devices: Sequence[int], num_devices: int) -> int:
+    if num_devices < 1 or len(stage_devices) % num_devices:
+        raise PlanError(f"{name}: {len(stage_devices)} stages do not divide over {num_devices} devices")
+    return len(stage_devices) // num_devices
+
+
+def _check_m(name: str, m: int, minimum: int = 1) -> None:
+    if m < minimum:
+        raise PlanError(f"{name}: needs at least {minimum} micro-batches, got {m}")
+
+
+def gpipe(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
+    """GPipe: every forward, then every backward (micro-batch order), one stage per device."""
+    _require_map("gpipe", stage_devices, looped(num_devices, 1))
+    _check_m("gpipe", num_microbatches)
+    m = num_microbatches
+    return tuple(tuple([F(r, i) for i in range(m)] + [B(r, i) for i in range(m)]) for r in range(num_devices))
+
+
+def one_f_one_b(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush / Megatron non-interleaved): p-r-1 warm-up forwards, then F/B pairs."""
+    _require_map("1f1b", stage_devices, looped(num_devices, 1))
+    _check_m("1f1b", num_microbatches)
+    m, p = num_microbatches, num_devices
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        row = [F(r, i) for i in range(warm)]
+        for i in range(m - warm):
+            row += [F(r, warm + i), B(r, i)]
+        row += [B(r, i) for i in range(m - warm, m)]
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def megatron_group_size(num_devices: int, num_microbatches: int) -> int:
+    """Megatron's microbatch_group_size_per_vp_stage: p by default, else the smallest size it accepts.
+
+    Megatron accepts a group size g in [p, m] whose last group (m % g) is empty or >= p;
+    its default g = p covers m % p == 0, and for other m the user must pick g, which we do.
+    """
+    p, m = num_devices, num_microbatches
+    for g in range(p, m + 1):
+        if m % g == 0 or m % g >= p:
+            return g
+    raise PlanError(f"interleaved-1f1b: Megatron needs at least {p} micro-batches (one per device), got {m}")
+
+
+def megatron_table(num_microbatches: int, num_chunks: int, group: int) -> list[tuple[int, int]]:
+    """Megatron's get_schedule_table: (micro-batch, chunk) of each virtual micro-batch id."""
+    table = []
+    for lo in range(0, num_microbatches, group):
+        hi = num_microbatches if lo + group >= num_microbatches else lo + group
+        table += [(mb, c) for c in range(num_chunks) for mb in range(lo, hi)]
+    return table
+
+
+def interleaved_1f1b(stage_devices: Sequence[int], num_devices: int, num_microbatches: int,
+                     group_size: int | None = None) -> Schedule:
+    """Megatron-core's forward_backward_pipelining_with_interleaving, action for action.
+
+    Warm-up of rank r: 2(p-r-1) + (v-1)g virtual micro-batches (capped at v*m); then one
+    forward and one backward per step; then the remaining backwards. With v = 1 Megatron runs
+    the non-interleaved schedule, so that is what this returns.
+    """
+    p, m = num_devices, num_microbatches
+    v = _stages_per_device("interleaved-1f1b", stage_devices, p)
+    if v == 1:
+        return one_f_one_b(stage_devices, p, m)
+    _require_map("interleaved-1f1b", stage_devices, looped(p, v))
+    if p == 1:
+        raise PlanError("interleaved-1f1b: Megatron runs no pipeline schedule with one device; use 1 stage")
+    g = group_size if group_size is not None else megatron_group_size(p, m)
+    if not p <= g <= m or 0 < m % g < p:
+        raise PlanError(f"interleaved-1f1b: group size {g} must be in [p={p}, m={m}] with m % g == 0 or >= p")
+    table = megatron_table(m, v, g)
+    total = m * v
+    out = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * g, total)
+
+        def fwd(k: int) -> Action:
+            mb, c = table[k]
+            return F(c * p + r, mb)
+
+        def bwd(k: int) -> Action:
+            mb, c = table[k]
+            return B((v - 1 - c) * p + r, mb)
+
+        row = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            row += [fwd(k + warm), bwd(k)]
+        row += [bwd(k) for k in range(total - warm, total)]
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def zb_h1(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with B split into I and W; rank r defers its first r W's to fill the drain.
+
+    Same warm-up and activation memory as 1F1B (torch's ScheduleInterleavedZeroBubble with
+    one stage per rank: a W follows each I once r I's are outstanding; leftover W's at the end).
+    """
+    _require_map("zb-h1", stage_devices, looped(num_devices, 1))
+    _check_m("zb-h1", num_microbatches)
+    m, p = num_microbatches, num_devices
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        row = [F(r, i) for i in range(warm)]
+        pending: deque[int] = deque()
+        for i in range(m):
+            if warm + i < m:
+                row.append(F(r, warm + i))
+            row.append(I(r, i))
+            pending.append(i)
+            if i >= r:
+                row.append(W(r, pending.popleft()))
+        row += [W(r, i) for i in pending]
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def zb_v(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, section 6): two stages per device in a V, F/I/W split, as torch orders it.
+
+    Built for max(m, 2p-1) micro-batches and cut back to m (torch's ScheduleZBVZeroBubble does
+    the same), so any m >= 1 is served.
+    """
+    p, m = num_devices, num_microbatches
+    _require_map("zb-v", stage_devices, v_shape(p, 2))
+    _check_m("zb-v", m)
+    out = []
+    for r in range(p):
+        row = _zb_v_rank(p, r, max(2 * p - 1, m))
+        out.append(tuple(a for a in row if a.microbatch < m))
+    return tuple(out)
+
+
+def _zb_v_rank(p: int, r: int, n: int) -> list[Action]:
+    s0, s1 = r, 2 * p - 1 - r
+    cnt = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+    row: list[Action] = []
+
+    def op(key: str, make, stage: int) -> None:
+        row.append(make(stage, cnt[key]))
+        cnt[key] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        op("f0", F, s0)
+    for _ in range(r):
+        op("f1", F, s1)
+        op("f0", F, s0)
+    for _ in range(p - r):
+        op("f1", F, s1)
+        row += [I(s1, cnt["b1"]), W(s1, cnt["b1"])]
+        cnt["b1"] += 1
+    while cnt["f1"] < cnt["f0"] or cnt["f0"] < n:
+        if cnt["f0"] < n:
+            op("f0", F, s0)
+        row += [I(s0, cnt["b0"]), W(s0, cnt["b0"])]
+        cnt["b0"] += 1
+        op("f1", F, s1)
+        row += [I(s1, cnt["b1"]), W(s1, cnt["b1"])]
+        cnt["b1"] += 1
+    w0, w1 = cnt["b0"], cnt["b1"]
+    for _ in range(r):
+        op("b0", I, s0)
+        op("b1", I, s1)
+    for _ in range(p - r):
+        op("b0", I, s0)
+        row.append(W(s0, w0))
+        w0 += 1
+    row += [W(s1, i) for i in range(w1, cnt["b1"])]
+    row += [W(s0, i) for i in range(w0, cnt["b0"])]
+    return row
+
+
+def dualpipev(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek; torch's ScheduleDualPipeV order): V placement, overlapped F&B written as F then B.
+
+    Needs m >= 2p micro-batches (one per stage), like DeepSeek's and torch's implementations.
+    """
+    p, m = num_devices, num_microbatches
+    _require_map("dualpipev", stage_devices, v_shape(p, 2))
+    if m < 2 * p:
+        raise PlanError(f"dualpipev: needs at least 2 x devices = {2 * p} micro-batches, got {m}")
+    return tuple(tuple(_DualPipeVRank(p, r).build(m)) for r in range(p))
+
+
+class _DualPipeVRank:
+    """Builds one rank's list step by step; the counters are per (stage, kind) as in DualPipe."""
+
+    def __init__(self, p: int, r: int):
+        self.p, self.r = p, r
+        self.s0, self.s1 = r, 2 * p - 1 - r
+        self.next_mb: dict[tuple[int, str], int] = {}
+        self.weights: deque[tuple[int, int]] = deque()
+        self.row: list[Action] = []
+
+    def _take(self, stage: int, kind: str) -> int:
+        mb = self.next_mb.get((stage, kind), 0)
+        self.next_mb[(stage, kind)] = mb + 1
+        return mb
+
+    def f(self, stage: int) -> None:
+        self.row.append(F(stage, self._take(stage, "F")))
+
+    def b(self, stage: int, split: bool = False) -> None:
+        """Backward input part; a fused B when not split, an I with its W queued when split."""
+        mb = self._take(stage, "B")
+        if split:
+            self.row.append(I(stage, mb))
+            self.weights.append((stage, mb))
+        else:
+            self.row.append(B(stage, mb))
+
+    def w(self) -> None:
+        if self.weights:
+            stage, mb = self.weights.popleft()
+            self.row.append(W(stage, mb))
+
+    def build(self, m: int) -> list[Action]:
+        p, r, s0, s1 = self.p, self.r, self.s0, self.s1
+        for _ in range((p - r - 1) * 2):  # 1: F0 warm-up
+            self.f(s0)
+        for _ in range(r + 1):  # 2: F0 F1
+            self.f(s0)
+            self.f(s1)
+        for _ in range(p - r - 1):  # 3: I1 W1 F1 (zero bubble)
+            self.b(s1, split=True)
+            self.w()
+            self.f(s1)
+        for _ in range(m - 2 * p + r + 1):  # 4: main, overlapped (F0 & B1), (F1 & B0)
+            self.f(s0)  # the last rank's first pair is not overlapped in DualPipe; same two actions here
+            self.b(s1)
+            self.f(s1)
+            self.b(s0)
+        for _ in range(p - r - 1):  # 5: B1, overlapped (F1 & B0)
+            self.b(s1)
+            self.f(s1)
+            self.b(s0)
+        split = False
+        for i in range(r + 1):  # 6: B1 B0, second half zero-bubble
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            self.b(s1, split)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            self.b(s0, split)
+        for _ in range(p - r - 1):  # 7: W0 B0
+            self.w()
+            self.b(s0, split)
+        for _ in range(r + 1):  # 8: W drain
+            self.w()
+        while self.weights:
+            self.w()
+        return self.row

@@ -1,0 +1,51 @@
+"""Stage -> device maps of the built-in schedules: looped (round-robin) and V-shape (zig-zag)."""
+
+from __future__ import annotations
+
+import enum
+
+from ..errors import PlanError
+
+
+class Placement(str, enum.Enum):
+    """looped: stage s on device s % p (Megatron); v: down the devices, then back up (ZB-V, DualPipeV)."""
+
+    LOOPED = "looped"
+    V = "v"
+
+
+def looped(num_devices: int, stages_per_device: int) -> list[int]:
+    """Stage s runs on device s % p, as Megatron places virtual pipeline stages."""
+    _check(num_devices, stages_per_device)
+    return [s % num_devices for s in range(num_devices * stages_per_device)]
+
+
+def v_shape(num_devices: int, stages_per_device: int = 2) -> list[int]:
+    """Chunk c of p stages runs down the devices when c is even and back up when odd (a V for two)."""
+    _check(num_devices, stages_per_device)
+    out = []
+    for s in range(num_devices * stages_per_device):
+        chunk, pos = divmod(s, num_devices)
+        out.append(pos if chunk % 2 == 0 else num_devices - 1 - pos)
+    return out
+
+
+def place(placement: Placement | str, num_devices: int, stages_per_device: int) -> list[int]:
+    """The stage -> device list of a named placement."""
+    kind = Placement(placement)
+    return looped(num_devices, stages_per_device) if kind is Placement.LOOPED else v_shape(
+        num_devices, stages_per_device)
+
+
+def device_stages(stage_devices, num_devices: int) -> list[list[int]]:
+    """Stages of every device, in model order."""
+    out: list[list[int]] = [[] for _ in range(num_devices)]
+    for s, d in enumerate(stage_devices):
+        out[d].append(s)
+    return out
+
+
+def _check(num_devices: int, stages_per_device: int) -> None:
+    if num_devices < 1 or stages_per_device < 1:
+        raise PlanError(f"placement needs >= 1 device and >= 1 stage per device, got "
+                        f"{num_devices} devices and {stages_per_device} stages per device")
