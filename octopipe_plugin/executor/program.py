@@ -1,0 +1,81 @@
+"""Lower one rank's share of a plan into a program: its actions with their receives and sends.
+
+Messages and their per-peer order come from `schedules.messages` (the one rule shared with
+the simulator): both ends of every (src, dst) pair walk the sender's production order, so
+receives match sends even where tags are ignored (NCCL). Consecutive stages on the same
+device exchange nothing: the tensor is handed over in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedules.actions import Action, Kind
+from ..schedules.messages import Message, messages_by_action, plan_messages
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Step:
+    """One action of the rank: the message it consumes and the one it produces (None when local)."""
+
+    action: Action
+    recv: Message | None
+    send: Message | None
+    # per peer: how many of that peer's messages (in per-peer order) must be posted before this step
+    post_upto: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankProgram:
+    """Everything rank `rank` does in one step, in order."""
+
+    rank: int
+    num_stages: int
+    steps: tuple[Step, ...]
+    recv_order: dict[int, tuple[Message, ...]]  # peer -> messages from it, in per-peer order
+    send_order: dict[int, tuple[Message, ...]]  # peer -> messages to it, in per-peer order
+
+
+def build_program(plan, rank: int, prefetch: int = 2) -> RankProgram:
+    """Lower `plan` for `rank`; receives are posted `prefetch` actions ahead of their consumer.
+
+    Posting is a per-peer prefix: to post a message, every earlier message from that peer is
+    posted too. This is what keeps the order rule intact and never deadlocks: a prefix only
+    holds messages the sender produces before the one needed.
+    """
+    pairs = plan_messages(plan)
+    recv_order = {src: tuple(msgs) for (src, dst), msgs in pairs.items() if dst == rank}
+    send_order = {dst: tuple(msgs) for (src, dst), msgs in pairs.items() if src == rank}
+    sends, recvs = messages_by_action(plan)
+    position = {msg: (src, i) for src, msgs in recv_order.items() for i, msg in enumerate(msgs)}
+    row = plan.schedule[rank]
+    need = [position.get(recvs.get(a)) for a in row]
+    steps = []
+    for i, a in enumerate(row):
+        upto: dict[int, int] = {}
+        for pos in need[i:i + 1 + max(prefetch, 0)]:
+            if pos is not None:
+                upto[pos[0]] = max(upto.get(pos[0], 0), pos[1] + 1)
+        steps.append(Step(action=a, recv=recvs.get(a), send=sends.get(a), post_upto=tuple(sorted(upto.items()))))
+    return RankProgram(rank=rank, num_stages=plan.num_stages, steps=tuple(steps),
+                       recv_order=recv_order, send_order=send_order)
+
+
+def local_input_key(action: Action, num_stages: int) -> tuple[str, int, int] | None:
+    """Key of the same-device hand-off an action consumes: ('act', stage, mb) or ('grad', stage, mb)."""
+    s, mb = action.stage, action.microbatch
+    if action.kind is Kind.F:
+        return ("act", s, mb) if s > 0 else None
+    if action.kind in (Kind.B, Kind.I):
+        return ("grad", s, mb) if s < num_stages - 1 else None
+    return None
+
+
+def local_output_key(action: Action, num_stages: int) -> tuple[str, int, int] | None:
+    """Key under which an action's result is handed to the next consumer on the same device."""
+    s, mb = action.stage, action.microbatch
+    if action.kind is Kind.F:
+        return ("act", s + 1, mb) if s < num_stages - 1 else None
+    if action.kind in (Kind.B, Kind.I):
+        return ("grad", s - 1, mb) if s > 0 else None
+    return None

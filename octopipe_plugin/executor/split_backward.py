@@ -1,0 +1,98 @@
+"""Split backward: I computes input gradients only, W later finishes the weight gradients.
+
+Same method as torch.distributed.pipelining's stage_backward_input / stage_backward_weight
+(whose graph helpers we reuse): during I, hooks capture the gradient arriving at every
+"intermediate" node where a parameter's sub-graph joins the input's path; W starts from
+those captured gradients and walks only the parameter side, so no node is run twice.
+Unlike the torch version, outputs are released by dropping references instead of an
+in-place `detach_()`, which fails on view outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge
+# Private torch helpers (torch 2.13): the reverse graph and the parameter grouping.
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightWork:
+    """What W needs after I: the parameter groups with the gradients captured at their intermediates."""
+
+    groups: list
+    params: tuple[torch.nn.Parameter, ...]
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
+) -> tuple[tuple[torch.Tensor | None, ...], WeightWork]:
+    """Input gradients of `outputs` (given their gradients) and the deferred weight work."""
+    out_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, outputs) if fn is not None]
+    in_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, inputs) if fn is not None]
+    w_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, params) if fn is not None]
+    groups = get_param_groups(in_fns, w_fns, construct_reverse_graph(out_fns))
+    handles = []
+    try:
+        for group in groups:
+            inter = list(group["intermediates"])
+            group["intermediates"] = inter
+            group["grads"] = [None] * len(inter)
+            for i, node in enumerate(inter):
+                handles.append(node.register_prehook(_capture(group, i)))
+        dinputs = torch.autograd.grad(
+            list(outputs), list(inputs), list(grad_outputs), retain_graph=True, allow_unused=True
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple(dinputs), WeightWork(groups=groups, params=tuple(params))
+
+
+def _capture(group: dict, i: int):
+    def hook(grad_inputs):
+        group["grads"][i] = grad_inputs
+
+    return hook
+
+
+def backward_weight(work: WeightWork) -> None:
+    """Accumulate parameter gradients from the gradients I captured; frees the retained graph."""
+    owner = {_get_grad_fn_or_grad_acc(p): p for p in work.params}
+    for group in work.groups:
+        edges, grads = [], []
+        for captured, node in zip(group["grads"], group["intermediates"]):
+            for i, g in enumerate(captured or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        handles = []
+        if len(group["intermediates"]) > 1:
+            # An intermediate below another would count the upper one's gradient twice:
+            # pin every intermediate's incoming gradient to what I captured there.
+            for captured, node in zip(group["grads"], group["intermediates"]):
+                handles.append(node.register_prehook(lambda _g, sg=captured: sg))
+        try:
+            if edges:
+                accs = list(group["params"])
+                dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
+                for acc, dw in zip(accs, dws):
+                    p = owner[acc]
+                    if p.grad is None:
+                        p.grad = dw
+                    else:
+                        p.grad.add_(dw)
+        finally:
+            for h in handles:
+                h.remove()
+        group.clear()

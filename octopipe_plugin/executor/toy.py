@@ -1,0 +1,104 @@
+"""A small pure-torch transformer-like model (MLP and attention blocks) split into stages.
+
+Used by the executor's tests and benchmark as a real-compute model, and as a worked
+example of wiring nn.Module stages to TorchStages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .interface import TensorMeta
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToySpec:
+    """Shape of the toy model and its data."""
+
+    hidden: int = 8
+    seq: int = 4
+    batch: int = 2  # micro-batch size
+    layers: tuple[str, ...] = ("in", "mlp", "attn", "mlp", "attn", "mlp", "head")
+    dtype: torch.dtype = torch.float64
+    seed: int = 0
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.up = nn.Linear(h, 2 * h)
+        self.down = nn.Linear(2 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP(norm(x))."""
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class AttnBlock(nn.Module):
+    """Pre-norm residual causal self-attention (two heads)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.attn = nn.MultiheadAttention(h, num_heads=2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + attention(norm(x)) with a causal mask."""
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
+        y = self.norm(x)
+        out, _ = self.attn(y, y, y, attn_mask=mask, need_weights=False)
+        return x + out
+
+
+def build_layers(spec: ToySpec) -> nn.ModuleList:
+    """Every layer of the model, seeded so every process builds identical weights."""
+    torch.manual_seed(spec.seed)
+    make = {"in": lambda h: nn.Linear(h, h), "mlp": MLPBlock, "attn": AttnBlock, "head": lambda h: nn.Linear(h, h)}
+    return nn.ModuleList([make[k](spec.hidden) for k in spec.layers]).to(spec.dtype)
+
+
+def microbatch(spec: ToySpec, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) of micro-batch `mb`, a pure function of (seed, mb)."""
+    g = torch.Generator().manual_seed(spec.seed * 7919 + mb)
+    shape = (spec.batch, spec.seq, spec.hidden)
+    return torch.randn(shape, generator=g, dtype=spec.dtype), torch.randn(shape, generator=g, dtype=spec.dtype)
+
+
+def loss_fn(spec: ToySpec):
+    """The last stage's loss of micro-batch mb: mean squared error against its target."""
+
+    def fn(out: torch.Tensor, mb: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, microbatch(spec, mb)[1])
+
+    return fn
+
+
+def boundary_metas(spec: ToySpec, num_stages: int) -> tuple[TensorMeta, ...]:
+    """Every boundary carries a [batch, seq, hidden] activation (the last one is the loss)."""
+    act = TensorMeta(shape=(spec.batch, spec.seq, spec.hidden), dtype=spec.dtype)
+    return tuple(act if s < num_stages - 1 else TensorMeta(shape=(), dtype=spec.dtype) for s in range(num_stages))
+
+
+def stage_modules(layers: nn.ModuleList, bounds, stages) -> dict[int, nn.Module]:
+    """nn.Sequential of each listed stage's layer range; `bounds[s] = (start, end)`."""
+    return {s: nn.Sequential(*layers[bounds[s][0]:bounds[s][1]]) for s in stages}
+
+
+def reference_step(spec: ToySpec, layers: nn.ModuleList, num_microbatches: int) -> torch.Tensor:
+    """Single-process reference: mean loss over micro-batches, gradients left in `layers`."""
+    total = torch.zeros((), dtype=spec.dtype)
+    for mb in range(num_microbatches):
+        x = microbatch(spec, mb)[0]
+        for layer in layers:
+            x = layer(x)
+        loss = loss_fn(spec)(x, mb) / num_microbatches
+        loss.backward()
+        total += loss.detach()
+    return total

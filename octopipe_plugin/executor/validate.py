@@ -1,0 +1,23 @@
+"""Refuse a plan before any message is sent: coverage and ownership, then deadlock-freedom."""
+
+from __future__ import annotations
+
+from ..formats import Cluster, Link, validate_plan
+from ..simulator import StageCosts, simulate
+
+
+def check_runnable(plan) -> None:
+    """Raise PlanError / DeadlockError unless every device of `plan` can run its whole list.
+
+    The simulator's dependency semantics are exactly the executor's (a device blocks only on
+    inputs, sends never block), so a plan it finishes cannot deadlock the executor; unit
+    costs suffice because deadlock does not depend on durations.
+    """
+    validate_plan(plan)
+    ns, nd = plan.num_stages, plan.num_devices
+    ones = tuple(1.0 for _ in range(ns))
+    zeros = tuple(0 for _ in range(ns))
+    costs = StageCosts(ones, ones, ones, zeros, zeros, zeros)
+    link = Link(bandwidth_gb_per_s=1.0, latency_us=1.0)
+    cluster = Cluster(num_devices=nd, devices_per_node=nd, memory_bytes=1, intra_node=link, inter_node=link)
+    simulate(None, cluster, plan, costs=costs, detail=False)
