@@ -1,0 +1,177 @@
+"""Analytic per-layer costs: F / I / W time, state, activation and output bytes of every layer kind.
+
+FLOPs: a matmul [m,k]x[k,n] costs 2mkn; its backward costs 2x that, split evenly into the input
+gradient (I: dY W^T) and the weight gradient (W: X^T dY) (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters", Sec. 5.1; Qi et al. 2024, "Zero Bubble
+Pipeline Parallelism", Sec. 2). Attention scores and context and the SSD scan multiply two
+activations and have no weights: their whole backward is I. Element-wise kernels are
+memory-bound and timed on HBM bandwidth (ops.py). All numbers are per tensor-parallel rank.
+
+State (Megatron mixed precision with Adam, docs "Distributed Optimizer"): per parameter 2 bytes
+of bf16 weight + 4 of fp32 gradient (main_grad) + 4 fp32 master weight + 4 Adam m + 4 Adam v =
+18 bytes; the distributed optimizer shards the 12 optimizer bytes over dp: 6 + 12/dp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from .arch import DECODER_KINDS, Arch, layer_plan
+from .blocks import Block, Dims, attention, llm_dims, mlp, moe, norm, tp_comm, vision_dims
+from .gpus import GpuSpec, get_gpu
+from .mamba import mamba
+from .ops import Op, elementwise, matmul, total_flops, total_times
+from ..formats.model import Layer, Model
+
+RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision"}  # Megatron recomputes transformer-block layers only
+CE_FWD_BYTES = 38  # per logit: bf16 read, fp32 write, max / subtract / exp / sum / divide passes over fp32
+CE_BWD_BYTES = 10  # per logit: read the saved fp32 softmax, write the fp32 grad, cast to bf16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCost:
+    """Costs of one layer kind for one micro-batch on one tensor-parallel rank."""
+
+    kind: str
+    fwd_ms: float
+    bwd_ms: float
+    wgrad_ms: float
+    params: int
+    state_bytes: int
+    activation_bytes: int
+    recompute_activation_bytes: int
+    output_bytes: int
+    flops: tuple[float, float, float]  # F, I, W
+
+
+def state_bytes_per_param(arch: Arch) -> float:
+    """Weight + fp32 grad + optimizer bytes per parameter: 18 in bf16, 6 + 12/dp with the distributed optimizer."""
+    optimizer = 12 if arch.dtype_bytes < 4 else 8  # fp32 master copy only when training in lower precision
+    return arch.dtype_bytes + 4 + optimizer / arch.dp
+
+
+def embedding_block(d: Dims, arch: Arch, text_tokens: int) -> Block:
+    """Vocab-parallel lookup: memory-bound gather; W builds a dense V/t x h grad and adds it to fp32 main_grad."""
+    v, h, dt = arch.padded_vocab // d.t, d.h, d.dt
+    gather = 2.0 * text_tokens * h * dt
+    wgrad = v * h * (2.0 * dt + 8.0) + text_tokens * h * dt  # zero-fill + scatter-add, then main_grad += grad
+    ops = [elementwise("embedding gather", gather, i_bytes=0.0, w_bytes=wgrad)]
+    if d.t > 1:
+        ops += tp_comm(d, "embedding all-reduce")
+    return Block(ops=tuple(ops), params=v * h, activation=8 * text_tokens)  # int64 token ids
+
+
+def head_block(d: Dims, arch: Arch) -> Block:
+    """Final norm + output matmul h x V/t + vocab-parallel cross-entropy (fp32 softmax kept for backward)."""
+    n, h, dt, v = d.n, d.h, d.dt, arch.padded_vocab // d.t
+    norm_op, norm_params, norm_act = norm(d)
+    ce = Op(name="cross-entropy", f_bytes=CE_FWD_BYTES * n * v, i_bytes=CE_BWD_BYTES * n * v)
+    ops = (norm_op, *tp_comm(d, "head all-gather"), matmul("output", n, h, v, dt), ce)
+    act = norm_act + n * h * dt // d.sp + 4 * n * v
+    return Block(ops=ops, params=norm_params + h * v, activation=act)
+
+
+def projector_block(arch: Arch) -> Block:
+    """LLaVA-1.5 projector: Linear(vision_hidden, h) -> GELU -> Linear(h, h) on the image tokens."""
+    vd = vision_dims(arch)
+    d = llm_dims(arch)
+    n, t, dt = vd.n, d.t, d.dt
+    ops = [matmul("proj fc1", n, vd.h, d.h // t, dt), elementwise("gelu", 2.0 * n * d.h / t * dt),
+           matmul("proj fc2", n, d.h // t, d.h, dt), *tp_comm(replace(d, s=vd.s), "proj all-reduce")]
+    params = vd.h * d.h // t + d.h // t * d.h + 2 * d.h
+    act = n * vd.h * dt // d.sp + 2 * n * d.h // t * dt + n * d.h // t * dt
+    return Block(ops=tuple(ops), params=params, activation=act)
+
+
+def mtp_block(d: Dims, arch: Arch, text_tokens: int) -> Block:
+    """DeepSeek-V3 MTP module (Sec. 2.2): embed shifted tokens, norm both inputs, project 2h -> h, one
+    transformer layer (MoE when the model has experts), then the shared output head and its loss."""
+    emb, head = embedding_block(d, arch, text_tokens), head_block(d, arch)
+    layer = [attention(d), moe(d, arch) if arch.num_experts else mlp(d)]
+    n, h, dt, sp = d.n, d.h, d.dt, d.sp
+    norm_op, norm_params, norm_act = norm(d)
+    proj = matmul("eh proj", n, 2 * h, h // d.t, dt)
+    ops = [*emb.ops, norm_op, norm_op, proj, *layer[0].ops, *layer[1].ops, *head.ops]
+    # the head's weight is shared with lm_head (same stage); the embedding is a copy on this stage
+    params = emb.params + 2 * norm_params + 2 * h * h // d.t + layer[0].params + layer[1].params
+    act = emb.activation + 2 * norm_act + 2 * n * h * dt // sp + layer[0].activation + layer[1].activation
+    return Block(ops=tuple(ops), params=params, activation=act + head.activation)
+
+
+def kind_block(arch: Arch, kind: str) -> Block:
+    """Ops, parameters and saved activations of one layer of `kind`."""
+    d = llm_dims(arch)
+    text = (arch.seq_len - arch.vision_tokens) * arch.micro_batch_size
+    builders = {
+        "dense": lambda: (attention(d), mlp(d)),
+        "dense_local": lambda: (attention(d, arch.sliding_window), mlp(d)),
+        "moe": lambda: (attention(d), moe(d, arch)),
+        "mamba": lambda: (mamba(d, arch),),
+        "attention": lambda: (attention(d),),
+        "mlp": lambda: (mlp(d),),
+        "vision": lambda: (attention(vision_dims(arch)), mlp(vision_dims(arch))),
+        "projector": lambda: (projector_block(arch),),
+        "embedding": lambda: (embedding_block(d, arch, text),),
+        "mtp": lambda: (mtp_block(d, arch, text),),
+        "lm_head": lambda: (head_block(d, arch),),
+    }
+    if kind not in builders:
+        raise ValueError(f"unknown layer kind {kind!r}; expected one of {sorted(builders)}")
+    parts = builders[kind]()
+    return Block(ops=tuple(op for p in parts for op in p.ops), params=sum(p.params for p in parts),
+                 activation=sum(p.activation for p in parts))
+
+
+def output_bytes(arch: Arch, kind: str) -> int:
+    """Bytes of the activation a layer sends on (per rank: sequence-sharded under SP)."""
+    dt, sp, b = arch.dtype_bytes, arch.sp_div, arch.micro_batch_size
+    if kind == "vision":
+        return arch.vision_tokens * b * arch.vision_hidden * dt // sp
+    if kind == "projector":
+        return arch.vision_tokens * b * arch.hidden * dt // sp
+    if kind == "embedding":
+        return (arch.seq_len - arch.vision_tokens) * b * arch.hidden * dt // sp
+    if kind == "lm_head":
+        return 4 * arch.tokens // sp  # fp32 per-token loss, never sent on
+    if kind == "mtp":
+        return 2 * arch.tokens * arch.hidden * dt // sp  # main hidden states + this depth's hidden states
+    return arch.tokens * arch.hidden * dt // sp
+
+
+def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100") -> LayerCost:
+    """Analytic costs of one layer of `kind` (full recompute adds F to I and keeps only the input)."""
+    gpu = get_gpu(gpu)
+    block = kind_block(arch, kind)
+    f, i, w = total_times(list(block.ops), gpu)
+    out = output_bytes(arch, kind)
+    recomputed = kind in RECOMPUTED_KINDS
+    # Full recompute keeps only the layer input (Korthikanti et al. 2022, Sec. 4.1: 2sbh, /t under SP).
+    input_bytes = (arch.vision_tokens * arch.micro_batch_size * arch.vision_hidden * arch.dtype_bytes // arch.sp_div
+                   if kind == "vision" else arch.tokens * arch.hidden * arch.dtype_bytes // arch.sp_div)
+    rec_act = input_bytes if recomputed else block.activation
+    if arch.recompute and recomputed:
+        i += f  # the forward is re-run right before the input-gradient pass
+    return LayerCost(kind=kind, fwd_ms=f, bwd_ms=i, wgrad_ms=w, params=block.params,
+                     state_bytes=int(block.params * state_bytes_per_param(arch)),
+                     activation_bytes=rec_act if arch.recompute else block.activation,
+                     recompute_activation_bytes=rec_act, output_bytes=out, flops=total_flops(list(block.ops)))
+
+
+def build_model(arch: Arch, gpu: GpuSpec | str = "H100") -> Model:
+    """The cost-annotated Model of an architecture: one Layer per partitioning unit, branches in `inputs`."""
+    gpu = get_gpu(gpu)
+    plan = layer_plan(arch)
+    costs = {kind: layer_cost(arch, kind, gpu) for kind in {k for _, k in plan}}
+    layers = tuple(
+        Layer(name=name, kind=kind, fwd_ms=c.fwd_ms, bwd_ms=c.bwd_ms, wgrad_ms=c.wgrad_ms, state_bytes=c.state_bytes,
+              activation_bytes=c.activation_bytes, output_bytes=c.output_bytes,
+              recompute_activation_bytes=c.recompute_activation_bytes)
+        for name, kind in plan for c in (costs[kind],)
+    )
+    inputs = {}
+    if arch.vision_layers:
+        # tokens -> embedding; image -> vision encoder -> projector; both feed the first decoder layer
+        emb, proj = arch.vision_layers + 1, arch.vision_layers
+        inputs = {emb: (), emb + 1: (proj, emb)}
+    meta = {"cost_model": "analytic", "gpu": gpu.name, "arch": asdict(arch)}
+    return Model(name=arch.name, layers=layers, inputs=inputs, meta=meta)

@@ -1,0 +1,83 @@
+"""Built-in architecture configs (costs/zoo/*.yaml) and the loading of user architecture or model files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from types import MappingProxyType
+
+from ..errors import FormatError, OctoPipeError
+from ..formats._fields import check_format, load_json
+from ..formats.model import Model, model_from_dict
+from .analytic import build_model
+from .arch import Arch, arch_from_dict
+
+ZOO_DIR = Path(__file__).with_name("zoo")
+ZOO = MappingProxyType({p.stem: p for p in sorted(ZOO_DIR.glob("*.yaml"))})
+OVERRIDABLE = frozenset(f.name for f in dataclasses.fields(Arch)) - {"name"}
+
+
+def zoo_description(name: str) -> str:
+    """The one-line description of a zoo model."""
+    data, _ = load_json(ZOO[name])
+    return str(data.get("description", ""))
+
+
+def _is_file(name: str) -> bool:
+    return os.path.exists(name) or name.endswith((".json", ".yaml", ".yml"))
+
+
+def _load_doc(name_or_path: str, seen: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """Raw architecture dict of a zoo name or file, with `base:` (a zoo name or file) merged underneath."""
+    if name_or_path in ZOO:
+        data, src = load_json(ZOO[name_or_path])
+    elif _is_file(name_or_path):
+        data, src = load_json(name_or_path)
+    else:
+        raise OctoPipeError(
+            f"unknown model {name_or_path!r}: expected a zoo name ({', '.join(ZOO)}) or a .json/.yaml file")
+    base = data.get("base")
+    if base is None or str(data.get("format", "")).startswith("octopipe-model/"):
+        return data, src
+    if not isinstance(base, str) or base in seen:
+        raise FormatError(src, "$.base", "a zoo name or architecture file that does not refer back", base)
+    if _is_file(base) and not os.path.isabs(base) and not os.path.exists(base):
+        base = os.path.join(os.path.dirname(src), base)
+    parent, _ = _load_doc(base, seen + (name_or_path,))
+    merged = {k: v for k, v in parent.items() if k not in ("description",)}
+    merged.update({k: v for k, v in data.items() if k != "base"})
+    return merged, src
+
+
+def load_arch(name_or_path: str, **overrides) -> Arch:
+    """Architecture of a zoo name or an arch file, with keyword overrides (None values are ignored)."""
+    data, src = _load_doc(str(name_or_path))
+    if "format" in data:
+        check_format_arch(data, src)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - OVERRIDABLE)
+    if unknown:
+        raise OctoPipeError(f"unknown architecture override(s) {unknown}; expected among {sorted(OVERRIDABLE)}")
+    if given:
+        src = f"{src} (with {', '.join(f'{k}={v}' for k, v in sorted(given.items()))})"
+    return arch_from_dict({**data, **given}, src)
+
+
+def check_format_arch(data: dict, src: str) -> None:
+    """Refuse an architecture file whose `format` is not `octopipe-arch/1`."""
+    check_format(data, src, "octopipe-arch")
+
+
+def resolve_model(name_or_path: str, gpu: str = "H100", **overrides) -> Model:
+    """Zoo name or arch file -> analytic-costed Model; an `octopipe-model/1` file is read as it is."""
+    name = str(name_or_path)
+    if name not in ZOO and _is_file(name):
+        data, src = load_json(name)
+        if str(data.get("format", "")).startswith("octopipe-model/"):
+            given = sorted(k for k, v in overrides.items() if v is not None)
+            if given:
+                raise OctoPipeError(f"{src}: a cost-annotated octopipe-model file cannot take overrides {given}; "
+                                    "pass an architecture file or zoo name instead")
+            return model_from_dict(data, src)
+    return build_model(load_arch(name, **overrides), gpu)
