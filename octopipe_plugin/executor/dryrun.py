@@ -1,0 +1,115 @@
+"""Dry run: the real executor over gloo, one local process per device, layers replaced by sleeps.
+
+The plan's mechanics (message matching, ordering, deadlock-freedom, overlap) are exercised
+for real; only the compute is a stand-in. Predicted and measured step times use the same
+scaled costs: predicted by the simulator (reference semantics), measured as the wall-clock
+span from a common start instant to the last action's end over all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ..formats import Cluster, Link, plan_from_dict, plan_to_dict
+from ..simulator import simulate, stage_costs
+from .engine import ExecutorOptions, PipelineExecutor
+from .launch import init_gloo, spawn
+from .standin import SleepStages, StandInCosts, standin_costs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DryRunReport:
+    """Measured against predicted step time, per-device idle time, and how many messages were checked."""
+
+    time_scale: float
+    predicted_ms: float
+    measured_ms: float
+    predicted_idle_ms: tuple[float, ...]
+    measured_idle_ms: tuple[float, ...]
+    messages_checked: int
+    transfers_priced: bool
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / predicted."""
+        return (self.measured_ms - self.predicted_ms) / self.predicted_ms if self.predicted_ms else 0.0
+
+
+def zero_cost_cluster(num_devices: int) -> Cluster:
+    """A cluster whose transfers are free (used when no cluster is given)."""
+    link = Link(bandwidth_gb_per_s=1e30, latency_us=0.0)
+    return Cluster(num_devices=num_devices, devices_per_node=num_devices, memory_bytes=1 << 62, intra_node=link,
+                   inter_node=link, name="zero-cost")
+
+
+def scaled_cluster(cluster: Cluster, scale: float) -> Cluster:
+    """The same cluster with every transfer `scale` times as long."""
+    def sl(lk: Link) -> Link:
+        return Link(bandwidth_gb_per_s=lk.bandwidth_gb_per_s / scale, latency_us=lk.latency_us * scale)
+
+    return replace(cluster, intra_node=sl(cluster.intra_node), inter_node=sl(cluster.inter_node))
+
+
+def scaled_costs(model, plan, scale: float):
+    """Simulator stage costs of `plan` with every duration multiplied by `scale`."""
+    sc = stage_costs(model, plan.stages)
+    mul = lambda xs: tuple(x * scale for x in xs)  # noqa: E731
+    return replace(sc, fwd=mul(sc.fwd), bwd=mul(sc.bwd), wgrad=mul(sc.wgrad))
+
+
+def auto_scale(model, plan, cluster: Cluster, target_ms: float) -> float:
+    """The time scale that makes the simulated step last `target_ms`."""
+    base = simulate(model, cluster, plan, detail=False).step_time_ms
+    return target_ms / base if base > 0 else 1.0
+
+
+def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | None = None,
+            target_ms: float = 2000.0, timeout_s: float = 60.0) -> DryRunReport:
+    """Run `plan` with sleeping stand-ins on local processes and compare with the simulator."""
+    priced = cluster is not None
+    cluster = cluster or zero_cost_cluster(plan.num_devices)
+    scale = time_scale if time_scale is not None else auto_scale(model, plan, cluster, target_ms)
+    sc = scaled_costs(model, plan, scale)
+    fast = scaled_cluster(cluster, scale)
+    sim = simulate(None, fast, plan, costs=sc, detail=False)
+    costs = standin_costs(sc, [st.device for st in plan.stages], fast.transfer_ms)
+    with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
+        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, out)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(plan.num_devices)]
+    start = ranks[0]["start"]
+    measured = max(r["end"] for r in ranks) - start
+    return DryRunReport(
+        time_scale=scale, predicted_ms=sim.step_time_ms, measured_ms=measured * 1000.0,
+        predicted_idle_ms=tuple(sim.idle_ms), measured_idle_ms=tuple((measured - r["busy"]) * 1000.0 for r in ranks),
+        messages_checked=sum(r["checked"] for r in ranks), transfers_priced=priced,
+    )
+
+
+def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCosts, timeout_s: float,
+            out: str) -> None:
+    init_gloo(rank, world, port, timeout_s)
+    plan = plan_from_dict(plan_doc)
+    opts = ExecutorOptions(timeout_s=timeout_s)
+    # warm-up step without sleeping: opens every gloo pair so the timed step pays no connection setup
+    zero = StandInCosts(fwd=(0.0,) * len(costs.fwd), bwd=(0.0,) * len(costs.fwd), wgrad=(0.0,) * len(costs.fwd),
+                        hop=(0.0,) * len(costs.fwd))
+    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank), options=opts).run_step()
+    runner = SleepStages(costs=costs, rank=rank)
+    executor = PipelineExecutor(plan, runner, options=opts)
+    start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
+    dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks
+    t0 = float(start[0])
+    time.sleep(max(0.0, t0 - time.time()))
+    executor.run_step()
+    end = time.time()
+    dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump({"start": t0, "end": end, "busy": runner.busy_s, "checked": runner.checked}, fh)
+    dist.destroy_process_group()
