@@ -1,0 +1,39 @@
+"""Lower bounds on the step time, to judge how far a plan is from optimal and to prune layouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bound:
+    """The issue's lower bound and its two terms."""
+
+    value_ms: float
+    work_ms: float  # M * sum over layers of (f + i + w) / D: perfect balance, no bubble
+    layer_ms: float  # M * the heaviest layer's (f + i + w): a layer cannot be split
+
+    def describe(self) -> str:
+        """Which term binds."""
+        which = "total work / devices" if self.work_ms >= self.layer_ms else "heaviest layer"
+        return f"LB {self.value_ms:.2f} ms ({which})"
+
+
+def lower_bound(model, num_devices: int, num_microbatches: int) -> Bound:
+    """LB = max(M * sum(f+i+w) / D, M * max layer (f+i+w)); no plan on D devices can be faster."""
+    totals = [layer.total_ms for layer in model.layers]
+    work = num_microbatches * sum(totals) / num_devices
+    heavy = num_microbatches * max(totals)
+    return Bound(value_ms=max(work, heavy), work_ms=work, layer_ms=heavy)
+
+
+def memory_floor(model, cluster) -> int:
+    """Bytes the fullest device needs at least: its share of the state plus one micro-batch of one layer.
+
+    Uses the heaviest single layer's state as the unsplittable part and an even split of the
+    rest; a plan needing less than this on every device cannot exist.
+    """
+    state = [layer.state_bytes for layer in model.layers]
+    act = [layer.activation_bytes for layer in model.layers]
+    even = sum(state) / cluster.num_devices
+    return int(max(even, max(state)) + min(act))

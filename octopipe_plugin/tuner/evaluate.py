@@ -1,0 +1,114 @@
+"""Turning a (layout, policy) or an explicit plan into a simulated, memory-checked outcome.
+
+The simulator is the judge: every step time the tuner compares comes from `simulate`.
+An `Evaluator` belongs to one tuning run; it caches stage costs per layout and counts
+the work spent (actions scheduled plus actions simulated), which is what the search's
+deterministic budget is measured in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import DeadlockError
+from ..formats import Plan
+from ..simulator import simulate, stage_costs
+from .layout import Layout, device_work, make_job
+from .listsched import Policy, build_schedule
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outcome:
+    """A simulated plan: step time, bubble, per-device peak memory and whether it fits."""
+
+    plan: Plan
+    step_ms: float
+    bubble: float
+    peak: tuple[int, ...]
+    fits: bool
+
+    @property
+    def max_peak(self) -> int:
+        """The fullest device's peak bytes."""
+        return max(self.peak)
+
+
+class Evaluator:
+    """Simulates candidates of one tuning problem, with caches and a work counter."""
+
+    def __init__(self, model, cluster, num_microbatches: int):
+        self.model, self.cluster, self.m = model, cluster, num_microbatches
+        self.work = 0  # actions scheduled + simulated so far
+        self.evaluations = 0
+        self._jobs: dict[Layout, tuple] = {}
+        self._seen: dict[tuple, Outcome | None] = {}
+
+    def job(self, layout: Layout):
+        """(Job, StageCosts, static bytes) of a layout, cached."""
+        got = self._jobs.get(layout)
+        if got is None:
+            got = make_job(self.model, self.cluster, self.m, layout)
+            self._jobs[layout] = got
+        return got
+
+    def work_floor(self, layout: Layout) -> float:
+        """The busiest device's compute time: no schedule of this layout is faster."""
+        _, sc, _ = self.job(layout)
+        return max(device_work(sc, layout.devices, self.cluster.num_devices, self.m))
+
+    def static_fits(self, layout: Layout) -> bool:
+        """Whether every device can hold its stages' state and one activation of each."""
+        job, _, static = self.job(layout)
+        mem = self.cluster.memory_bytes
+        need = [static[d] for d in range(self.cluster.num_devices)]
+        for s, d in enumerate(layout.devices):
+            need[d] += job.activation[s]
+        return max(need) <= mem
+
+    def scheduled(self, layout: Layout, policy: Policy) -> Outcome | None:
+        """List-schedule a layout under a policy and simulate it; None when the policy starves."""
+        key = (layout, policy)
+        if key in self._seen:
+            return self._seen[key]
+        job, sc, _ = self.job(layout)
+        self.work += 6 * 3 * len(layout.devices) * self.m  # list scheduling costs ~6x a simulated action
+        schedule = build_schedule(job, policy)
+        out = None
+        if schedule is not None:
+            plan = Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
+                        stages=layout.stages(), schedule=schedule,
+                        meta={"schedule": "octopipe", "policy": policy.describe()})
+            out = self.simulated(plan, costs=sc)
+        self._seen[key] = out
+        return out
+
+    def ordered(self, layout: Layout, schedule, label: str = "octopipe") -> Outcome | None:
+        """Simulate a layout with an explicit per-device order; None when it deadlocks."""
+        key = (layout, schedule)
+        if key in self._seen:
+            return self._seen[key]
+        _, sc, _ = self.job(layout)
+        plan = Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
+                    stages=layout.stages(), schedule=schedule, meta={"schedule": label})
+        out = self.simulated(plan, costs=sc)
+        self._seen[key] = out
+        return out
+
+    def run(self, layout: Layout, spec) -> Outcome | None:
+        """Evaluate a candidate whose spec is a Policy (list-scheduled) or an explicit order."""
+        if isinstance(spec, Policy):
+            return self.scheduled(layout, spec)
+        return self.ordered(layout, spec)
+
+    def simulated(self, plan: Plan, costs=None) -> Outcome | None:
+        """Simulate an explicit plan; None when it deadlocks."""
+        sc = costs if costs is not None else stage_costs(self.model, plan.stages)
+        self.work += sum(len(row) for row in plan.schedule)
+        self.evaluations += 1
+        try:
+            res = simulate(self.model, self.cluster, plan, costs=sc, detail=False)
+        except DeadlockError:
+            return None
+        peak = tuple(res.peak_memory_bytes)
+        return Outcome(plan=plan, step_ms=res.step_time_ms, bubble=res.bubble_ratio, peak=peak,
+                       fits=max(peak) <= self.cluster.memory_bytes)

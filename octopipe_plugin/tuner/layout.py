@@ -1,0 +1,61 @@
+"""A layout is a partition plus a placement: stage layer ranges and the device of every stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..formats import Stage
+from ..simulator import StageCosts, stage_costs
+from .listsched import Job
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Half-open layer ranges per stage (consecutive, covering the model) and the device of each stage."""
+
+    bounds: tuple[tuple[int, int], ...]
+    devices: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        """Number of (virtual) stages."""
+        return len(self.bounds)
+
+    def stages(self) -> tuple[Stage, ...]:
+        """The plan's Stage records."""
+        return tuple(Stage(start=a, end=b, device=d) for (a, b), d in zip(self.bounds, self.devices))
+
+    def cuts(self) -> tuple[int, ...]:
+        """Interior boundaries: the start of every stage after the first."""
+        return tuple(a for a, _ in self.bounds[1:])
+
+    @staticmethod
+    def from_cuts(cuts, num_layers: int, devices) -> "Layout":
+        """Layout from interior boundaries (non-decreasing) and a device per stage."""
+        edges = (0, *cuts, num_layers)
+        return Layout(bounds=tuple(zip(edges[:-1], edges[1:])), devices=tuple(devices))
+
+
+def make_job(model, cluster, num_microbatches: int, layout: Layout) -> tuple[Job, StageCosts, list[int]]:
+    """The list scheduler's view of a layout, its stage costs and each device's static bytes."""
+    stages = layout.stages()
+    sc = stage_costs(model, stages)
+    nd = cluster.num_devices
+    static = sc.device_state(stages, nd)
+    devs = layout.devices
+    hop = tuple(
+        cluster.transfer_ms(devs[s], devs[s + 1], sc.output[s]) if s + 1 < len(devs) else 0.0
+        for s in range(len(devs))
+    )
+    cap = tuple(float(cluster.memory_bytes - static[d]) for d in range(nd))
+    job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
+              wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap)
+    return job, sc, static
+
+
+def device_work(sc: StageCosts, devices, num_devices: int, num_microbatches: int) -> list[float]:
+    """Compute time each device must spend in a step: a floor on any schedule of the layout."""
+    out = [0.0] * num_devices
+    for s, d in enumerate(devices):
+        out[d] += (sc.fwd[s] + sc.bwd[s] + sc.wgrad[s]) * num_microbatches
+    return out

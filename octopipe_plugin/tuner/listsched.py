@@ -1,0 +1,228 @@
+"""Bubble-aware greedy list scheduler: builds every device's own action order by event simulation.
+
+The scheduler advances a global clock over device *decisions*: each device, when free,
+picks among the actions whose inputs have arrived, following its own policy (warm-up
+depth, fused B or split I/W, when to run deferred W work, which chunk first). Because a
+decision is taken only once every action that could deliver an input earlier has been
+committed, each action starts at max(device free, inputs ready) -- exactly the reference
+semantics of FORMATS.md -- so the simulator replays the order to the same times.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from ..schedules.actions import Action, Kind
+
+INF = float("inf")
+
+
+class Split(str, enum.Enum):
+    """How a device runs its backwards: fused B, split I+W, or split except where nobody waits."""
+
+    FUSED = "fused"
+    SPLIT = "split"
+    AUTO = "auto"  # I+W where an upstream stage waits for the input-gradient, B on stage 0
+
+
+class WFill(str, enum.Enum):
+    """When a device with nothing ready runs a deferred W: always, or only if it ends before the next input."""
+
+    ALWAYS = "always"
+    FIT = "fit"
+
+
+class Order(str, enum.Enum):
+    """Which ready chunk goes first: the deepest stage (drain micro-batches) or the shallowest (admit new ones)."""
+
+    DEEP = "deep"
+    SHALLOW = "shallow"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """Per-device scheduling policy; tuples have one entry per device."""
+
+    depth: tuple[int, ...]  # most micro-batches in flight on a device (warm-up depth)
+    split: tuple[Split, ...]
+    w_limit: tuple[int, ...]  # most deferred W a device may hold before it must run one
+    w_fill: WFill = WFill.ALWAYS
+    f_order: Order = Order.DEEP
+    b_order: Order = Order.DEEP
+
+    def describe(self) -> str:
+        """Compact text of the policy for logs and plan metadata."""
+        split = "".join(s.value[0] for s in self.split)
+        return (f"depth={list(self.depth)} split={split} wlim={list(self.w_limit)} "
+                f"wfill={self.w_fill.value} f={self.f_order.value} b={self.b_order.value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """What the scheduler needs of a layout: per-stage costs, devices, hops and memory caps."""
+
+    devices: tuple[int, ...]  # device of each stage
+    num_devices: int
+    num_microbatches: int
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    wgrad: tuple[float, ...]
+    activation: tuple[int, ...]
+    hop: tuple[float, ...]  # transfer time over the boundary s -> s+1 (0 on one device)
+    act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
+
+
+def build_schedule(job: Job, policy: Policy) -> tuple[tuple[Action, ...], ...] | None:
+    """Per-device action lists for `job` under `policy`; None when the policy starves (memory or depth)."""
+    return _Scheduler(job, policy).run()
+
+
+class _Scheduler:
+    """Mutable state of one list-scheduling run (kept local to `build_schedule`)."""
+
+    def __init__(self, job: Job, policy: Policy):
+        self.job, self.pol = job, policy
+        ns, m, nd = len(job.devices), job.num_microbatches, job.num_devices
+        self.ns, self.m, self.nd = ns, m, nd
+        self.stages_of = [[s for s in range(ns) if job.devices[s] == d] for d in range(nd)]
+        self.low = [st[0] if st else -1 for st in self.stages_of]
+        # room kept free when a new micro-batch enters a device, so its later chunks can still run there
+        self.headroom = [sum(job.activation[s] for s in st[1:]) for st in self.stages_of]
+        self.f_end = [-1.0] * (ns * m)
+        self.act_arr = [-1.0] * (ns * m)
+        self.grad_arr = [-1.0] * (ns * m)
+        for mb in range(m):
+            self.act_arr[mb] = 0.0
+            self.grad_arr[(ns - 1) * m + mb] = 0.0
+        self.next_f = [0] * ns
+        self.next_b = [0] * ns
+        self.free = [0.0] * nd
+        self.live = [0] * nd
+        self.inflight = [0] * nd
+        self.wq = [deque() for _ in range(nd)]
+        self.out = [[] for _ in range(nd)]
+        self.decision = [None] * nd
+
+    def run(self):
+        """Commit decisions in time order until every action is placed; None if stuck."""
+        total = sum(2 * self.m * len(st) for st in self.stages_of)
+        done_main = 0
+        for d in range(self.nd):
+            self.decision[d] = self._decide(d)
+        while True:
+            best, bd = INF, -1
+            for d in range(self.nd):
+                t = self.decision[d][0]
+                if t < best:
+                    best, bd = t, d
+            if bd < 0:
+                break
+            kind = self.decision[bd][1]
+            self._commit(bd, best, kind, self.decision[bd][2])
+            if kind is not Kind.W:
+                done_main += 1
+        if done_main < total or any(self.wq):
+            return None
+        return tuple(tuple(row) for row in self.out)
+
+    def _bwd_candidates(self, d):
+        """(ready time, stage) of each stage's next backward whose inputs are known."""
+        m, out = self.m, []
+        for s in self.stages_of[d]:
+            mb = self.next_b[s]
+            if mb < m:
+                idx = s * m + mb
+                fe, g = self.f_end[idx], self.grad_arr[idx]
+                if fe >= 0 and g >= 0:
+                    out.append((fe if fe > g else g, s))
+        return out
+
+    def _fwd_candidates(self, d):
+        """(ready time, stage) of each admissible next forward, and whether memory blocked one."""
+        m, job, out, blocked = self.m, self.job, [], False
+        for s in self.stages_of[d]:
+            mb = self.next_f[s]
+            if mb < m:
+                a = self.act_arr[s * m + mb]
+                if a < 0:
+                    continue
+                entry = s == self.low[d]
+                if entry and self.inflight[d] >= self.pol.depth[d]:
+                    continue
+                if self.live[d] + job.activation[s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
+                    blocked = True
+                    continue
+                out.append((a, s))
+        return out, blocked
+
+    def _decide(self, d):
+        """(time, kind, stage) of device d's next action, or (inf, None, -1) when it must wait for news."""
+        t0 = self.free[d]
+        bw = self._bwd_candidates(d)
+        fw, blocked = self._fwd_candidates(d)
+        wq = self.wq[d]
+        if wq and (blocked or len(wq) > self.pol.w_limit[d]):
+            return (t0, Kind.W, -1)
+        nxt = min([r for r, _ in bw] + [r for r, _ in fw], default=INF)
+        if nxt > t0 and wq:
+            w_dur = self.job.wgrad[wq[0][0]]
+            if self.pol.w_fill is WFill.ALWAYS or nxt == INF or nxt - t0 >= w_dur:
+                return (t0, Kind.W, -1)
+        if nxt == INF:
+            return (INF, None, -1)
+        t = t0 if t0 > nxt else nxt
+        deep = self.pol.b_order is Order.DEEP
+        ready_b = [s for r, s in bw if r <= t]
+        if ready_b:
+            s = max(ready_b) if deep else min(ready_b, key=lambda x: (self.next_b[x], -x))
+            return (t, Kind.B, s)
+        ready_f = [s for r, s in fw if r <= t]
+        s = max(ready_f) if self.pol.f_order is Order.DEEP else min(ready_f)
+        return (t, Kind.F, s)
+
+    def _backward_kind(self, d, s):
+        mode = self.pol.split[d]
+        if mode is Split.FUSED or (mode is Split.AUTO and s == 0):
+            return Kind.B
+        return Kind.I
+
+    def _commit(self, d, t, kind, s):
+        job, m = self.job, self.m
+        touched = {d}
+        if kind is Kind.W:
+            s, mb = self.wq[d].popleft()
+            end = t + job.wgrad[s]
+            self.live[d] -= job.activation[s]
+        elif kind is Kind.F:
+            mb = self.next_f[s]
+            self.next_f[s] += 1
+            end = t + job.fwd[s]
+            idx = s * m + mb
+            self.f_end[idx] = end
+            self.live[d] += job.activation[s]
+            if s == self.low[d]:
+                self.inflight[d] += 1
+            if s + 1 < self.ns:
+                self.act_arr[idx + m] = end + job.hop[s]
+                touched.add(job.devices[s + 1])
+        else:
+            mb = self.next_b[s]
+            self.next_b[s] += 1
+            kind = self._backward_kind(d, s)
+            if kind is Kind.B:
+                end = t + job.bwd[s] + job.wgrad[s]
+                self.live[d] -= job.activation[s]
+            else:
+                end = t + job.bwd[s]
+                self.wq[d].append((s, mb))
+            if s == self.low[d]:
+                self.inflight[d] -= 1
+            if s > 0:
+                self.grad_arr[(s - 1) * m + mb] = end + job.hop[s - 1]
+                touched.add(job.devices[s - 1])
+        self.out[d].append(Action(s, kind, mb))
+        self.free[d] = end
+        for e in touched:
+            self.decision[e] = self._decide(e)
