@@ -9,6 +9,8 @@ import socket
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import OctoPipeError
+
 
 def free_port() -> int:
     """A TCP port free on localhost right now."""
@@ -25,5 +27,11 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None
 
 
 def spawn(fn, world: int, *args) -> None:
-    """Run `fn(rank, world, port, *args)` in `world` spawned processes; raises if any fails."""
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=True)
+    """Run `fn(rank, world, port, *args)` in `world` spawned processes; a failure raises OctoPipeError."""
+    try:
+        mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=True)
+    except mp.ProcessRaisedException as exc:
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        raise OctoPipeError(f"rank {exc.error_index} failed: {lines[-1] if lines else exc}") from None
+    except mp.ProcessExitedException as exc:
+        raise OctoPipeError(f"rank {exc.error_index} exited with code {exc.exit_code}") from None
