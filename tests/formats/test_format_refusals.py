@@ -1,0 +1,141 @@
+"""Every refusal of issue 2 names the file, the JSON path and what was expected; the CLI exits 2 with no traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octopipe_plugin.cli import main
+from octopipe_plugin.errors import FormatError
+from octopipe_plugin.formats import read_cluster, read_model, read_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _model_doc() -> dict:
+    layer = {"name": "l", "kind": "dense", "fwd_ms": 1.0, "bwd_ms": 1.0, "wgrad_ms": 1.0, "state_bytes": 10,
+             "activation_bytes": 10, "output_bytes": 10}
+    return {"format": "octopipe-model/1", "name": "m", "layers": [dict(layer), dict(layer)]}
+
+
+def _plan_doc() -> dict:
+    return {"format": "octopipe-plan/1", "model": "m", "num_devices": 2, "num_microbatches": 1,
+            "stages": [{"layers": [0, 1], "device": 0}, {"layers": [1, 2], "device": 1}],
+            "schedule": [["0F0", "0B0"], ["1F0", "1B0"]]}
+
+
+def _cluster_doc() -> dict:
+    return {"format": "octopipe-cluster/1", "num_devices": 8, "devices_per_node": 8, "memory_bytes": 1 << 30,
+            "intra_node": {"bandwidth_gb_per_s": 200, "latency_us": 10}}
+
+
+def _spoil(doc: dict, path: list, value) -> dict:
+    """Set (or delete, for value=...) the item at `path` inside a deep copy of doc."""
+    doc = json.loads(json.dumps(doc))
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    if value is ...:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return doc
+
+
+MODEL_CASES = [  # (spoiled path, value, JSON path named, expectation named)
+    (["layers", 1, "fwd_ms"], ..., "$.layers[1].fwd_ms", "field is missing"),
+    (["name"], ..., "$.name", "field is missing"),
+    (["layers", 0, "state_bytes"], "big", "$.layers[0].state_bytes", "expected a integer"),
+    (["layers", 0, "fwd_ms"], "fast", "$.layers[0].fwd_ms", "expected a number"),
+    (["layers", 1, "bwd_ms"], -0.5, "$.layers[1].bwd_ms", ">= 0"),
+    (["layers", 0, "activation_bytes"], -1, "$.layers[0].activation_bytes", ">= 0"),
+    (["format"], "octopipe-model/2", "$.format", "major version 1"),
+    (["layers"], [], "$.layers", "non-empty"),
+]
+
+
+@pytest.mark.parametrize("path,value,json_path,expected", MODEL_CASES)
+def test_bad_model_is_refused_with_file_path_and_expectation(tmp_path, path, value, json_path, expected):
+    file = tmp_path / "bad_model.json"
+    file.write_text(json.dumps(_spoil(_model_doc(), path, value)))
+    with pytest.raises(FormatError) as info:
+        read_model(file)
+    msg = str(info.value)
+    assert str(file) in msg and json_path in msg and expected in msg
+    assert info.value.path == json_path
+
+
+PLAN_CASES = [
+    (["stages", 1, "layers"], [2, 3], "$.stages[1].layers[0]", "ranges are consecutive"),
+    (["stages", 0, "layers"], [1, 1], "$.stages[0].layers[0]", "cover the layers"),
+    (["schedule", 0, 1], "0X0", "$.schedule[0][1]", "an action like '3F12'"),
+    (["schedule", 1, 0], "F1", "$.schedule[1][0]", "an action like '3F12'"),
+    (["num_microbatches"], "two", "$.num_microbatches", "expected a integer"),
+    (["num_devices"], ..., "$.num_devices", "field is missing"),
+    (["format"], "octopipe-plan/3.1", "$.format", "major version 1"),
+    (["schedule", 1], ["1F0"], "$.schedule", "complete schedule"),
+]
+
+
+@pytest.mark.parametrize("path,value,json_path,expected", PLAN_CASES)
+def test_bad_plan_is_refused_with_file_path_and_expectation(tmp_path, path, value, json_path, expected):
+    file = tmp_path / "bad_plan.json"
+    file.write_text(json.dumps(_spoil(_plan_doc(), path, value)))
+    with pytest.raises(FormatError) as info:
+        read_plan(file, num_layers=2)
+    msg = str(info.value)
+    assert str(file) in msg and json_path in msg and expected in msg
+
+
+def test_plan_whose_stages_stop_short_of_the_model_is_refused(tmp_path):
+    file = tmp_path / "short.json"
+    file.write_text(json.dumps(_plan_doc()))
+    with pytest.raises(FormatError) as info:
+        read_plan(file, num_layers=5)
+    assert "$.stages[1].layers[1]" in str(info.value) and "5 (the model's layer count)" in str(info.value)
+
+
+CLUSTER_CASES = [
+    (["memory_bytes"], ..., "$.memory_bytes", "field is missing"),
+    (["intra_node", "bandwidth_gb_per_s"], "fast", "$.intra_node.bandwidth_gb_per_s", "expected a number"),
+    (["intra_node", "latency_us"], -3, "$.intra_node.latency_us", ">= 0"),
+    (["format"], "octopipe-cluster/2", "$.format", "major version 1"),
+]
+
+
+@pytest.mark.parametrize("path,value,json_path,expected", CLUSTER_CASES)
+def test_bad_cluster_is_refused_with_file_path_and_expectation(tmp_path, path, value, json_path, expected):
+    file = tmp_path / "bad_cluster.json"
+    file.write_text(json.dumps(_spoil(_cluster_doc(), path, value)))
+    with pytest.raises(FormatError) as info:
+        read_cluster(file)
+    msg = str(info.value)
+    assert str(file) in msg and json_path in msg and expected in msg
+
+
+def test_unparsable_json_names_line_and_column(tmp_path):
+    file = tmp_path / "broken.json"
+    file.write_text('{"format": "octopipe-model/1",\n "name": }')
+    with pytest.raises(FormatError) as info:
+        read_model(file)
+    assert str(file) in str(info.value) and "line 2" in str(info.value)
+
+
+@pytest.mark.parametrize("path,value,json_path,expected", MODEL_CASES[:5])
+def test_cli_refuses_bad_model_file_in_one_line(tmp_path, capsys, path, value, json_path, expected):
+    file = tmp_path / "bad_model.json"
+    file.write_text(json.dumps(_spoil(_model_doc(), path, value)))
+    assert main(["model", str(file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(file) in err and json_path in err and expected in err
+
+
+def test_cli_bad_file_exits_nonzero_without_traceback_in_a_real_process(tmp_path):
+    file = tmp_path / "bad_model.json"
+    file.write_text(json.dumps(_spoil(_model_doc(), ["format"], "octopipe-model/2")))
+    proc = subprocess.run([sys.executable, "-m", "octopipe_plugin", "model", str(file)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "$.format" in proc.stderr and str(file) in proc.stderr
