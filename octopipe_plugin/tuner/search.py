@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 WORK_RATE = 300_000  # work units per second on the reference machine (2 cores, shared)
 ELITE = 6  # candidates kept as parents
 POLISH_SHARE = 0.15  # share of the budget spent on order moves at the end
+STEP_UNITS = 10  # work charged per search step for the move itself (pruned and cached steps cost too)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,6 +158,7 @@ def _search(ev, rng, elite, budget, ctx, progress):
     stop_at = 1.0 - POLISH_SHARE
     while budget.left(stop_at):
         budget.done += 1
+        ev.work += STEP_UNITS
         parent = elite[0] if rng.random() < 0.6 else rng.choice(elite)
         _, lay, pol, _ = parent
         cand = pick_move(rng)(rng, ctx, lay, pol)
@@ -177,6 +179,7 @@ def _polish(ev, rng, best: Outcome, budget, progress) -> Outcome:
     misses = 0
     while budget.left(1.0) and misses < 200:
         budget.done += 1
+        ev.work += STEP_UNITS
         better = polish_step(ev, rng, best, slots)
         if better is None:
             misses += 1

@@ -1,0 +1,143 @@
+"""`octopipe plan`: tune partition, placement and per-device schedule; compare with every built-in schedule."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from ..costs import get_gpu, resolve_cluster, resolve_model
+from ..errors import OctoPipeError
+from ..formats import plan_to_dict, write_plan
+from ..tuner import tune
+from ..tuner.compare import baseline_ms, comparison_rows, format_table
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers) -> None:
+    """Register `octopipe plan`."""
+    p = subparsers.add_parser("plan", help="tune a pipeline plan (partition + placement + schedule)",
+                              description=__doc__)
+    p.add_argument("--model", required=True, help="zoo name (octopipe model --list) or a model/architecture file")
+    p.add_argument("--cluster", required=True, help="named cluster like h100x8, h100x16, or a cluster file")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model for zoo models (default H100)")
+    p.add_argument("--time-budget", type=float, default=60.0, metavar="SECONDS",
+                   help="search budget in seconds (default 60); converted to a fixed amount of work")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="run exactly this many search steps (fully deterministic; the time budget still caps)")
+    p.add_argument("-o", "--output", metavar="PLAN.json", help="write the tuned octopipe-plan/1 here")
+    p.add_argument("--png", metavar="PLAN.png", help="draw the tuned plan's timeline here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def _check(args) -> None:
+    if args.microbatches < 1:
+        raise OctoPipeError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if not args.time_budget > 0:
+        raise OctoPipeError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    if args.iterations is not None and args.iterations < 0:
+        raise OctoPipeError(f"--iterations must be >= 0, got {args.iterations}")
+
+
+def run(args) -> int:
+    """Tune, write the plan (and picture) if asked, print the summary and the comparison."""
+    _check(args)
+    model = resolve_model(args.model, get_gpu(args.gpu).name)
+    cluster = resolve_cluster(args.cluster)
+    with _progress_bar(not args.no_progress) as bar:
+        result = tune(model, cluster, args.microbatches, time_budget_s=args.time_budget, seed=args.seed,
+                      iterations=args.iterations, progress=bar)
+    if args.output:
+        try:
+            write_plan(result.plan, args.output)
+        except OSError as exc:
+            raise OctoPipeError(f"cannot write {args.output}: {exc.strerror}") from None
+    if args.png:
+        _draw(model, cluster, result.plan, args.png)
+    rows = comparison_rows(result)
+    if args.json:
+        print(json.dumps(_as_json(result, rows), indent=1))
+    else:
+        print(summary(result, model, cluster))
+        print()
+        print(format_table(rows, cluster.memory_bytes))
+    return 0
+
+
+def summary(result, model, cluster) -> str:
+    """Human-readable description of the tuned plan."""
+    plan = result.plan
+    base = baseline_ms(result.baselines)
+    gain = f"{base / result.step_ms:.2f}x faster than Megatron interleaved 1F1B ({base:.1f} ms)" if base else \
+        "no fitting Megatron interleaved 1F1B plan to compare with"
+    stages = " | ".join(f"[{st.start},{st.end})@{st.device}" for st in plan.stages)
+    peaks = ", ".join(f"{p / 2**30:.1f}" for p in result.peak)
+    return "\n".join([
+        f"OctoPipe plan for {model.name} on {cluster.name} ({cluster.num_devices} devices), "
+        f"{plan.num_microbatches} micro-batches",
+        f"  step time      {result.step_ms:.1f} ms   bubble {result.bubble:.1%}   "
+        f"{result.bound.describe()} -> {result.step_ms / result.bound.value_ms:.3f}x of it",
+        f"  gain           {gain}",
+        f"  stages         {plan.num_stages} ({plan.num_stages / plan.num_devices:g} per device): {stages}",
+        f"  peak memory    {peaks} GiB (limit {cluster.memory_bytes / 2**30:.1f} GiB)",
+        f"  search         {result.iterations} steps, {result.evaluations} simulations, "
+        f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",
+    ])
+
+
+def _as_json(result, rows) -> dict:
+    base = baseline_ms(result.baselines)
+    return {
+        "plan": plan_to_dict(result.plan),
+        "step_time_ms": result.step_ms,
+        "bubble_ratio": result.bubble,
+        "peak_memory_bytes": list(result.peak),
+        "lower_bound_ms": result.bound.value_ms,
+        "baseline_ms": base,
+        "speedup_over_baseline": base / result.step_ms if base else None,
+        "source": result.source,
+        "iterations": result.iterations,
+        "evaluations": result.evaluations,
+        "comparison": [r.as_dict() for r in rows],
+    }
+
+
+def _draw(model, cluster, plan, path) -> None:
+    try:
+        from ..simulator import gantt
+    except ImportError:
+        raise OctoPipeError("--png needs octopipe_plugin.simulator.gantt, which this installation lacks") from None
+    gantt.write_png(model, cluster, plan, path)
+
+
+class _progress_bar:
+    """tqdm bar on stderr showing best step time, bubble and iteration; a no-op when disabled."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar = enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=1000, file=sys.stderr, desc="tuning", leave=False, mininterval=0.3,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}|{postfix}")
+        return self if self.enabled else None
+
+    def __call__(self, p) -> None:
+        bar = self.bar
+        target = int(p.fraction * 1000)
+        if target > bar.n:
+            bar.update(target - bar.n)
+        if p.iteration % 50 == 0:
+            bar.set_postfix_str(f"best {p.best_ms:.1f} ms, bubble {p.bubble:.1%}, iter {p.iteration}", refresh=False)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        return False

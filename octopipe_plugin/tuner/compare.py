@@ -1,0 +1,103 @@
+"""The comparison of a tuned plan against every built-in schedule on both splits."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .seeds import Baseline
+
+BASELINE = ("interleaved-1f1b", "megatron")  # Megatron-LM's default: interleaved 1F1B on its own split
+SOTA = ("zb-v", "dualpipev", "zb-h1")  # zero-bubble family, compared on the balanced split
+ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    """One line of the comparison table."""
+
+    label: str
+    schedule: str
+    split: str
+    stages_per_device: int
+    step_ms: float | None
+    bubble: float | None
+    peak_bytes: int | None
+    fits: bool
+    speedup: float | None  # baseline step time / this step time
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        """JSON-ready fields."""
+        return asdict(self)
+
+
+def best_of(baselines, name: str, split: str) -> Baseline | None:
+    """The fastest fitting run of a schedule on a split (any v); else the fastest that ran at all."""
+    runs = [b for b in baselines if b.name == name and b.split == split and b.outcome is not None]
+    if not runs:
+        return None
+    fitting = [b for b in runs if b.outcome.fits]
+    return min(fitting or runs, key=lambda b: b.outcome.step_ms)
+
+
+def baseline_ms(baselines) -> float | None:
+    """Step time of Megatron interleaved 1F1B on the Megatron split at its best v (fitting runs first)."""
+    b = best_of(baselines, *BASELINE)
+    return None if b is None else b.outcome.step_ms
+
+
+def sota_ms(baselines) -> float | None:
+    """Fastest fitting ZB-V / DualPipeV / zero-bubble run on the balanced split."""
+    runs = [b.outcome.step_ms for b in baselines if b.name in SOTA and b.split == "balanced"
+            and b.outcome is not None and b.outcome.fits]
+    return min(runs) if runs else None
+
+
+def best_builtin_ms(baselines) -> float | None:
+    """Fastest fitting built-in run of any schedule, split and v."""
+    runs = [b.outcome.step_ms for b in baselines if b.outcome is not None and b.outcome.fits]
+    return min(runs) if runs else None
+
+
+def comparison_rows(result) -> list[Row]:
+    """OctoPipe first, then each built-in schedule on the Megatron and the balanced split."""
+    base = baseline_ms(result.baselines)
+    rows = [Row(label="OctoPipe (tuned)", schedule="octopipe", split="tuned",
+                stages_per_device=result.plan.num_stages // result.plan.num_devices, step_ms=result.step_ms,
+                bubble=result.bubble, peak_bytes=max(result.peak), fits=True,
+                speedup=base / result.step_ms if base else None,
+                note="" if result.source == "octopipe" else f"= {result.source}")]
+    for name in ORDER:
+        for split in ("megatron", "balanced"):
+            rows.append(_row(result.baselines, name, split, base))
+    return rows
+
+
+def _row(baselines, name, split, base) -> Row:
+    b = best_of(baselines, name, split)
+    label = f"{name} ({split})"
+    if b is None:
+        why = next((x.reason for x in baselines if x.name == name and x.split == split), "not run")
+        return Row(label=label, schedule=name, split=split, stages_per_device=0, step_ms=None, bubble=None,
+                   peak_bytes=None, fits=False, speedup=None, note=why)
+    o = b.outcome
+    return Row(label=label, schedule=name, split=split, stages_per_device=b.stages_per_device, step_ms=o.step_ms,
+               bubble=o.bubble, peak_bytes=o.max_peak, fits=o.fits,
+               speedup=base / o.step_ms if base else None,
+               note="baseline" if (name, split) == BASELINE else "")
+
+
+def format_table(rows: list[Row], memory_bytes: int) -> str:
+    """The comparison as aligned text."""
+    head = f"{'schedule':<28} {'v':>2} {'step ms':>10} {'bubble':>7} {'peak GiB':>9} {'fits':>4} {'speedup':>8}  note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.step_ms is None:
+            lines.append(f"{r.label:<28} {'-':>2} {'-':>10} {'-':>7} {'-':>9} {'-':>4} {'-':>8}  {r.note[:60]}")
+            continue
+        sp = f"{r.speedup:.2f}x" if r.speedup else "-"
+        lines.append(f"{r.label:<28} {r.stages_per_device:>2} {r.step_ms:>10.1f} {r.bubble:>7.1%} "
+                     f"{r.peak_bytes / 2**30:>9.1f} {'yes' if r.fits else 'NO':>4} {sp:>8}  {r.note}")
+    lines.append(f"(memory per device {memory_bytes / 2**30:.1f} GiB; speedup = baseline step / step, "
+                 f"baseline = interleaved-1f1b on the Megatron split, best v)")
+    return "\n".join(lines)
