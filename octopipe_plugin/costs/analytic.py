@@ -24,7 +24,9 @@ from .ops import Op, elementwise, matmul, total_flops, total_times
 from ..formats.model import Layer, Model
 
 RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision"}  # Megatron recomputes transformer-block layers only
-CE_FWD_BYTES = 38  # per logit: bf16 read, fp32 write, max / subtract / exp / sum / divide passes over fp32
+# Unfused vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py): per logit, the bf16
+# read and fp32 copy, then max, subtract, exp, sum and divide passes over fp32; it keeps the fp32 softmax.
+CE_FWD_BYTES = 38
 CE_BWD_BYTES = 10  # per logit: read the saved fp32 softmax, write the fp32 grad, cast to bf16
 
 
@@ -51,7 +53,8 @@ def state_bytes_per_param(arch: Arch) -> float:
 
 
 def embedding_block(d: Dims, arch: Arch, text_tokens: int) -> Block:
-    """Vocab-parallel lookup: memory-bound gather; W builds a dense V/t x h grad and adds it to fp32 main_grad."""
+    """Vocab-parallel lookup (megatron/core/tensor_parallel/layers.py VocabParallelEmbedding): memory-bound
+    gather, partial outputs all-reduced over TP; W builds a dense V/t x h grad and adds it to fp32 main_grad."""
     v, h, dt = arch.padded_vocab // d.t, d.h, d.dt
     gather = 2.0 * text_tokens * h * dt
     wgrad = v * h * (2.0 * dt + 8.0) + text_tokens * h * dt  # zero-fill + scatter-add, then main_grad += grad

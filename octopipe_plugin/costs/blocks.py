@@ -124,7 +124,10 @@ def attention(d: Dims, window: int = 0) -> Block:
 
 
 def mlp_ops(d: Dims, ffn: int, tokens: int, prefix: str = "") -> tuple[list[Op], int, int]:
-    """fc1 -> (Sw/Ge)GLU or GELU -> fc2 on `tokens` tokens: (ops, params, saved bytes except fc1's input)."""
+    """fc1 -> (Sw/Ge)GLU or GELU -> fc2 on `tokens` tokens: (ops, params, saved bytes except fc1's input).
+
+    Gated MLPs (Shazeer 2020, "GLU Variants Improve Transformer") have fc1 = [gate; up], 2 x ffn wide.
+    """
     t, dt, h = d.t, d.dt, d.h
     up = (2 if d.gated else 1) * ffn // t
     act_bytes = (3 if d.gated else 2) * tokens * ffn / t * dt  # read gate (+up), write product
