@@ -59,6 +59,7 @@ class TuneResult:
     evaluations: int
     elapsed_s: float
     stopped_by: str
+    seeded_s: float  # when a plan at least as good as every fitting built-in was in hand
 
 
 @dataclass(kw_only=True)
@@ -98,6 +99,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     baselines = builtin_baselines(ev, model, cluster.num_devices, num_microbatches)
     fitting = [b.outcome for b in baselines if b.outcome is not None and b.outcome.fits]
     floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
+    seeded_s = time.monotonic() - t0
     elite = _dedupe(sorted(_own_seeds(ev, model, cluster, num_microbatches, budget, floor)
                            + _builtin_elite(baselines), key=lambda t: t[0]))[:ELITE]
     best = _search(ev, rng, elite, budget, Context.of(model, cluster.num_devices, num_microbatches), progress)
@@ -108,7 +110,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         raise OutOfMemoryError(_oom_message(ev, model, cluster, num_microbatches, baselines))
     if time.monotonic() >= budget.deadline and budget.stopped_by == "wall clock":
         log.warning("tuner stopped by the wall clock before its work budget: the result may vary between runs")
-    return _result(ev, final, source, baselines, budget, t0)
+    return _result(ev, final, source, baselines, budget, t0, seeded_s)
 
 
 def _own_seeds(ev, model, cluster, m, budget, floor) -> list[tuple[float, object, object, Outcome]]:
@@ -202,7 +204,7 @@ def _choose(best, floor, baselines):
     return floor, f"{b.name} ({b.split} split, v={b.stages_per_device})"
 
 
-def _result(ev, final: Outcome, source, baselines, budget, t0) -> TuneResult:
+def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> TuneResult:
     res = simulate(ev.model, ev.cluster, final.plan, detail=False)
     meta = dict(final.plan.meta)
     meta["tuner"] = {"source": source, "iterations": budget.done, "evaluations": ev.evaluations}
@@ -211,7 +213,7 @@ def _result(ev, final: Outcome, source, baselines, budget, t0) -> TuneResult:
     return TuneResult(plan=plan, step_ms=res.step_time_ms, bubble=res.bubble_ratio,
                       peak=tuple(res.peak_memory_bytes), bound=bound, baselines=tuple(baselines), source=source,
                       iterations=budget.done, evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
-                      stopped_by=budget.stopped_by or "converged")
+                      stopped_by=budget.stopped_by or "converged", seeded_s=seeded_s)
 
 
 def _oom_message(ev, model, cluster, m, baselines) -> str:
