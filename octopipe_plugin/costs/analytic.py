@@ -80,7 +80,7 @@ def projector_block(arch: Arch) -> Block:
     d = llm_dims(arch)
     n, t, dt = vd.n, d.t, d.dt
     ops = [matmul("proj fc1", n, vd.h, d.h // t, dt), elementwise("gelu", 2.0 * n * d.h / t * dt),
-           matmul("proj fc2", n, d.h // t, d.h, dt), *tp_comm(replace(d, s=vd.s), "proj all-reduce")]
+           matmul("proj fc2", n, d.h // t, d.h, dt), *tp_comm(replace(d, s=arch.vision_tokens), "proj all-reduce")]
     params = vd.h * d.h // t + d.h // t * d.h + 2 * d.h
     act = n * vd.h * dt // d.sp + 2 * n * d.h // t * dt + n * d.h // t * dt
     return Block(ops=tuple(ops), params=params, activation=act)
