@@ -282,6 +282,6 @@ class _DualPipeVRank:
             self.b(s0, split)
         for _ in range(r + 1):  # 8: W drain
             self.w()
-        while self.weights:
-            self.w()
+        if self.weights:
+            raise AssertionError(f"dualpipev rank {r}: {len(self.weights)} W left undrained")
         return self.row
