@@ -184,6 +184,16 @@ class _Run:
             self.transfers.append(Transfer(src, dst, st, st + cost, producer))
         return st + cost
 
+    def record(self, d: int, p: int, a: Action, start: float, end: float, slot: int) -> None:
+        """Detail mode: keep the action's times, what bound its start, and where it sits."""
+        self.timeline[d].append((a, start, end))
+        self.bound[d].append(slot)
+        idx = a.stage * self.nm + a.microbatch
+        if a.kind is Kind.F:
+            self.f_at[idx] = p
+        elif a.kind is not Kind.W:
+            self.b_at[idx] = p
+
     def execute(self, rows, dev_of: list[int], hop: list[float], schedule) -> None:
         """Run every device as far as its inputs allow; parked devices wake when their input lands."""
         nm, n, ns = self.nm, self.n, len(dev_of)
@@ -191,8 +201,7 @@ class _Run:
         grad_arr = [-1.0] * (n - nm) + [0.0] * nm  # the last stage makes its own gradient
         f_end, i_end = [-1.0] * n, [-1.0] * n
         recv = None if self.opts.overlap else [0.0] * (2 * n)
-        free, busy, pos, waiting = self.free, self.busy, self.pos, self.waiting
-        timeline, bound, f_at, b_at = self.timeline, self.bound, self.f_at, self.b_at
+        free, busy, pos, waiting, timeline = self.free, self.busy, self.pos, self.waiting, self.timeline
         ready = list(range(len(rows)))
         while ready:
             d = ready.pop()
@@ -213,11 +222,8 @@ class _Run:
                     rc = 0.0
                 else:
                     t_f, t_g = f_end[idx], grad_arr[idx]
-                    if t_f < 0:
-                        waiting[idx * 4 + 1] = d
-                        break
-                    if t_g < 0:
-                        waiting[idx * 4 + 3] = d
+                    if t_f < 0 or t_g < 0:
+                        waiting[idx * 4 + (_OWN_F if t_f < 0 else _GRAD)] = d
                         break
                     dep, slot = (t_f, _OWN_F) if t_f >= t_g else (t_g, _GRAD)
                     rc = recv[n + idx] if recv is not None else 0.0
@@ -226,12 +232,7 @@ class _Run:
                 end = start + dur
                 busy[d] += dur
                 if timeline is not None:
-                    timeline[d].append((acts[p], start, end))
-                    bound[d].append(-1 if ready_at >= dep and p > 0 else slot)
-                    if code == 0:
-                        f_at[idx] = p
-                    elif code != 3:
-                        b_at[idx] = p
+                    self.record(d, p, acts[p], start, end, -1 if ready_at >= dep and p > 0 else slot)
                 t_free = free[d] = end
                 if code == 0:
                     f_end[idx] = end
