@@ -37,3 +37,18 @@ def memory_floor(model, cluster) -> int:
     act = [layer.activation_bytes for layer in model.layers]
     even = sum(state) / cluster.num_devices
     return int(max(even, max(state)) + min(act))
+
+
+def packing_bound(model, num_devices: int, num_microbatches: int) -> float:
+    """A floor from layer granularity: every plan puts each whole layer on one device.
+
+    For any size threshold t, the n_t layers costing at least t land on D devices, so one
+    device holds ceil(n_t / D) of them and runs at least the cheapest ceil(n_t / D) of
+    them for every micro-batch. The best threshold gives the bound (>= the issue's LB terms).
+    """
+    totals = sorted((layer.total_ms for layer in model.layers), reverse=True)
+    best = sum(totals) / num_devices
+    for n_t in range(1, len(totals) + 1):
+        k = -(-n_t // num_devices)
+        best = max(best, sum(totals[n_t - k:n_t]))
+    return num_microbatches * best

@@ -42,38 +42,51 @@ class Context:
 
 
 def rebalance(model, layout: Layout, num_devices: int) -> Layout:
-    """Shift boundaries one layer at a time while that lowers the busiest device's load (deterministic)."""
+    """Move layers from the busiest device toward lighter ones while that lowers its load (deterministic).
+
+    A transfer shifts every boundary between a stage of the busiest device and a stage of
+    another device by one layer, so the stages in between keep their size and the load moves
+    across devices that are not neighbours in the pipeline (V and looped placements).
+    """
     ctx = Context.of(model, num_devices, 1)
     cur = layout
     key = _balance_key(ctx.loads(cur))
     for _ in range(4 * model.num_layers):
+        loads = ctx.loads(cur)
+        hot = max(range(num_devices), key=lambda d: loads[d])
         best = None
-        for cand in _boundary_neighbours(cur):
-            k = _balance_key(ctx.loads(cand))
-            if k < key and (best is None or k < best[0]):
-                best = (k, cand)
+        for a in (s for s, d in enumerate(cur.devices) if d == hot):
+            for b in range(cur.num_stages):
+                cand = transfer(cur, a, b)
+                if cand is not None:
+                    k = _balance_key(ctx.loads(cand))
+                    if k < key and (best is None or k < best[0]):
+                        best = (k, cand)
         if best is None:
             return cur
         key, cur = best
     return cur
 
 
+def transfer(layout: Layout, a: int, b: int) -> Layout | None:
+    """Shift every boundary between stages a and b by one so stage a loses a layer and stage b gains one."""
+    if a == b or layout.devices[a] == layout.devices[b]:
+        return None
+    lo, hi = layout.bounds[a]
+    if hi - lo < 2:
+        return None
+    cuts = list(layout.cuts())
+    if a < b:
+        for k in range(a, b):
+            cuts[k] -= 1
+    else:
+        for k in range(b, a):
+            cuts[k] += 1
+    return Layout.from_cuts(cuts, layout.bounds[-1][1], layout.devices)
+
+
 def _balance_key(loads: list[float]) -> tuple[float, float]:
     return (round(max(loads), 9), round(sum(x * x for x in loads), 6))
-
-
-def _boundary_neighbours(layout: Layout):
-    """Every layout one layer away: one boundary moved by one, no stage left empty."""
-    cuts = list(layout.cuts())
-    n = layout.bounds[-1][1]
-    for i in range(len(cuts)):
-        for delta in (-1, 1):
-            new = cuts[i] + delta
-            lo = cuts[i - 1] if i > 0 else 0
-            hi = cuts[i + 1] if i + 1 < len(cuts) else n
-            if lo < new < hi:
-                moved = cuts[:i] + [new] + cuts[i + 1:]
-                yield Layout.from_cuts(moved, n, layout.devices)
 
 
 def _shift(layout: Layout, stage: int, side: int, count: int) -> Layout | None:
@@ -109,6 +122,17 @@ def shift_random(rng, ctx: Context, layout: Layout, policy: Policy):
     """Move one boundary by one or two layers in either direction."""
     s = rng.randrange(layout.num_stages)
     new = _shift(layout, s, rng.choice((-1, 1)), rng.choice((1, 1, 2)))
+    return None if new is None else (new, policy)
+
+
+def transfer_off_bottleneck(rng, ctx: Context, layout: Layout, policy):
+    """Move one layer's worth of work from a stage of the busiest device to a stage of a lighter device."""
+    loads = ctx.loads(layout)
+    hot = max(range(len(loads)), key=lambda d: (loads[d], -d))
+    a = rng.choice([s for s, d in enumerate(layout.devices) if d == hot])
+    light = sorted(range(len(loads)), key=lambda d: loads[d])[:max(1, len(loads) // 2)]
+    b = rng.choice([s for s, d in enumerate(layout.devices) if d in light])
+    new = transfer(layout, a, b)
     return None if new is None else (new, policy)
 
 
@@ -210,7 +234,8 @@ def reorder(rng, ctx: Context, layout: Layout, schedule):
 
 # (move, weight): partition moves dominate because imbalance is the largest cause of idle time.
 MOVES = (
-    (shift_off_bottleneck, 6),
+    (shift_off_bottleneck, 4),
+    (transfer_off_bottleneck, 4),
     (shift_random, 2),
     (remap_stage, 1),
     (swap_devices, 1),

@@ -79,7 +79,9 @@ def seed_policies(layout: Layout, num_devices: int, num_microbatches: int) -> li
     big = m * max(1, layout.num_stages // nd)
     v_shape = len(set(layout.devices[:nd])) == nd and layout.num_stages >= 2 * nd and \
         layout.devices[nd] == layout.devices[nd - 1]
-    tight = tuple(nd if v_shape else max(1, nd - d) for d in range(nd))
+    chunks = max(1, layout.num_stages // nd)
+    # 1F1B's warm-up for one chunk; with several chunks Megatron's deeper warm-up, about p micro-batches
+    tight = tuple(nd if (v_shape or chunks > 1) else max(1, nd - d) for d in range(nd))
     auto, fused = (Split.AUTO,) * nd, (Split.FUSED,) * nd
     return [
         Policy(depth=(m,) * nd, split=auto, w_limit=(big,) * nd),
