@@ -127,10 +127,11 @@ def interleaved_1f1b(stage_devices: Sequence[int], num_devices: int, num_microba
 
 
 def zb_h1(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
-    """ZB-H1: 1F1B with B split into I and W; rank r defers its first r W's to fill the drain.
+    """ZB-H1 (Qi et al. 2024): 1F1B's warm-up with B split into I and W; rank r defers r W's.
 
-    Same warm-up and activation memory as 1F1B (torch's ScheduleInterleavedZeroBubble with
-    one stage per rank: a W follows each I once r I's are outstanding; leftover W's at the end).
+    A W follows each I once rank r has r W's outstanding (the W placement of torch's
+    ScheduleInterleavedZeroBubble); the deferred W's fill the drain at the end. Every rank then
+    peaks at p live activations, 1F1B's peak, and with F = I = W the idle time is a third of 1F1B's.
     """
     _require_map("zb-h1", stage_devices, looped(num_devices, 1))
     _check_m("zb-h1", num_microbatches)
