@@ -27,7 +27,7 @@ from .seeds import Baseline, builtin_baselines, seed_layouts, seed_policies
 
 log = logging.getLogger(__name__)
 
-WORK_RATE = 300_000  # work units per second on the reference machine (2 cores, shared)
+WORK_RATE = 200_000  # work units per second, conservative for the reference machine (2 shared cores)
 ELITE = 6  # candidates kept as parents
 POLISH_SHARE = 0.15  # share of the budget spent on order moves at the end
 STEP_UNITS = 10  # work charged per search step for the move itself (pruned and cached steps cost too)

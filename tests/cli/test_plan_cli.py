@@ -52,6 +52,13 @@ def test_table_and_plan_file(files, capsys):
     assert plan.predicted["peak_memory_bytes"] == res.peak_memory_bytes
 
 
+def test_png_is_written(files, tmp_path):
+    _, _, mpath, cpath, _ = files
+    png = tmp_path / "plan.png"
+    assert main(_args(mpath, cpath, "--png", str(png))) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_json_output_is_deterministic(files, capsys):
     _, _, mpath, cpath, _ = files
     assert main(_args(mpath, cpath, "--json", "--seed", "3")) == 0
