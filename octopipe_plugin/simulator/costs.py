@@ -27,6 +27,7 @@ class StageCosts:
 def stage_costs(model, stages) -> StageCosts:
     """Sum layer costs over each stage's range; an empty stage forwards its input unchanged."""
     layers = model.layers
+    cut = _cut_bytes(model)
     fwd, bwd, wgrad, act, out, state = [], [], [], [], [], []
     for st in stages:
         chunk = layers[st.start:st.end]
@@ -35,6 +36,23 @@ def stage_costs(model, stages) -> StageCosts:
         wgrad.append(sum(l.wgrad_ms for l in chunk))
         act.append(sum(l.activation_bytes for l in chunk))
         state.append(sum(l.state_bytes for l in chunk))
-        last = st.end - 1 if st.end > st.start else st.start - 1
-        out.append(layers[last].output_bytes if last >= 0 else 0)
+        if cut is not None:
+            out.append(cut[st.end])
+        else:
+            last = st.end - 1 if st.end > st.start else st.start - 1
+            out.append(layers[last].output_bytes if last >= 0 else 0)
     return StageCosts(tuple(fwd), tuple(bwd), tuple(wgrad), tuple(act), tuple(out), tuple(state))
+
+
+def _cut_bytes(model) -> list[int] | None:
+    """Bytes crossing a boundary before each layer when the model branches (None for a chain).
+
+    A cut inside a branch (e.g. between a vision encoder and the decoder) carries every
+    still-needed producer output, not only the last layer's.
+    """
+    if not model.inputs:
+        return None
+    from ..graph import ModelGraph
+
+    graph = ModelGraph(model)
+    return [graph.cut_bytes(k) for k in range(model.num_layers + 1)]
