@@ -22,7 +22,7 @@ def named_cluster(gpu: str, count: int, devices_per_node: int = DEVICES_PER_NODE
     if count < 1:
         raise OctoPipeError(f"cluster size must be >= 1, got {count}")
     return Cluster(
-        name=f"{spec.name.lower()}x{count}",
+        name=f"{gpu.lower()}x{count}",  # as the user wrote it: h100x8, not h100-sxmx8
         num_devices=count,
         devices_per_node=min(devices_per_node, count),
         memory_bytes=spec.memory_bytes,
