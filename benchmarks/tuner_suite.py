@@ -1,8 +1,9 @@
 """Tuner benchmark: every zoo model on h100x8 and h100x16 at 2x, 4x and 8x devices micro-batches.
 
-Columns: /LB is step time over the issue's bound max(M*sum/D, M*max layer); /PB over the
-packing bound (tuner/bounds.py), which also counts that layers are whole: it shows how much of
-a gap to LB is granularity rather than bubbles.
+Columns: /LB is step time over the issue's bound max(M*sum/D, M*max layer); /RB over the
+refined bound of tuner/bounds.py (packing: layers are whole, one device holds ceil(n/D) of
+the n heaviest; fill: a layer's device waits for micro-batch 0 to cross the earlier layers):
+it shows how much of a gap to LB is granularity and fill rather than bubbles.
 
 Prints one line per configuration, then the summary the issue asks for: geometric-mean
 speedup over Megatron interleaved 1F1B (Megatron split, best v) on the heterogeneous models,
@@ -25,7 +26,7 @@ import time
 
 from octopipe_plugin.costs import ZOO, resolve_cluster, resolve_model
 from octopipe_plugin.tuner import tune
-from octopipe_plugin.tuner.bounds import packing_bound
+from octopipe_plugin.tuner.bounds import refined_bound
 from octopipe_plugin.tuner.compare import baseline_ms, best_builtin_ms, sota_ms
 
 CONTROL = "llama2-7b"  # the homogeneous control
@@ -48,7 +49,7 @@ def run_one(model_name, cluster_name, factor, budget, seed, gpu) -> dict:
     base, best, sota = baseline_ms(r.baselines), best_builtin_ms(r.baselines), sota_ms(r.baselines)
     return {
         "model": model_name, "cluster": cluster_name, "m": m, "step": r.step_ms, "lb": r.bound.value_ms,
-        "pb": packing_bound(model, cluster.num_devices, m),
+        "pb": refined_bound(model, cluster.num_devices, m),
         "lb_term": "layer" if r.bound.layer_ms >= r.bound.work_ms else "work", "base": base, "best": best,
         "sota": sota, "bubble": r.bubble, "stages": r.plan.num_stages, "source": r.source,
         "time": time.monotonic() - t0, "seeded": r.seeded_s, "peak": max(r.peak) / 2**30,
@@ -65,7 +66,7 @@ def line(row) -> str:
             f" {row['stages']:>3} {row['peak']:>6.1f} {row['seeded']:>5.1f} {row['time']:>6.1f}  {row['source']}")
 
 
-HEADER = (f"{'model':<17} {'cluster':<8} {'M':>4} {'step ms':>9} {'LB ms':>9}{'':<3} {'/LB':>6} {'/PB':>6} {'vs base':>7}"
+HEADER = (f"{'model':<17} {'cluster':<8} {'M':>4} {'step ms':>9} {'LB ms':>9}{'':<3} {'/LB':>6} {'/RB':>6} {'vs base':>7}"
           f" {'vs best':>7} {'vs SOTA':>7} {'bubble':>6} {'S':>3} {'GiB':>6} {'seed s':>5} {'time s':>6}  from")
 
 
@@ -90,7 +91,7 @@ def summarise(rows) -> str:
         f"{max(r['seeded'] for r in rows):.1f} s",
         f"geomean step / LB: {geomean([r['step'] / r['lb'] for r in rows]):.3f}; within 1.10x of LB: "
         f"{sum(r['step'] / r['lb'] <= 1.10 for r in rows)}/{len(rows)}",
-        f"geomean step / packing bound (whole layers per device): "
+        f"geomean step / refined bound (whole layers, pipeline fill): "
         f"{geomean([r['step'] / r['pb'] for r in rows]):.3f}; worst {max(r['step'] / r['pb'] for r in rows):.3f}",
         f"worst step / LB: {worst['step'] / worst['lb']:.3f} ({worst['model']} {worst['cluster']} M={worst['m']})",
     ]

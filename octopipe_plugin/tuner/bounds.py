@@ -52,3 +52,26 @@ def packing_bound(model, num_devices: int, num_microbatches: int) -> float:
         k = -(-n_t // num_devices)
         best = max(best, sum(totals[n_t - k:n_t]))
     return num_microbatches * best
+
+
+def fill_bound(model, num_microbatches: int) -> float:
+    """A floor from pipeline fill and drain around each layer (transfers counted as free).
+
+    Layer l's device cannot start l's first forward before every earlier layer has run
+    micro-batch 0 forward (sum of their F), and after l's last input-gradient the gradient still
+    crosses every earlier layer (sum of their I). The device runs F and I of l for all M
+    micro-batches in between, and all of f+i+w after the fill.
+    """
+    best, f_before, i_before = 0.0, 0.0, 0.0
+    m = num_microbatches
+    for layer in model.layers:
+        best = max(best, f_before + m * layer.total_ms,
+                   f_before + m * (layer.fwd_ms + layer.bwd_ms) + i_before)
+        f_before += layer.fwd_ms
+        i_before += layer.bwd_ms
+    return best
+
+
+def refined_bound(model, num_devices: int, num_microbatches: int) -> float:
+    """The best of the issue's LB, the packing bound and the fill bound: used to explain gaps."""
+    return max(packing_bound(model, num_devices, num_microbatches), fill_bound(model, num_microbatches))

@@ -8,6 +8,7 @@ from octopipe_plugin.formats import Layer, Model, Plan, validate_plan
 from octopipe_plugin.schedules.placement import place
 from octopipe_plugin.simulator import simulate
 from octopipe_plugin.tuner import Order, Policy, Split, WFill, build_schedule
+from octopipe_plugin.tuner.bounds import refined_bound
 from octopipe_plugin.tuner.layout import Layout, make_job
 
 from tuner_helpers import cluster, layer
@@ -89,3 +90,4 @@ def test_random_policies_give_valid_plans_within_memory(costs, devices, chunks, 
     assert max(res.peak_memory_bytes) <= cap
     busiest = max(res.busy_ms)
     assert res.step_time_ms >= busiest - 1e-9
+    assert res.step_time_ms >= refined_bound(model, devices, m) - 1e-9  # the bound holds for every plan
