@@ -88,6 +88,7 @@ class Evaluator:
         if key in self._seen:
             return self._seen[key]
         _, sc, _ = self.job(layout)
+        self.work += sum(len(row) for row in schedule)  # hashing the order for the cache
         plan = Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
                     stages=layout.stages(), schedule=schedule, meta={"schedule": label})
         out = self.simulated(plan, costs=sc)
