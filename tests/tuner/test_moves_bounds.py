@@ -60,7 +60,6 @@ def test_rebalance_never_raises_the_busiest_load(costs, devices):
 
 
 def test_transfer_moves_one_layer_between_far_stages():
-    model = _model([1.0] * 8)
     layout = Layout(bounds=((0, 2), (2, 4), (4, 6), (6, 8)), devices=(0, 1, 2, 3))
     moved = transfer(layout, 3, 0)  # stage 3 gives its first layer, stage 0 gains one at its end
     assert moved.bounds == ((0, 3), (3, 5), (5, 7), (7, 8))
