@@ -37,7 +37,7 @@ class Transport:
     """Sends and receives of one rank for one plan; peers are ranks of `group`."""
 
     def __init__(self, *, rank: int, num_stages: int, recv_order: dict, meta_of, device: torch.device,
-                 timeout_s: float, group=None, pair_groups: dict | None = None):
+                 timeout_s: float, group=None, pair_groups: dict | None = None, tags: bool = True):
         self.rank = rank
         self.num_stages = num_stages
         self.recv_order = recv_order
@@ -48,7 +48,8 @@ class Transport:
         self.pair_groups = pair_groups or {}
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.tags = dist.get_backend(group) == "gloo"
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.tags = tags and self.gloo
         self.posted_count: dict[int, int] = {}
         self.posted: dict[Message, Posted] = {}
         self.in_flight: list[Posted] = []
@@ -127,7 +128,7 @@ class Transport:
     def _wait(self, p: Posted, action, what: str) -> None:
         start = time.monotonic()
         try:
-            if self.tags:
+            if self.gloo:
                 p.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             else:
                 while not p.work.is_completed():
@@ -137,10 +138,10 @@ class Transport:
                 p.work.wait()
         except Exception as exc:  # gloo raises RuntimeError for both a timeout and a dead peer
             waited = time.monotonic() - start
-            peer = p.msg.src if what == "receive" else p.msg.dst
+            peer = f"from rank {p.msg.src}" if what == "receive" else f"to rank {p.msg.dst}"
             raise ExecutorError(
-                f"rank {self.rank}: {action}: {what} of {p.msg} (tag {p.msg.tag(self.num_stages)}) from/to rank "
-                f"{peer} failed after {waited:.1f} s (timeout {self.timeout_s:g} s): {_first_line(exc)}",
+                f"rank {self.rank}: {action}: {what} of {p.msg} (tag {p.msg.tag(self.num_stages)}) {peer} "
+                f"failed after {waited:.1f} s (timeout {self.timeout_s:g} s): {_first_line(exc)}",
                 rank=self.rank, action=str(action), awaited=str(p.msg)) from exc
 
 

@@ -22,6 +22,9 @@ class ExecutorOptions:
     timeout_s: float = 60.0
     prefetch: int = 2  # post each receive this many actions before its consumer
     validate: bool = True
+    # gloo honours tags; False sends every message with tag 0 so only the per-peer order matches them,
+    # which is what NCCL does (lets gloo tests prove the order rule alone is right)
+    tags: bool = True
 
 
 @dataclass(kw_only=True)
@@ -58,7 +61,7 @@ class PipelineExecutor:
         self.transport = Transport(
             rank=self.rank, num_stages=plan.num_stages, recv_order=self.program.recv_order,
             meta_of=runner.boundary_meta, device=torch.device(device), timeout_s=self.options.timeout_s,
-            group=group, pair_groups=pairs,
+            group=group, pair_groups=pairs, tags=self.options.tags,
         )
 
     def run_step(self) -> StepResult:

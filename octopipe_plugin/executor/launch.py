@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -21,7 +21,8 @@ def free_port() -> int:
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
     """Join a local gloo process group of `world` ranks."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # many ranks share few cores: intra-op threads would only contend
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

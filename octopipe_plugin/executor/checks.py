@@ -1,0 +1,58 @@
+"""Gradient check of a plan: run it on the toy model and compare with a single-process step.
+
+Shared by the multi-process tests and the benchmark; every rank compares the layers it
+owns against a reference step it computes itself on an identically seeded model copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..formats import plan_from_dict
+from .engine import ExecutorOptions, PipelineExecutor
+from .launch import init_gloo
+from .torch_stage import TorchStages
+from .toy import ToySpec, boundary_metas, build_layers, loss_fn, microbatch, reference_step, stage_modules
+
+
+def toy_runner(spec: ToySpec, layers, plan, rank: int) -> TorchStages:
+    """TorchStages of `rank`'s stages of `plan` over the toy model's `layers`."""
+    ns = plan.num_stages
+    bounds = [(s.start, s.end) for s in plan.stages]
+    return TorchStages(modules=stage_modules(layers, bounds, plan.stages_of(rank)), num_stages=ns,
+                       num_microbatches=plan.num_microbatches, metas=boundary_metas(spec, ns),
+                       load_input=lambda mb: microbatch(spec, mb)[0], loss_fn=loss_fn(spec))
+
+
+def check_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 30.0, tags: bool = True) -> None:
+    """Run `plan` on this rank and assert loss and owned gradients equal the reference (float64, tight)."""
+    layers = build_layers(spec)
+    runner = toy_runner(spec, layers, plan, rank)
+    result = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=timeout_s, tags=tags)).run_step()
+    ref = build_layers(spec)
+    ref_loss = reference_step(spec, ref, plan.num_microbatches)
+    label = f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}"
+    mine = plan.stages_of(rank)
+    if plan.num_stages - 1 in mine:
+        torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=1e-14, msg=f"{label}: loss")
+    elif result.loss is not None:
+        raise AssertionError(f"{label}: a rank without the last stage reported a loss")
+    for s in mine:
+        st = plan.stages[s]
+        for idx in range(st.start, st.end):
+            for (name, p), q in zip(layers[idx].named_parameters(), ref[idx].parameters()):
+                if p.grad is None:
+                    raise AssertionError(f"{label}: layer {idx} {name} has no gradient")
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12,
+                                           msg=f"{label}: layer {idx} {name}")
+    if runner.pending():
+        raise AssertionError(f"{label}: state of {runner.pending()} (stage, micro-batch) pairs not freed")
+
+
+def check_plans_worker(rank: int, world: int, port: int, docs: list[dict], spec: ToySpec) -> None:
+    """Spawn target: join the group, check every plan document in turn (every other one untagged)."""
+    init_gloo(rank, world, port, timeout_s=60)
+    for i, doc in enumerate(docs):
+        check_plan(rank, plan_from_dict(doc), spec, tags=i % 2 == 0)
+    dist.destroy_process_group()
