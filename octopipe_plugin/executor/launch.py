@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import socket
 
 import torch
@@ -10,6 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import OctoPipeError
+
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
 
 
 def free_port() -> int:
@@ -27,12 +30,21 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _exception_line(text: str) -> str:
+    """The last 'SomeError: message' line of a child's traceback (the line that says what went wrong)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    found = [i for i, ln in enumerate(lines) if _EXC_LINE.match(ln)]
+    if not found:
+        return lines[-1] if lines else "unknown error"
+    # a message may continue on the next lines (until the traceback's end)
+    return " ".join(lines[found[-1]:found[-1] + 4])
+
+
 def spawn(fn, world: int, *args) -> None:
     """Run `fn(rank, world, port, *args)` in `world` spawned processes; a failure raises OctoPipeError."""
     try:
         mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=True)
     except mp.ProcessRaisedException as exc:
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        raise OctoPipeError(f"rank {exc.error_index} failed: {lines[-1] if lines else exc}") from None
+        raise OctoPipeError(f"rank {exc.error_index} failed: {_exception_line(str(exc))}") from None
     except mp.ProcessExitedException as exc:
         raise OctoPipeError(f"rank {exc.error_index} exited with code {exc.exit_code}") from None

@@ -1,0 +1,44 @@
+"""Run an OctoPipe plan on torch.distributed.pipelining's `_PipelineScheduleRuntime` (the peer to compare with).
+
+Our action notation is torch's (`2F0`, `1I3`, `0W1`, `3B2`), so a plan exports as its
+compute-only CSV (one row per rank) and torch lowers it with its own comm passes.
+`_PipelineScheduleRuntime` is private torch API (checked against torch 2.13).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+
+def plan_to_torch_csv(plan) -> str:
+    """The plan's per-device action lists as torch's compute-only CSV text."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    for row in plan.schedule:
+        writer.writerow([str(a) for a in row])
+    return buf.getvalue()
+
+
+def torch_runtime(plan, modules: Mapping[int, nn.Module], example: torch.Tensor, loss_fn: Callable, rank: int,
+                  csv_path: str, device: str = "cpu"):
+    """A `_PipelineScheduleRuntime` running `plan` for `rank` over `modules` (stage -> module).
+
+    `example` is one micro-batch's activation (every boundary carries that shape, as in
+    the toy model); the plan is written to `csv_path` and loaded from there, lowered with
+    torch's own send/recv passes.
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    ns = plan.num_stages
+    stages = [PipelineStage(modules[s], s, ns, torch.device(device)) for s in plan.stages_of(rank)]
+    runtime = _PipelineScheduleRuntime(stages, plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    with open(csv_path, "w", newline="") as fh:
+        fh.write(plan_to_torch_csv(plan))
+    runtime._load_csv(csv_path, format="compute_only")
+    return runtime

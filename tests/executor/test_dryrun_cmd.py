@@ -1,0 +1,61 @@
+"""`octopipe dryrun`: real executor, sleeping stand-ins, every message checked; bad plans refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octopipe_plugin.cli import main
+from octopipe_plugin.executor import ExecutorError
+from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.executor.standin import SleepStages, StandInCosts
+from octopipe_plugin.formats import Layer, Model, write_model, write_plan
+from octopipe_plugin.schedules.actions import parse_schedule
+from octopipe_plugin.schedules.registry import build_plan
+
+
+def _model() -> Model:
+    layers = tuple(Layer(name=f"l{i}", kind="dense", fwd_ms=1.0 + 0.5 * (i % 3), bwd_ms=1.0, wgrad_ms=0.7,
+                         state_bytes=1, activation_bytes=1, output_bytes=1 << 20) for i in range(8))
+    return Model(name="hetero8", layers=layers)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_dryrun_runs_a_split_backward_v_plan_and_checks_every_message(tmp_path, capsys):
+    model = _model()
+    plan = build_plan(model, "zb-v", 2, 3)
+    write_model(model, tmp_path / "m.json")
+    write_plan(plan, tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--target-s", "0.2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    # every stage boundary carries one activation and one gradient per micro-batch
+    expected = 2 * plan.num_microbatches * (plan.num_stages - 1)
+    assert f"messages checked: {expected} " in out
+    assert "predicted" in out and "measured" in out and out.count("\n") >= 5 + plan.num_devices
+
+
+def test_dryrun_refuses_a_deadlocking_plan_before_starting_processes(tmp_path, capsys):
+    model = _model()
+    plan = make_plan(stage_devices=[0, 1, 1, 0], bounds=[(0, 2), (2, 4), (4, 6), (6, 8)], num_devices=2,
+                     num_microbatches=1,
+                     schedule=parse_schedule([["3F0", "0F0", "3B0", "0B0"], ["2F0", "1F0", "2B0", "1B0"]]))
+    write_model(model, tmp_path / "m.json")
+    write_plan(plan, tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json")])
+    assert rc == 2
+    assert "deadlock" in capsys.readouterr().err
+
+
+def test_standin_rejects_a_message_for_the_wrong_microbatch():
+    costs = StandInCosts(fwd=(0.0, 0.0, 0.0), bwd=(0.0, 0.0, 0.0), wgrad=(0.0, 0.0, 0.0), hop=(0.0, 0.0, 0.0))
+    run = SleepStages(costs=costs, rank=1)
+    good = run.forward(0, 2, None)
+    run.forward(1, 2, good)  # matches: micro-batch 2 from stage 0
+    with pytest.raises(ExecutorError, match="micro-batch 2 from stage 0.*expected micro-batch 3"):
+        run.forward(1, 3, good)
+    grad = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)  # gradient of mb 3 from stage 2
+    run.backward_input(1, 3, grad)
+    with pytest.raises(ExecutorError, match="expected micro-batch 3 from stage 2"):
+        run.backward(1, 3, good)  # an activation where a gradient was due
