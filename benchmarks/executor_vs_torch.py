@@ -88,7 +88,8 @@ def plan_docs(p: int, m: int) -> list[dict]:
         if name == "random":
             devs = [s % p for s in range(p * v)]
             rng.shuffle(devs)
-            sched = sample_schedule(devs, p, m, rng)
+            # torch's runtime keeps per-stage losses positionally: keep each stage in micro-batch order
+            sched = sample_schedule(devs, p, m, rng, in_order=True)
         else:
             devs = stage_devices_for(name, p, v)
             sched = SCHEDULES[name].generate(devs, p, m)

@@ -12,8 +12,12 @@ import torch.distributed as dist
 from ..formats import plan_from_dict
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import init_gloo
+from .forward_step import ForwardStepStages
 from .torch_stage import TorchStages
-from .toy import ToySpec, boundary_metas, build_layers, loss_fn, microbatch, reference_step, stage_modules
+from .toy import (
+    MegatronStyleChunk, ToySpec, boundary_metas, build_layers, loss_fn, megatron_style_forward_step, microbatch,
+    reference_step, stage_modules,
+)
 
 
 def toy_runner(spec: ToySpec, layers, plan, rank: int) -> TorchStages:
@@ -25,14 +29,28 @@ def toy_runner(spec: ToySpec, layers, plan, rank: int) -> TorchStages:
                        load_input=lambda mb: microbatch(spec, mb)[0], loss_fn=loss_fn(spec))
 
 
+def forward_step_runner(spec: ToySpec, layers, plan, rank: int) -> ForwardStepStages:
+    """The same stages driven Megatron-style: chunks with set_input_tensor and a forward_step_func."""
+    ns = plan.num_stages
+    bounds = [(s.start, s.end) for s in plan.stages]
+    mine = plan.stages_of(rank)
+    chunks = {s: MegatronStyleChunk(m) for s, m in stage_modules(layers, bounds, mine).items()}
+    data = {s: iter([microbatch(spec, mb) for mb in range(plan.num_microbatches)])
+            for s in mine if s in (0, ns - 1)}
+    return ForwardStepStages(models=chunks, forward_step_func=megatron_style_forward_step, data_iterators=data,
+                             num_stages=ns, num_microbatches=plan.num_microbatches, metas=boundary_metas(spec, ns))
+
+
 def check_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 30.0, tags: bool = True) -> None:
     """Run `plan` on this rank and assert loss and owned gradients equal the reference (float64, tight)."""
     layers = build_layers(spec)
-    runner = toy_runner(spec, layers, plan, rank)
+    make = forward_step_runner if plan.meta.get("runner") == "forward_step" else toy_runner
+    runner = make(spec, layers, plan, rank)
     result = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=timeout_s, tags=tags)).run_step()
     ref = build_layers(spec)
     ref_loss = reference_step(spec, ref, plan.num_microbatches)
-    label = f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}"
+    label = (f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}, "
+             f"{type(runner).__name__}")
     mine = plan.stages_of(rank)
     if plan.num_stages - 1 in mine:
         torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=1e-14, msg=f"{label}: loss")

@@ -37,21 +37,46 @@ def random_bounds(num_layers: int, num_stages: int, rng: random.Random) -> list[
     return [(edges[i], edges[i + 1]) for i in range(num_stages)]
 
 
+def _phase(a: Action) -> str:
+    return "f" if a.kind is Kind.F else "b" if a.kind in (Kind.B, Kind.I) else "w"
+
+
 def sample_schedule(stage_devices: Sequence[int], num_devices: int, num_microbatches: int,
-                    rng: random.Random, split_prob: float = 0.5) -> tuple[tuple[Action, ...], ...]:
-    """Per-device lists from a random topological order; each backward is B or I+W at random."""
+                    rng: random.Random, split_prob: float = 0.5,
+                    in_order: bool = False) -> tuple[tuple[Action, ...], ...]:
+    """Per-device lists from a random topological order; each backward is B or I+W at random.
+
+    `in_order` also keeps every stage's forwards, backwards and weight passes in micro-batch
+    order (what runtimes that store per-stage results positionally need).
+    """
     ns, m = len(stage_devices), num_microbatches
     split = {(s, mb): rng.random() < split_prob for s in range(ns) for mb in range(m)}
     done: set[tuple[int, int, str]] = set()
     ready = [Action(0, Kind.F, mb) for mb in range(m)]
     rows: list[list[Action]] = [[] for _ in range(num_devices)]
+    prev = _previous_in_order(ns, m, split)
     while ready:
-        a = ready.pop(rng.randrange(len(ready)))
+        eligible = [i for i, a in enumerate(ready)
+                    if not in_order or (q := prev[(a.stage, a.microbatch, _phase(a))]) is None or q in done]
+        a = ready.pop(eligible[rng.randrange(len(eligible))])
         rows[stage_devices[a.stage]].append(a)
-        s, mb = a.stage, a.microbatch
-        done.add((s, mb, "f" if a.kind is Kind.F else "b" if a.kind in (Kind.B, Kind.I) else "w"))
+        done.add((a.stage, a.microbatch, _phase(a)))
         ready.extend(_newly_ready(a, ns, split, done))
     return tuple(tuple(r) for r in rows)
+
+
+def _previous_in_order(ns: int, m: int, split: dict) -> dict:
+    """(stage, mb, phase) -> the same stage's previous micro-batch in that phase (W only where split), or None."""
+    prev = {}
+    for s in range(ns):
+        last_w = None
+        for mb in range(m):
+            prev[(s, mb, "f")] = (s, mb - 1, "f") if mb else None
+            prev[(s, mb, "b")] = (s, mb - 1, "b") if mb else None
+            prev[(s, mb, "w")] = last_w
+            if split[(s, mb)]:
+                last_w = (s, mb, "w")
+    return prev
 
 
 def _newly_ready(a: Action, ns: int, split: dict, done: set) -> list[Action]:

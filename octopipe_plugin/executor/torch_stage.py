@@ -50,11 +50,16 @@ class TorchStages:
         else:
             # detach() shares storage: a same-device hand-off is not copied, only cut from the graph
             x = inputs.detach().requires_grad_(True)
-        out = self.modules[stage](x)
+        out = self._compute(stage, mb, x)
         if stage == self.num_stages - 1:
-            out = self.loss_fn(out, mb) / self.num_microbatches
+            out = out / self.num_microbatches
         self._saved[(stage, mb)] = {"input": x, "output": out}
         return out
+
+    def _compute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
+        """The stage's output, or on the last stage its unscaled loss (subclasses change how)."""
+        out = self.modules[stage](x)
+        return self.loss_fn(out, mb) if stage == self.num_stages - 1 else out
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.modules[stage].parameters() if p.requires_grad]

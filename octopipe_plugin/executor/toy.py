@@ -102,3 +102,33 @@ def reference_step(spec: ToySpec, layers: nn.ModuleList, num_microbatches: int) 
         loss.backward()
         total += loss.detach()
     return total
+
+
+class MegatronStyleChunk(nn.Module):
+    """A stage's layers behind Megatron's chunk convention: the pipeline input arrives via set_input_tensor."""
+
+    def __init__(self, layers: nn.Module):
+        super().__init__()
+        self.layers = layers
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Megatron's hook: the activation received from the previous stage (None on the first)."""
+        self.input_tensor = tensor
+
+    def forward(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        """Run the layers on the received activation, or on the batch's input on the first stage."""
+        return self.layers(self.input_tensor if self.input_tensor is not None else tokens)
+
+
+def megatron_style_forward_step(data_iterator, model: MegatronStyleChunk):
+    """forward_step_func(data_iterator, model) -> (output, loss_func), as a Megatron training script writes it."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens, target = batch if batch is not None else (None, None)
+    output = model(tokens)
+
+    def loss_func(out: torch.Tensor):
+        loss = torch.nn.functional.mse_loss(out, target)
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func

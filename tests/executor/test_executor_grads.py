@@ -43,7 +43,10 @@ def builtin_docs(p: int, rng: random.Random) -> list[dict]:
             continue
         plan = make_plan(stage_devices=devs, bounds=random_bounds(len(SPEC.layers), len(devs), rng),
                          num_devices=p, num_microbatches=m, schedule=spec.generate(devs, p, m))
-        docs.append(_doc(plan, f"{name} p={p} v={v} m={m}"))
+        doc = _doc(plan, f"{name} p={p} v={v} m={m}")
+        if name == "interleaved-1f1b":
+            doc["meta"]["runner"] = "forward_step"
+        docs.append(doc)
     return docs
 
 
@@ -56,7 +59,10 @@ def random_docs(seed: int, p: int) -> list[dict]:
         devs = placement(kind, ns, p, rng)
         plan = make_plan(stage_devices=devs, bounds=random_bounds(len(SPEC.layers), ns, rng), num_devices=p,
                          num_microbatches=m, schedule=sample_schedule(devs, p, m, rng))
-        docs.append(_doc(plan, f"random {kind} seed={seed} stages={ns} m={m} devices={devs}"))
+        doc = _doc(plan, f"random {kind} seed={seed} stages={ns} m={m} devices={devs}")
+        if kind == "arbitrary":  # also drive these Megatron-style (forward_step_func, set_input_tensor)
+            doc["meta"]["runner"] = "forward_step"
+        docs.append(doc)
     return docs
 
 
