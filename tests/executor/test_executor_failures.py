@@ -45,7 +45,10 @@ def _worker(rank: int, port: int, mode: str, timeout_s: float, out_dir: str) -> 
     plan = _plan()
     runner = toy_runner(SPEC, build_layers(SPEC), plan, rank)
     if rank == 1 and mode == "silent":
-        time.sleep(timeout_s + 8)  # never runs its actions, then leaves cleanly
+        # never runs its actions; stays connected until rank 0 has reported, then leaves
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out_dir, "rank0.txt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     if rank == 1 and mode == "dies":
         runner = _DiesAfterFirstForward(runner)
@@ -90,3 +93,5 @@ def test_silent_peer_times_out_with_the_awaited_message(tmp_path):
     text = _run("silent", timeout_s=2.0, tmp_path=tmp_path)
     assert text.startswith("ExecutorError"), text
     assert "rank 0:" in text and "timeout 2 s" in text and "from rank 1" in text, text
+    waited = float(text.split(" after ")[1].split("s:")[0])
+    assert waited >= 2.0  # the peer was alive: it is the bounded wait that ended it
