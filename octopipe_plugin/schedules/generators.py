@@ -153,6 +153,65 @@ def zb_h1(stage_devices: Sequence[int], num_devices: int, num_microbatches: int)
     return tuple(out)
 
 
+def zb_round_size(num_devices: int, num_microbatches: int, num_chunks: int) -> int:
+    """Micro-batches per round of interleaved ZB: m // max(1, m // p), as torch's ScheduleInterleavedZeroBubble.
+
+    Forwards visit the chunks in blocks of one round, so with v > 1 the rounds must divide m
+    (torch refuses the rest too); with v = 1 the round size does not shape the order and any m is served.
+    """
+    p, m = num_devices, num_microbatches
+    rounds = max(1, m // p)
+    if num_chunks > 1 and m % rounds:
+        raise PlanError(f"interleaved-zb: m={m} micro-batches must be a multiple of the number of rounds "
+                        f"max(1, m // p) = {rounds} on {p} devices with {num_chunks} stages per device "
+                        f"(as torch's ScheduleInterleavedZeroBubble requires)")
+    return m // rounds
+
+
+def interleaved_zb(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
+    """Interleaved zero bubble (ZB1P of Qi et al. 2024, torch's ScheduleInterleavedZeroBubble order).
+
+    Looped placement, v >= 1 stages per device, rounds of g = m // max(1, m // p) micro-batches.
+    Rank r warms up with (v-1)g + p-1-r forwards (capped at v*m), then issues one F and one I
+    per step, forwards walking the chunks upward and backwards downward, a round at a time.
+    Like ZB-H1 it holds back r W's: after its j-th I (j >= r) it runs the W of the (j-r)-th I,
+    and the last r W's fill the drain. With v = 1 this is exactly zb-h1.
+    """
+    p, m = num_devices, num_microbatches
+    v = _stages_per_device("interleaved-zb", stage_devices, p)
+    _require_map("interleaved-zb", stage_devices, looped(p, v))
+    _check_m("interleaved-zb", m)
+    g = zb_round_size(p, m, v)
+    return tuple(tuple(_interleaved_zb_rank(p, v, m, g, r)) for r in range(p))
+
+
+def _interleaved_zb_rank(p: int, v: int, m: int, g: int, r: int) -> list[Action]:
+    total = v * m
+
+    def chunk_mb(k: int) -> tuple[int, int]:
+        """(chunk position, micro-batch) of a rank's k-th forward: rounds of g, every chunk per round."""
+        return (k // g) % v, (k // (g * v)) * g + k % g
+
+    def fwd(k: int) -> Action:
+        c, mb = chunk_mb(k)
+        return F(c * p + r, mb)
+
+    def bwd(make, k: int) -> Action:
+        c, mb = chunk_mb(k)  # backwards walk the chunks from the last one down
+        return make((v - 1 - c) * p + r, mb)
+
+    warm = min((v - 1) * g + p - 1 - r, total)
+    row = [fwd(k) for k in range(warm)]
+    for j in range(total):
+        if warm + j < total:
+            row.append(fwd(warm + j))
+        row.append(bwd(I, j))
+        if j >= r:
+            row.append(bwd(W, j - r))
+    row += [bwd(W, j) for j in range(max(0, total - r), total)]
+    return row
+
+
 def zb_v(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
     """ZB-V (Qi et al. 2024, section 6): two stages per device in a V, F/I/W split, as torch orders it.
 

@@ -23,6 +23,7 @@ class ScheduleSpec:
     min_microbatches: Callable[[int, int], int]  # (devices, stages per device) -> smallest m served
     requirements: str
     uses_split_backward: bool = False
+    extra_check: Callable[[int, int, int], object] | None = None  # (devices, m, v); raises PlanError to refuse
 
     def check(self, num_devices: int, num_microbatches: int, stages_per_device: int) -> None:
         """Refuse, with the reason, a configuration this schedule cannot serve."""
@@ -38,6 +39,8 @@ class ScheduleSpec:
         if num_microbatches < least:
             raise PlanError(f"{self.name}: needs at least {least} micro-batches on {num_devices} devices, "
                             f"got {num_microbatches} ({self.requirements})")
+        if self.extra_check is not None:
+            self.extra_check(num_devices, num_microbatches, stages_per_device)
 
     def stages_for(self, stages_per_device: int | None) -> int:
         """The stage count per device to use: the fixed one, or the caller's (1 when unset)."""
@@ -48,6 +51,12 @@ class ScheduleSpec:
 
 def _interleaved_min(p: int, v: int) -> int:
     return p if v > 1 else 1
+
+
+def _zb_rounds_check(p: int, m: int, v: int) -> None:
+    """Interleaved ZB's rounds must divide m when v > 1 (the generator's own refusal, stated up front)."""
+    if p >= 1 and m >= 1:
+        gen.zb_round_size(p, m, v)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -66,6 +75,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec(name="zb-h1", generate=gen.zb_h1, placement=Placement.LOOPED, stages_per_device=1,
                      min_microbatches=lambda p, v: 1, uses_split_backward=True,
                      requirements="one stage per device; any m >= 1; split backward (I, W); 1F1B's peak memory"),
+        ScheduleSpec(name="interleaved-zb", generate=gen.interleaved_zb, placement=Placement.LOOPED,
+                     stages_per_device=None, min_microbatches=lambda p, v: 1, uses_split_backward=True,
+                     extra_check=_zb_rounds_check,
+                     requirements="v >= 1 stages per device looped; split backward (I, W); any m >= 1 when "
+                                  "v = 1 (then = zb-h1), else m < 2p or m divisible by m // p (e.g. a multiple "
+                                  "of p), as torch requires; torch's ZB1P order"),
         ScheduleSpec(name="zb-v", generate=gen.zb_v, placement=Placement.V, stages_per_device=2,
                      min_microbatches=lambda p, v: 1, uses_split_backward=True,
                      requirements="exactly 2 stages per device in a V (stage s and 2p-1-s on device s); "
