@@ -26,6 +26,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--time-scale", type=float, help="multiply every cost by this (default: scale to --target-s)")
     p.add_argument("--target-s", type=float, default=2.0, help="step time to scale to when --time-scale is unset")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits for one message")
+    p.add_argument("--clock", choices=("device", "wall"), default="device",
+                   help="device: each stand-in ends at max(device free, input arrival) + cost, so host dispatch "
+                        "overlaps the previous action as with asynchronous GPU kernels; wall: every action sleeps "
+                        "its full cost from when the host reaches it (host overhead adds up)")
     p.set_defaults(run=run)
 
 
@@ -67,9 +71,10 @@ def run(args) -> int:
     if cluster is not None and cluster.num_devices < plan.num_devices:
         raise OctoPipeError(f"--cluster {args.cluster}: {cluster.num_devices} devices, the plan needs {plan.num_devices}")
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
-                  timeout_s=args.timeout)
+                  timeout_s=args.timeout, clock=args.clock)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
-    print(f"time scale {rep.time_scale:.4g}  transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}")
+    print(f"time scale {rep.time_scale:.4g}  transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}"
+          f"  clock: {rep.clock}")
     print(f"messages checked: {rep.messages_checked} (micro-batch, stage and direction all as planned)")
     print(f"step time  predicted {rep.predicted_ms:9.1f} ms  measured {rep.measured_ms:9.1f} ms  "
           f"({100 * rep.error:+.2f}%)")

@@ -3,7 +3,9 @@
 The plan's mechanics (message matching, ordering, deadlock-freedom, overlap) are exercised
 for real; only the compute is a stand-in. Predicted and measured step times use the same
 scaled costs: predicted by the simulator (reference semantics), measured as the wall-clock
-span from a common start instant to the last action's end over all ranks.
+span from a common start instant to the moment the last rank's step returns. Transfers are
+priced by the cluster (the consumer does not use a payload before send time + transfer
+time) or free when no cluster is given. See SleepStages for the 'device' and 'wall' clocks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DryRunReport:
     measured_idle_ms: tuple[float, ...]
     messages_checked: int
     transfers_priced: bool
+    clock: str
 
     @property
     def error(self) -> float:
@@ -71,7 +74,7 @@ def auto_scale(model, plan, cluster: Cluster, target_ms: float) -> float:
 
 
 def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | None = None,
-            target_ms: float = 2000.0, timeout_s: float = 60.0) -> DryRunReport:
+            target_ms: float = 2000.0, timeout_s: float = 60.0, clock: str = "device") -> DryRunReport:
     """Run `plan` with sleeping stand-ins on local processes and compare with the simulator."""
     priced = cluster is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)
@@ -81,19 +84,19 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     sim = simulate(None, fast, plan, costs=sc, detail=False)
     costs = standin_costs(sc, [st.device for st in plan.stages], fast.transfer_ms)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
-        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, out)
+        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, clock, out)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(plan.num_devices)]
     start = ranks[0]["start"]
     measured = max(r["end"] for r in ranks) - start
     return DryRunReport(
         time_scale=scale, predicted_ms=sim.step_time_ms, measured_ms=measured * 1000.0,
         predicted_idle_ms=tuple(sim.idle_ms), measured_idle_ms=tuple((measured - r["busy"]) * 1000.0 for r in ranks),
-        messages_checked=sum(r["checked"] for r in ranks), transfers_priced=priced,
+        messages_checked=sum(r["checked"] for r in ranks), transfers_priced=priced, clock=clock,
     )
 
 
 def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCosts, timeout_s: float,
-            out: str) -> None:
+            clock: str, out: str) -> None:
     init_gloo(rank, world, port, timeout_s)
     plan = plan_from_dict(plan_doc)
     opts = ExecutorOptions(timeout_s=timeout_s)
@@ -101,12 +104,13 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     zero = StandInCosts(fwd=(0.0,) * len(costs.fwd), bwd=(0.0,) * len(costs.fwd), wgrad=(0.0,) * len(costs.fwd),
                         hop=(0.0,) * len(costs.fwd))
     PipelineExecutor(plan, SleepStages(costs=zero, rank=rank), options=opts).run_step()
-    runner = SleepStages(costs=costs, rank=rank)
+    runner = SleepStages(costs=costs, rank=rank, clock=clock)
     executor = PipelineExecutor(plan, runner, options=opts)
     start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks
     t0 = float(start[0])
     time.sleep(max(0.0, t0 - time.time()))
+    runner.start(t0)
     executor.run_step()
     end = time.time()
     dist.barrier()

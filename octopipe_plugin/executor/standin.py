@@ -39,20 +39,35 @@ def _sleep_until(deadline: float) -> None:
 
 
 class SleepStages:
-    """StageRunner whose actions sleep; records busy time and every message it checked."""
+    """StageRunner whose actions sleep; records busy time and every message it checked.
 
-    def __init__(self, *, costs: StandInCosts, rank: int):
+    clock='device' (default) models an accelerator that runs its queue back to back while
+    the host dispatches ahead (asynchronous kernels and NCCL): each action ends at
+    max(device free, input arrival) + cost, so host overhead hides behind the previous
+    action unless it exceeds it, and then the lateness shows. clock='wall' charges every
+    host delay: each action sleeps its full cost from the moment the host reaches it.
+    """
+
+    def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device"):
+        if clock not in ("device", "wall"):
+            raise ValueError(f"clock {clock!r}: expected 'device' or 'wall'")
         self.costs = costs
         self.rank = rank
+        self.clock = clock
         self.num_stages = len(costs.fwd)
         self.busy_s = 0.0
         self.checked = 0
+        self.free = 0.0  # when the modelled device finishes its last action (device clock)
+
+    def start(self, t0: float) -> None:
+        """Start the device clock at the shared start instant."""
+        self.free = t0
 
     def boundary_meta(self, stage: int) -> TensorMeta:
         """Every boundary carries the 4-number payload; the last stage yields a scalar loss."""
         return _LOSS if stage == self.num_stages - 1 else _PAYLOAD
 
-    def _expect(self, payload: torch.Tensor, action: str, mb: int, stage: int, grad: bool) -> None:
+    def _expect(self, payload: torch.Tensor, action: str, mb: int, stage: int, grad: bool) -> float:
         got = (int(payload[0]), int(payload[1]), int(payload[2]))
         want = (mb, stage, int(grad))
         if got != want:
@@ -62,13 +77,22 @@ class SleepStages:
                 rank=self.rank, action=action)
         self.checked += 1
         hop = self.costs.hop[stage - 1 if grad else stage]
-        _sleep_until(float(payload[3]) + hop / 1000.0)
+        return float(payload[3]) + hop / 1000.0  # when the input lands on this device
 
-    def _work(self, ms: float) -> float:
-        start = time.time()
+    def _work(self, ms: float, ready_at: float = 0.0) -> float:
+        """Sleep one action; returns its end time (which the payload carries on)."""
+        if self.clock == "wall":
+            _sleep_until(ready_at)
+            start = time.time()
+            _sleep_until(start + ms / 1000.0)
+            end = time.time()
+            self.busy_s += end - start
+            return end
+        start = max(self.free, ready_at)
         _sleep_until(start + ms / 1000.0)
-        end = time.time()
-        self.busy_s += end - start
+        end = max(start + ms / 1000.0, time.time())  # a host later than the deadline delays the device
+        self.free = end
+        self.busy_s += ms / 1000.0
         return end
 
     def _payload(self, mb: int, stage: int, grad: bool, sent: float) -> torch.Tensor:
@@ -76,17 +100,17 @@ class SleepStages:
 
     def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
         """Check the incoming activation, sleep F."""
-        if stage > 0:
-            self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False)
-        end = self._work(self.costs.fwd[stage])
+        ready = self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False) if stage > 0 else 0.0
+        end = self._work(self.costs.fwd[stage], ready)
         if stage == self.num_stages - 1:
             return torch.zeros((), dtype=torch.float64)
         return self._payload(mb, stage, False, end)
 
     def _backward(self, stage: int, mb: int, grad_output, ms: float, kind: str) -> torch.Tensor | None:
+        ready = 0.0
         if stage < self.num_stages - 1:
-            self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
-        end = self._work(ms)
+            ready = self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
+        end = self._work(ms, ready)
         return self._payload(mb, stage, True, end) if stage > 0 else None
 
     def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
