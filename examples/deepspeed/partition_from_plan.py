@@ -135,7 +135,12 @@ def main(argv=None) -> int:
              sim.step_time_ms, 100 * sim.bubble_ratio, out_dir)
     from deepspeed.runtime.utils import partition_uniform
 
-    print(f"parts {parts} (DeepSpeed's uniform split: {partition_uniform(model.num_layers, len(parts) - 1)})")
+    uniform = partition_uniform(model.num_layers, len(parts) - 1)
+    print(f"parts {parts} (DeepSpeed's uniform split: {uniform})")
+    # DeepSpeed's engine runs its own 1F1B TrainSchedule: compare the two partitions under it
+    steps = [simulate(model, cluster, build_plan(model, "1f1b", cluster.num_devices, args.microbatches,
+                                                 boundaries=b), detail=False).step_time_ms for b in (parts, uniform)]
+    log.info("DeepSpeed's 1F1B, simulated: %.1f ms on these stages, %.1f ms on its uniform split", *steps)
     print(f"ds_config {json.dumps(ds_config)}")
     if args.build:
         for rank, rep in enumerate(build_all(ds_config, model, out_dir)):
