@@ -154,10 +154,11 @@ def zb_h1(stage_devices: Sequence[int], num_devices: int, num_microbatches: int)
 
 
 def zb_round_size(num_devices: int, num_microbatches: int, num_chunks: int) -> int:
-    """Micro-batches per round of interleaved ZB: m // max(1, m // p), as torch's ScheduleInterleavedZeroBubble.
+    """Micro-batches per round of interleaved ZB, g = m // max(1, m // p), as torch computes it.
 
     Forwards visit the chunks in blocks of one round, so with v > 1 the rounds must divide m
-    (torch refuses the rest too); with v = 1 the round size does not shape the order and any m is served.
+    (torch's ScheduleInterleavedZeroBubble refuses the rest too); with v = 1 the round size does
+    not shape the order, and any m is served.
     """
     p, m = num_devices, num_microbatches
     rounds = max(1, m // p)
@@ -200,6 +201,8 @@ def _interleaved_zb_rank(p: int, v: int, m: int, g: int, r: int) -> list[Action]
         c, mb = chunk_mb(k)  # backwards walk the chunks from the last one down
         return make((v - 1 - c) * p + r, mb)
 
+    # One warm-up forward per hop to the last device (Megatron's interleaving takes two): the first
+    # I comes back sooner, and the r held-back W's lift every rank to the same peak, (v-1)g + p.
     warm = min((v - 1) * g + p - 1 - r, total)
     row = [fwd(k) for k in range(warm)]
     for j in range(total):

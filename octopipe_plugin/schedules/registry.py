@@ -78,9 +78,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec(name="interleaved-zb", generate=gen.interleaved_zb, placement=Placement.LOOPED,
                      stages_per_device=None, min_microbatches=lambda p, v: 1, uses_split_backward=True,
                      extra_check=_zb_rounds_check,
-                     requirements="v >= 1 stages per device looped; split backward (I, W); any m >= 1 when "
-                                  "v = 1 (then = zb-h1), else m < 2p or m divisible by m // p (e.g. a multiple "
-                                  "of p), as torch requires; torch's ZB1P order"),
+                     requirements="v >= 1 stages per device looped; split backward (I, W); v = 1 is zb-h1 (any m); "
+                                  "v > 1: m < 2p or m divisible by m // p (torch's rounds of g = m // max(1, m // p)"
+                                  "); torch's ZB1P order; each device peaks at (v-1)g + p activations"),
         ScheduleSpec(name="zb-v", generate=gen.zb_v, placement=Placement.V, stages_per_device=2,
                      min_microbatches=lambda p, v: 1, uses_split_backward=True,
                      requirements="exactly 2 stages per device in a V (stage s and 2p-1-s on device s); "

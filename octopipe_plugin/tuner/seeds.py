@@ -35,7 +35,7 @@ def chunk_counts(model, num_devices: int, num_microbatches: int) -> list[int]:
 
 
 def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: int) -> list[Baseline]:
-    """Every registry schedule (interleaved-1f1b at each useful v) on the Megatron and balanced splits."""
+    """Every registry schedule (interleaved-1f1b, interleaved-zb at each useful v) on both splits."""
     out = []
     for name, spec in SCHEDULES.items():
         vs = chunk_counts(model, num_devices, num_microbatches) if spec.stages_per_device is None else [

@@ -43,7 +43,7 @@ def test_table_and_plan_file(files, capsys):
     text = capsys.readouterr().out
     assert "OctoPipe plan for cli-model" in text and "faster than Megatron interleaved 1F1B" in text
     for name in ("gpipe (megatron)", "1f1b (balanced)", "interleaved-1f1b (megatron)", "zb-h1", "zb-v",
-                 "dualpipev (balanced)", "baseline"):
+                 "interleaved-zb (balanced)", "dualpipev (balanced)", "baseline"):
         assert name in text
     plan = read_plan(out_plan, model.num_layers)
     validate_plan(plan, model.num_layers)
