@@ -23,6 +23,7 @@ from .evaluate import Evaluator, Outcome
 from .layout import Layout
 from .moves import Context, pick_move
 from .polish import critical_slots, polish_step
+from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, seed_layouts, seed_policies
 
 log = logging.getLogger(__name__)
@@ -216,15 +217,27 @@ def _choose(best, floor, baselines):
 
 
 def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> TuneResult:
-    res = simulate(ev.model, ev.cluster, final.plan, detail=False)
-    meta = dict(final.plan.meta)
+    plan, res = _without_empty_stages(ev, final.plan)
+    meta = dict(plan.meta)
     meta["tuner"] = {"source": source, "iterations": budget.done, "evaluations": ev.evaluations}
-    plan = replace(final.plan, predicted=res.summary(), meta=meta)
+    plan = replace(plan, predicted=res.summary(), meta=meta)
     bound = lower_bound(ev.model, ev.cluster.num_devices, ev.m)
     return TuneResult(plan=plan, step_ms=res.step_time_ms, bubble=res.bubble_ratio,
                       peak=tuple(res.peak_memory_bytes), bound=bound, baselines=tuple(baselines), source=source,
                       iterations=budget.done, evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
                       stopped_by=budget.stopped_by or "converged", seeded_s=seeded_s)
+
+
+def _without_empty_stages(ev, plan):
+    """Prefer the plan without empty stages when it is no slower and still fits (it never needs more memory)."""
+    res = simulate(ev.model, ev.cluster, plan, detail=False)
+    pruned = drop_empty_stages(plan)
+    if pruned is plan:
+        return plan, res
+    res_p = simulate(ev.model, ev.cluster, pruned, detail=False)
+    if res_p.step_time_ms <= res.step_time_ms and max(res_p.peak_memory_bytes) <= ev.cluster.memory_bytes:
+        return pruned, res_p
+    return plan, res
 
 
 def _oom_message(ev, model, cluster, m, baselines) -> str:
