@@ -1,4 +1,5 @@
-"""A plan's boundaries as DeepSpeed `parts`: 2 gloo ranks each build exactly their own LayerSpecs.
+"""A plan's boundaries as DeepSpeed `parts`: 2 gloo ranks each build exactly their own LayerSpecs,
+and the stock PipelineEngine trains the result with the single-process loss.
 
 The first `deepspeed.init_distributed` on a machine compiles DeepSpeed's shared-memory comm op
 (measured: about 93 s on 2 cores, then cached in ~/.cache/torch_extensions; later runs: 0.5 s).
@@ -27,14 +28,46 @@ def tiny_model(n):
     return Model(name="tiny", layers=tuple(Layer(name=f"l{i}", kind="dense", **cost) for i in range(n)))
 
 
+BASE_SEED = 1234
+MICRO_BATCHES = 4
+
+
+def widths(j):
+    """(in, out) of Linear entry j: widths grow by one per Linear, so the weight shape names the entry."""
+    k = j if j < FUNC_INDEX else j - 1
+    return k + 1, k + 2
+
+
 def specs():
-    """Linear j maps width j+1 to j+2 (so the weight shape names the entry); one entry is a function."""
+    """The DeepSpeed layer list: Linears chained by width, and one plain function entry."""
     from deepspeed.pipe import LayerSpec
 
-    out = []
+    return [_double if j == FUNC_INDEX else LayerSpec(torch.nn.Linear, *widths(j)) for j in range(len(LAYER_OF_SPEC))]
+
+
+def batches():
+    gen = torch.Generator().manual_seed(0)
+    out_width = widths(len(LAYER_OF_SPEC) - 1)[1]
+    return [(torch.randn(1, 1, generator=gen), torch.randn(1, out_width, generator=gen)) for _ in range(MICRO_BATCHES)]
+
+
+def reference_loss():
+    """Single process: the same layers seeded as DeepSpeed's seed_layers does, mean MSE over the micro-batches."""
+    from deepspeed.runtime.utils import set_random_seed
+
+    funcs = []
     for j in range(len(LAYER_OF_SPEC)):
-        out.append(_double if j == FUNC_INDEX else LayerSpec(torch.nn.Linear, j + 1, j + 2))
-    return out
+        if j == FUNC_INDEX:
+            funcs.append(_double)
+        else:
+            set_random_seed(BASE_SEED + j)
+            funcs.append(torch.nn.Linear(*widths(j)))
+    losses = []
+    for x, y in batches():
+        for f in funcs:
+            x = f(x)
+        losses.append(torch.nn.functional.mse_loss(x, y))
+    return float(torch.stack(losses).mean())
 
 
 def _double(x):
@@ -56,10 +89,15 @@ def build_worker(rank, world, port, ds_config, out_dir):
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     parts = load_parts(ds_config, num_specs=len(LAYER_OF_SPEC))
-    module = OctoPipePipelineModule(specs(), parts=parts)
+    module = OctoPipePipelineModule(specs(), parts=parts, loss_fn=torch.nn.MSELoss(), seed_layers=True,
+                                    base_seed=BASE_SEED)
     built = {name: list(sub.weight.shape) for name, sub in module.named_children() if hasattr(sub, "weight")}
     report = dict(parts=module.parts, bounds=[module._local_start, module._local_stop], built=built,
                   funcs=len(module.forward_funcs), owners=[module.stage_owner(j) for j in range(len(LAYER_OF_SPEC))])
+    # the stock PipelineEngine trains the partitioned module (ds_config keeps the octopipe block)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
+                                           model_parameters=[p for p in module.parameters()])
+    report["loss"] = float(engine.train_batch(data_iter=iter(batches())))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(report, fh)
     deepspeed.comm.barrier()
@@ -73,18 +111,21 @@ def test_two_ranks_build_exactly_their_layers(tmp_path):
     plan = build_plan(model, "1f1b", 2, 2, boundaries=[0, 1, 5])  # 1 layer vs 4: far from DeepSpeed's uniform
     plan_path = tmp_path / "plan.json"
     write_plan(plan, plan_path)
-    ds_config = {"train_batch_size": 2, "octopipe": {"plan": str(plan_path), "layer_of_spec": LAYER_OF_SPEC}}
+    ds_config = {"train_batch_size": MICRO_BATCHES, "train_micro_batch_size_per_gpu": 1,
+                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                 "octopipe": {"plan": str(plan_path), "layer_of_spec": LAYER_OF_SPEC}}
     mp.spawn(build_worker, args=(2, free_port(), ds_config, str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     expect_parts = [0, 1, len(LAYER_OF_SPEC)]
     for rank, rep in enumerate(reports):
         lo, hi = expect_parts[rank], expect_parts[rank + 1]
-        linears = {str(j): [j + 2, j + 1] for j in range(lo, hi) if j != FUNC_INDEX}
+        linears = {str(j): list(widths(j))[::-1] for j in range(lo, hi) if j != FUNC_INDEX}
         assert rep["parts"] == expect_parts
         assert rep["bounds"] == [lo, hi]
         assert rep["built"] == linears  # nothing of the other stage is built here
         assert rep["funcs"] == hi - lo
         assert rep["owners"] == [0] + [1] * (len(LAYER_OF_SPEC) - 1)
+        assert rep["loss"] == pytest.approx(reference_loss(), rel=1e-5)
 
 
 def test_plan_parts_with_and_without_map():
