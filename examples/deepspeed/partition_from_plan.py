@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (default H100)")
     p.add_argument("--cluster", default="h100x2", help="named cluster (<gpu>x<count>) or cluster file")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zb-h1"), help="one-stage-per-device schedule")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zb-h1"),
+                   help="a one-stage-per-device schedule (default 1f1b)")
     p.add_argument("--split", default="balanced", choices=("balanced", "megatron"), help="stage boundaries")
     p.add_argument("--tune", type=float, metavar="SECONDS", help="tune a plan with this time budget instead")
     p.add_argument("--out", help="folder for plan.json and ds_config.json (default: a new temporary folder)")
