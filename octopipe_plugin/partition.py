@@ -84,9 +84,11 @@ def _decoder_counts(decoder: int, num_stages: int, first: int | None, last: int 
 def balanced_split(model, num_stages: int, weights: Sequence[float] | None = None) -> list[tuple[int, int]]:
     """Contiguous split minimising the largest stage cost (F+I+W per layer, or `weights`); exact.
 
-    Dynamic programme over (stages used, layers covered); the best cut for each cell is found
+    Dynamic programme over (stages used, layers covered); the best value of each cell is found
     by bisection because the left part's optimum grows and the right part's cost shrinks with
-    the cut. Ties go to the later cut in every cell, so the result is deterministic.
+    the cut. When one heavy layer fixes that maximum, many splits tie; among them the one with
+    the smallest sum of squared stage costs is returned, so the other stages share the rest of
+    the work instead of being left empty. Deterministic: ties go to the later cut.
     """
     if num_stages < 1:
         raise PlanError(f"balanced_split: num_stages must be >= 1, got {num_stages}")
@@ -100,12 +102,32 @@ def balanced_split(model, num_stages: int, weights: Sequence[float] | None = Non
     for c in cost:
         prefix.append(prefix[-1] + c)
     best = [prefix[j] for j in range(n + 1)]  # one stage covering layers [0, j)
+    for _ in range(1, num_stages):
+        best = [_best_value(best, prefix, j) for j in range(n + 1)]
+    return _spread_under_cap(prefix, num_stages, best[n])
+
+
+def _spread_under_cap(prefix: list[float], num_stages: int, cap: float) -> list[tuple[int, int]]:
+    """Among splits whose every stage costs at most `cap`, the one with the least sum of squares."""
+    n = len(prefix) - 1
+    limit = cap + 1e-9 * max(1.0, cap)
+    inf = float("inf")
+    score = [0.0] + [inf] * n  # one stage covering [0, j)
+    for j in range(1, n + 1):
+        if prefix[j] <= limit:
+            score[j] = prefix[j] ** 2
     cuts: list[list[int]] = [[0] * (n + 1)]
     for _ in range(1, num_stages):
-        nxt, cut = [0.0] * (n + 1), [0] * (n + 1)
+        nxt, cut = [inf] * (n + 1), [0] * (n + 1)
         for j in range(n + 1):
-            cut[j], nxt[j] = _best_cut(best, prefix, j)
-        best = nxt
+            for i in range(j, -1, -1):
+                last = prefix[j] - prefix[i]
+                if last > limit:
+                    break
+                val = score[i] + last * last
+                if val < nxt[j] - 1e-12 * max(1.0, val):
+                    nxt[j], cut[j] = val, i
+        score = nxt
         cuts.append(cut)
     bounds, end = [], n
     for k in range(num_stages - 1, -1, -1):
@@ -115,17 +137,8 @@ def balanced_split(model, num_stages: int, weights: Sequence[float] | None = Non
     return bounds[::-1]
 
 
-def _best_cut(best: list[float], prefix: list[float], j: int) -> tuple[int, float]:
-    """argmin over i <= j of max(best[i], prefix[j] - prefix[i]), latest i on ties."""
+def _best_value(best: list[float], prefix: list[float], j: int) -> float:
+    """min over i <= j of max(best[i], prefix[j] - prefix[i])."""
     # best[i] is non-decreasing in i, the last stage's cost non-increasing: find the crossing.
     lo = bisect_left(range(j + 1), True, key=lambda i: best[i] >= prefix[j] - prefix[i])
-    top, arg = float("inf"), 0
-    for i in (lo - 1, lo):
-        if 0 <= i <= j:
-            val = max(best[i], prefix[j] - prefix[i])
-            if val <= top:
-                top, arg = val, i
-    # Walk right over equal values so ties resolve to the latest cut.
-    while arg + 1 <= j and max(best[arg + 1], prefix[j] - prefix[arg + 1]) <= top:
-        arg += 1
-    return arg, top
+    return min(max(best[i], prefix[j] - prefix[i]) for i in (lo - 1, lo) if 0 <= i <= j)

@@ -87,3 +87,20 @@ def test_balanced_split_uses_f_plus_i_plus_w_or_weights():
     assert balanced_split(m, 2, weights=[1, 1, 1, 1]) == [(0, 2), (2, 4)]
     with pytest.raises(PlanError):
         balanced_split(m, 2, weights=[1, 1])
+
+
+def test_balanced_split_spreads_the_rest_when_one_heavy_layer_sets_the_maximum():
+    # The head (20) alone fixes the min-max optimum; every split of the other ten layers ties on it.
+    m = make(["dense"] * 10 + ["lm_head"], [1.0] * 10 + [20.0])
+    bounds = balanced_split(m, 4)
+    assert bounds[-1] == (10, 11)
+    light = [b - a for a, b in bounds[:-1]]
+    assert sum(light) == 10 and min(light) >= 3 and max(light) - min(light) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=4, max_size=9), st.integers(2, 4))
+def test_balanced_split_leaves_no_stage_empty_when_layers_suffice(costs, k):
+    m = make(["dense"] * len(costs), [float(c) for c in costs])
+    bounds = balanced_split(m, k)
+    assert all(b > a for a, b in bounds)
