@@ -2,8 +2,9 @@
 
 Spawning is the slow part, so one group of ranks per world size runs every plan of that
 size: the built-in schedules (non-uniform random stage boundaries, m < p and m not a
-multiple of p included) and random valid irregular plans on looped, V and arbitrary
-placements. Every rank checks the layers it owns (octopipe_plugin.executor.checks).
+multiple of p included), tuner-produced plans, and random valid irregular plans on looped,
+V and arbitrary placements. Every other plan runs untagged (order rule alone) and some run
+through the Megatron-style forward_step runner. Every rank checks the layers it owns (octopipe_plugin.executor.checks).
 """
 
 from __future__ import annotations
@@ -50,6 +51,27 @@ def builtin_docs(p: int, rng: random.Random) -> list[dict]:
     return docs
 
 
+def tuned_docs(p: int) -> list[dict]:
+    """Plans from the tuner for a heterogeneous 10-layer cost model (non-uniform stages, its own lists)."""
+    from dataclasses import replace
+
+    from octopipe_plugin.executor.dryrun import zero_cost_cluster
+    from octopipe_plugin.formats import Layer, Model
+    from octopipe_plugin.tuner import tune
+
+    kinds = ("embedding", "dense", "attention", "dense", "mlp", "dense", "attention", "dense", "mlp", "lm_head")
+    assert len(kinds) == len(SPEC.layers)
+    layers = tuple(Layer(name=f"l{i}", kind=k, fwd_ms=1.0 + (i % 4) * 0.7, bwd_ms=1.2 + (i % 3) * 0.5, wgrad_ms=0.9,
+                         state_bytes=1 << 20, activation_bytes=1 << 20, output_bytes=1 << 20)
+                   for i, k in enumerate(kinds))
+    cluster = replace(zero_cost_cluster(p), memory_bytes=1 << 40)
+    docs = []
+    for m in (p + 1, 2 * p):
+        plan = tune(Model(name="toy10", layers=layers), cluster, m, time_budget_s=10, iterations=30, seed=p).plan
+        docs.append(_doc(plan, f"tuned p={p} m={m} stages={[(st.start, st.end, st.device) for st in plan.stages]}"))
+    return docs
+
+
 def random_docs(seed: int, p: int) -> list[dict]:
     """Random valid irregular plans (sampled topological orders) on looped, V and arbitrary placements."""
     rng = random.Random(seed)
@@ -72,7 +94,7 @@ def random_docs(seed: int, p: int) -> list[dict]:
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seeds=st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=2))
 def test_plans_match_single_process_reference(world, seeds):
-    docs = builtin_docs(world, random.Random(world))
+    docs = builtin_docs(world, random.Random(world)) + tuned_docs(world)
     for seed in seeds:
         docs += random_docs(seed, world)
     spawn(check_plans_worker, world, docs, SPEC)
