@@ -48,12 +48,14 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, fwd, bwd):
+        """Sleep fwd ms, pass x on."""
         ctx.bwd = bwd
         time.sleep(fwd / 1000.0)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
+        """Sleep bwd ms, pass the gradient on."""
         time.sleep(ctx.bwd / 1000.0)
         return g, None, None
 

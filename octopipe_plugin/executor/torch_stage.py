@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .interface import TensorMeta
-from .split_backward import WeightWork, backward_input, backward_weight
+from .split_backward import backward_input, backward_weight
 
 
 class TorchStages:
