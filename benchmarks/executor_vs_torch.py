@@ -80,7 +80,7 @@ def build(mode: str) -> nn.ModuleList:
     return nn.ModuleList([SleepLayer(SPEC.hidden) for _ in SPEC.layers])
 
 
-def plan_docs(p: int, m: int) -> list[dict]:
+def plan_docs(p: int, m: int, in_order: bool = True) -> list[dict]:
     """One plan per built-in schedule plus a random irregular one, uniform stages."""
     docs = []
     n = len(SPEC.layers)
@@ -91,7 +91,7 @@ def plan_docs(p: int, m: int) -> list[dict]:
             devs = [s % p for s in range(p * v)]
             rng.shuffle(devs)
             # torch's runtime keeps per-stage losses positionally: keep each stage in micro-batch order
-            sched = sample_schedule(devs, p, m, rng, in_order=True)
+            sched = sample_schedule(devs, p, m, rng, in_order=in_order)
         else:
             devs = stage_devices_for(name, p, v)
             sched = SCHEDULES[name].generate(devs, p, m)
@@ -203,8 +203,11 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="real,sleep")
+    ap.add_argument("--any-order", action="store_true",
+                    help="let the random plan run a stage's micro-batches out of order (torch's runtime may then "
+                         "fail, or silently compute wrong gradients: see the last column)")
     args = ap.parse_args()
-    docs = plan_docs(args.devices, args.microbatches)
+    docs = plan_docs(args.devices, args.microbatches, in_order=not args.any_order)
     with tempfile.TemporaryDirectory() as tmp:
         spawn(worker, args.devices, docs, args.modes.split(","), args.steps, tmp)
         rows = json.load(open(os.path.join(tmp, "results.json")))
