@@ -47,6 +47,12 @@ class TorchStages:
         """Run the stage module; the last stage also applies the scaled loss."""
         if stage == 0:
             x = self.load_input(mb)
+            if x.is_floating_point():
+                # A float input that "requires grad" lets I walk the activation chain of stage 0 and
+                # leave W only the weight products, as on every other stage (a faithful I/W split for
+                # zero-bubble plans), at the price of the first layer's unused input-gradient product.
+                # Integer inputs (token ids) fall back to "I does nothing, W does everything".
+                x = x.detach().requires_grad_(True)
         else:
             # detach() shares storage: a same-device hand-off is not copied, only cut from the graph
             x = inputs.detach().requires_grad_(True)
@@ -73,7 +79,8 @@ class TorchStages:
         x, out = saved["input"], saved["output"]
         if out is x:  # an empty stage forwards its input unchanged
             return self._grads(out, grad_output)
-        targets = self._params(stage) + ([x] if x.requires_grad else [])
+        wants_dx = x.requires_grad and stage > 0
+        targets = self._params(stage) + ([x] if wants_dx else [])
         if not targets:
             return None
         grads = torch.autograd.grad([out], targets, [self._grads(out, grad_output)], allow_unused=True)
@@ -83,7 +90,7 @@ class TorchStages:
                     p.grad = g
                 else:
                     p.grad.add_(g)
-        return grads[-1] if x.requires_grad else None
+        return grads[-1] if wants_dx else None
 
     def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Input gradient only; keeps the captured gradients (not the activations above them) for W."""
@@ -92,7 +99,7 @@ class TorchStages:
         x, out = saved["input"], saved["output"]
         g = self._grads(out, grad_output)
         if not x.requires_grad:
-            # First stage: no input gradient exists, so all of the backward is weight work (W).
+            # First stage on integer input: the graph has no input side, so all of it is W's work.
             saved["grad_output"] = g
             return None
         if out is x:
@@ -100,7 +107,7 @@ class TorchStages:
             return g
         (dx,), work = backward_input([out], [g], [x], self._params(stage))
         self._saved[key] = {"work": work}  # drops input and output references
-        return dx
+        return dx if stage > 0 else None
 
     def backward_weight(self, stage: int, mb: int) -> None:
         """Finish the weight gradients deferred by backward_input."""
