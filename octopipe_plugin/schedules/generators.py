@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 
 from ..errors import PlanError
 from .actions import Action, B, F, I, W
-from .placement import device_stages, looped, v_shape
+from .placement import looped, v_shape
 
 Schedule = tuple[tuple[Action, ...], ...]
 
@@ -53,15 +54,26 @@ def one_f_one_b(stage_devices: Sequence[int], num_devices: int, num_microbatches
     _require_map("1f1b", stage_devices, looped(num_devices, 1))
     _check_m("1f1b", num_microbatches)
     m, p = num_microbatches, num_devices
-    out = []
-    for r in range(p):
-        warm = min(p - r - 1, m)
-        row = [F(r, i) for i in range(warm)]
-        for i in range(m - warm):
-            row += [F(r, warm + i), B(r, i)]
-        row += [B(r, i) for i in range(m - warm, m)]
-        out.append(tuple(row))
-    return tuple(out)
+    return tuple(tuple(_warm_steady_drain(min(p - r - 1, m), m, partial(F, r), partial(B, r))) for r in range(p))
+
+
+def _warm_steady_drain(warm: int, total: int, fwd, bwd, wgrad=None, held: int = 0) -> list[Action]:
+    """One rank's list: `warm` forwards, then a forward (while any is left) and a backward per step.
+
+    With `wgrad` the backward is the I part: after the j-th I (j >= held) comes the W of the
+    (j - held)-th, and the last `held` W's close the list (ZB-H1's deferred weight gradients).
+    `fwd(k)`, `bwd(k)` and `wgrad(k)` make the rank's k-th action of their kind.
+    """
+    row = [fwd(k) for k in range(warm)]
+    for j in range(total):
+        if warm + j < total:
+            row.append(fwd(warm + j))
+        row.append(bwd(j))
+        if wgrad is not None and j >= held:
+            row.append(wgrad(j - held))
+    if wgrad is not None:
+        row += [wgrad(j) for j in range(max(0, total - held), total)]
+    return row
 
 
 def megatron_group_size(num_devices: int, num_microbatches: int) -> int:
@@ -118,11 +130,7 @@ def interleaved_1f1b(stage_devices: Sequence[int], num_devices: int, num_microba
             mb, c = table[k]
             return B((v - 1 - c) * p + r, mb)
 
-        row = [fwd(k) for k in range(warm)]
-        for k in range(total - warm):
-            row += [fwd(k + warm), bwd(k)]
-        row += [bwd(k) for k in range(total - warm, total)]
-        out.append(tuple(row))
+        out.append(tuple(_warm_steady_drain(warm, total, fwd, bwd)))
     return tuple(out)
 
 
@@ -136,21 +144,8 @@ def zb_h1(stage_devices: Sequence[int], num_devices: int, num_microbatches: int)
     _require_map("zb-h1", stage_devices, looped(num_devices, 1))
     _check_m("zb-h1", num_microbatches)
     m, p = num_microbatches, num_devices
-    out = []
-    for r in range(p):
-        warm = min(p - r - 1, m)
-        row = [F(r, i) for i in range(warm)]
-        pending: deque[int] = deque()
-        for i in range(m):
-            if warm + i < m:
-                row.append(F(r, warm + i))
-            row.append(I(r, i))
-            pending.append(i)
-            if i >= r:
-                row.append(W(r, pending.popleft()))
-        row += [W(r, i) for i in pending]
-        out.append(tuple(row))
-    return tuple(out)
+    return tuple(tuple(_warm_steady_drain(min(p - r - 1, m), m, partial(F, r), partial(I, r), partial(W, r), held=r))
+                 for r in range(p))
 
 
 def zb_round_size(num_devices: int, num_microbatches: int, num_chunks: int) -> int:
@@ -204,15 +199,7 @@ def _interleaved_zb_rank(p: int, v: int, m: int, g: int, r: int) -> list[Action]
     # One warm-up forward per hop to the last device (Megatron's interleaving takes two): the first
     # I comes back sooner, and the r held-back W's lift every rank to the same peak, (v-1)g + p.
     warm = min((v - 1) * g + p - 1 - r, total)
-    row = [fwd(k) for k in range(warm)]
-    for j in range(total):
-        if warm + j < total:
-            row.append(fwd(warm + j))
-        row.append(bwd(I, j))
-        if j >= r:
-            row.append(bwd(W, j - r))
-    row += [bwd(W, j) for j in range(max(0, total - r), total)]
-    return row
+    return _warm_steady_drain(warm, total, fwd, lambda k: bwd(I, k), lambda k: bwd(W, k), held=r)
 
 
 def zb_v(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
