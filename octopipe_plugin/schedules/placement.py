@@ -37,14 +37,6 @@ def place(placement: Placement | str, num_devices: int, stages_per_device: int) 
         num_devices, stages_per_device)
 
 
-def device_stages(stage_devices, num_devices: int) -> list[list[int]]:
-    """Stages of every device, in model order."""
-    out: list[list[int]] = [[] for _ in range(num_devices)]
-    for s, d in enumerate(stage_devices):
-        out[d].append(s)
-    return out
-
-
 def _check(num_devices: int, stages_per_device: int) -> None:
     if num_devices < 1 or stages_per_device < 1:
         raise PlanError(f"placement needs >= 1 device and >= 1 stage per device, got "
