@@ -183,7 +183,7 @@ def test_memory_curve_and_peak_include_static_state():
 
 def test_critical_path_spans_the_step():
     res = run("interleaved-1f1b", 4, 8, v=2)
-    (d0, first), (d1, last) = res.critical_path[0], res.critical_path[-1]
+    (_, first), (_, last) = res.critical_path[0], res.critical_path[-1]
     times = {a: (s, e) for row in res.timeline for a, s, e in row}
     assert times[first][0] == 0.0 and times[last][1] == res.step_time_ms
     # with free transfers, a critical chain has no gaps: each action starts when its predecessor ends
