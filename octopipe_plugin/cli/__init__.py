@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 
 from ..errors import OctoPipeError
 
@@ -24,15 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octopipe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
-        try:
-            mod = importlib.import_module(f"{__name__}.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.endswith(module):
-                continue  # sub-command not built yet
-            raise
-        mod.add_parser(sub)
+    for module in COMMANDS.values():
+        importlib.import_module(f"{__name__}.{module}").add_parser(sub)
     return parser
+
+
+def write_output(write: Callable[[], object], path: str) -> None:
+    """Run `write` (which writes `path`); an OSError becomes a one-line OctoPipeError naming the file."""
+    try:
+        write()
+    except OSError as exc:
+        raise OctoPipeError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

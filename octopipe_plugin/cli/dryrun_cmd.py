@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-import os
-
+from ..costs import resolve_cluster, resolve_model
 from ..errors import OctoPipeError
-from ..formats import read_cluster, read_model, read_plan
-
-log = logging.getLogger(__name__)
+from ..formats import read_plan
 
 
 def add_parser(subparsers) -> None:
@@ -33,30 +29,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _resolve_model(name: str, gpu: str):
-    try:
-        from ..costs import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        return resolve_model(name, gpu)
-    if not os.path.exists(name):
-        raise OctoPipeError(f"--model {name!r}: no such file (zoo names need octopipe_plugin.costs)")
-    return read_model(name)
-
-
-def _resolve_cluster(name: str | None):
-    if name is None:
-        return None
-    if os.path.exists(name):
-        return read_cluster(name)
-    try:
-        from ..costs import resolve_cluster
-    except ImportError:
-        raise OctoPipeError(f"--cluster {name!r}: no such file (cluster names need octopipe_plugin.costs)") from None
-    return resolve_cluster(name)
-
-
 def run(args) -> int:
     """Run the dry run and print predicted vs measured step time and per-device idle time."""
     from ..executor.dryrun import dry_run
@@ -65,9 +37,9 @@ def run(args) -> int:
         raise OctoPipeError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.timeout <= 0:
         raise OctoPipeError(f"--timeout must be > 0, got {args.timeout}")
-    model = _resolve_model(args.model, args.gpu)
+    model = resolve_model(args.model, args.gpu)
     plan = read_plan(args.plan, num_layers=model.num_layers)
-    cluster = _resolve_cluster(args.cluster)
+    cluster = resolve_cluster(args.cluster) if args.cluster is not None else None
     if cluster is not None and cluster.num_devices < plan.num_devices:
         raise OctoPipeError(f"--cluster {args.cluster}: {cluster.num_devices} devices, the plan needs {plan.num_devices}")
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,

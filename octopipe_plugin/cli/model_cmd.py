@@ -9,6 +9,7 @@ from ..costs import ZOO, get_gpu, resolve_model, zoo_description
 from ..errors import OctoPipeError
 from ..formats.model import Model, model_to_dict, write_model
 from ..graph import ModelGraph
+from . import write_output
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,7 @@ def run(args) -> int:
     model = resolve_model(args.name, get_gpu(args.gpu).name, seq_len=args.seq_len,
                           micro_batch_size=args.micro_batch_size, tp=args.tp, dp=args.dp, recompute=args.recompute)
     if args.output:
-        try:
-            write_model(model, args.output)
-        except OSError as exc:
-            raise OctoPipeError(f"cannot write {args.output}: {exc.strerror}") from None
+        write_output(lambda: write_model(model, args.output), args.output)
         log.info("wrote %s", args.output)
     if args.json:
         print(json.dumps(model_to_dict(model), indent=1))

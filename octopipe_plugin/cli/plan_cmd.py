@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 from ..costs import get_gpu, resolve_cluster, resolve_model
@@ -11,8 +10,7 @@ from ..errors import OctoPipeError
 from ..formats import plan_to_dict, write_plan
 from ..tuner import tune
 from ..tuner.compare import baseline_ms, comparison_rows, format_table
-
-log = logging.getLogger(__name__)
+from . import write_output
 
 
 def add_parser(subparsers) -> None:
@@ -53,12 +51,11 @@ def run(args) -> int:
         result = tune(model, cluster, args.microbatches, time_budget_s=args.time_budget, seed=args.seed,
                       iterations=args.iterations, progress=bar)
     if args.output:
-        try:
-            write_plan(result.plan, args.output)
-        except OSError as exc:
-            raise OctoPipeError(f"cannot write {args.output}: {exc.strerror}") from None
+        write_output(lambda: write_plan(result.plan, args.output), args.output)
     if args.png:
-        _draw(model, cluster, result.plan, args.png)
+        from ..simulator.gantt import write_png
+
+        write_output(lambda: write_png(model, cluster, result.plan, args.png), args.png)
     rows = comparison_rows(result)
     if args.json:
         print(json.dumps(_as_json(result, rows), indent=1))
@@ -105,14 +102,6 @@ def _as_json(result, rows) -> dict:
         "evaluations": result.evaluations,
         "comparison": [r.as_dict() for r in rows],
     }
-
-
-def _draw(model, cluster, plan, path) -> None:
-    try:
-        from ..simulator import gantt
-    except ImportError:
-        raise OctoPipeError("--png needs octopipe_plugin.simulator.gantt, which this installation lacks") from None
-    gantt.write_png(model, cluster, plan, path)
 
 
 class _progress_bar:

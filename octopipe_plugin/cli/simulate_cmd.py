@@ -8,6 +8,7 @@ from ..errors import OctoPipeError
 from ..formats import Plan, read_plan, write_plan
 from ..schedules.registry import SCHEDULES, build_plan
 from ..simulator import SimOptions, SimResult, simulate
+from . import write_output
 
 _GIB = 2**30
 
@@ -76,24 +77,17 @@ def run(args) -> int:
     res = simulate(model, cluster, plan, opts)
     report = _report(model, cluster, plan, res)
     if args.save_plan:
-        _write(lambda: write_plan(_with_prediction(plan, res), args.save_plan), args.save_plan)
+        write_output(lambda: write_plan(_with_prediction(plan, res), args.save_plan), args.save_plan)
     if args.trace:
         from ..simulator.trace import write_trace
 
-        _write(lambda: write_trace(model, cluster, plan, args.trace, opts, res), args.trace)
+        write_output(lambda: write_trace(model, cluster, plan, args.trace, opts, res), args.trace)
     if args.png:
         from ..simulator.gantt import write_png
 
-        _write(lambda: write_png(model, cluster, plan, args.png, opts, res), args.png)
+        write_output(lambda: write_png(model, cluster, plan, args.png, opts, res), args.png)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
-
-
-def _write(action, path: str) -> None:
-    try:
-        action()
-    except OSError as exc:
-        raise OctoPipeError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def _with_prediction(plan: Plan, res: SimResult) -> Plan:
