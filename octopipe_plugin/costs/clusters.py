@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 from ..errors import OctoPipeError
+from ..formats._fields import is_document_path
 from ..formats.cluster import Cluster, Link, read_cluster
 from .gpus import get_gpu
 
@@ -34,7 +34,7 @@ def named_cluster(gpu: str, count: int, devices_per_node: int = DEVICES_PER_NODE
 def resolve_cluster(name_or_path: str) -> Cluster:
     """'h100x16' style names (8 per node) or an `octopipe-cluster/1` JSON/YAML file."""
     name = str(name_or_path).strip()
-    if os.path.exists(name) or name.endswith((".json", ".yaml", ".yml")):
+    if is_document_path(name):
         return read_cluster(name)
     match = _NAME.match(name)
     if not match:

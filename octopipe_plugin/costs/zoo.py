@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import FormatError, OctoPipeError
-from ..formats._fields import check_format, load_json
+from ..formats._fields import check_format, is_document_path, load_json
 from ..formats.model import Model, model_from_dict
 from .analytic import build_model
 from .arch import Arch, arch_from_dict
@@ -24,27 +24,30 @@ def zoo_description(name: str) -> str:
     return str(data.get("description", ""))
 
 
-def _is_file(name: str) -> bool:
-    return os.path.exists(name) or name.endswith((".json", ".yaml", ".yml"))
+def _is_model_doc(data: dict) -> bool:
+    """Whether a loaded document is a cost-annotated `octopipe-model/1` (rather than an architecture)."""
+    return str(data.get("format", "")).startswith("octopipe-model/")
 
 
 def _load_doc(name_or_path: str, seen: tuple[str, ...] = ()) -> tuple[dict, str]:
     """Raw architecture dict of a zoo name or file, with `base:` (a zoo name or file) merged underneath."""
     if name_or_path in ZOO:
         data, src = load_json(ZOO[name_or_path])
-    elif _is_file(name_or_path):
+    elif is_document_path(name_or_path):
         data, src = load_json(name_or_path)
     else:
         raise OctoPipeError(
             f"unknown model {name_or_path!r}: expected a zoo name ({', '.join(ZOO)}) or a .json/.yaml file")
     base = data.get("base")
-    if base is None or str(data.get("format", "")).startswith("octopipe-model/"):
+    if base is None or _is_model_doc(data):
         return data, src
     if not isinstance(base, str) or base in seen:
         raise FormatError(src, "$.base", "a zoo name or architecture file that does not refer back", base)
-    if _is_file(base) and not os.path.isabs(base) and not os.path.exists(base):
+    if is_document_path(base) and not os.path.isabs(base) and not os.path.exists(base):
         base = os.path.join(os.path.dirname(src), base)
     parent, _ = _load_doc(base, seen + (name_or_path,))
+    if _is_model_doc(parent):
+        raise FormatError(src, "$.base", "a zoo name or architecture file (not an octopipe-model file)", base)
     merged = {k: v for k, v in parent.items() if k not in ("description",)}
     merged.update({k: v for k, v in data.items() if k != "base"})
     return merged, src
@@ -53,8 +56,13 @@ def _load_doc(name_or_path: str, seen: tuple[str, ...] = ()) -> tuple[dict, str]
 def load_arch(name_or_path: str, **overrides) -> Arch:
     """Architecture of a zoo name or an arch file, with keyword overrides (None values are ignored)."""
     data, src = _load_doc(str(name_or_path))
+    return _arch_of_doc(data, src, overrides)
+
+
+def _arch_of_doc(data: dict, src: str, overrides: dict) -> Arch:
+    """The Arch of a loaded architecture document with the given overrides applied."""
     if "format" in data:
-        check_format_arch(data, src)
+        check_format(data, src, "octopipe-arch")
     given = {k: v for k, v in overrides.items() if v is not None}
     unknown = sorted(set(given) - OVERRIDABLE)
     if unknown:
@@ -64,20 +72,13 @@ def load_arch(name_or_path: str, **overrides) -> Arch:
     return arch_from_dict({**data, **given}, src)
 
 
-def check_format_arch(data: dict, src: str) -> None:
-    """Refuse an architecture file whose `format` is not `octopipe-arch/1`."""
-    check_format(data, src, "octopipe-arch")
-
-
 def resolve_model(name_or_path: str, gpu: str = "H100", **overrides) -> Model:
     """Zoo name or arch file -> analytic-costed Model; an `octopipe-model/1` file is read as it is."""
-    name = str(name_or_path)
-    if name not in ZOO and _is_file(name):
-        data, src = load_json(name)
-        if str(data.get("format", "")).startswith("octopipe-model/"):
-            given = sorted(k for k, v in overrides.items() if v is not None)
-            if given:
-                raise OctoPipeError(f"{src}: a cost-annotated octopipe-model file cannot take overrides {given}; "
-                                    "pass an architecture file or zoo name instead")
-            return model_from_dict(data, src)
-    return build_model(load_arch(name, **overrides), gpu)
+    data, src = _load_doc(str(name_or_path))
+    if _is_model_doc(data):
+        given = sorted(k for k, v in overrides.items() if v is not None)
+        if given:
+            raise OctoPipeError(f"{src}: a cost-annotated octopipe-model file cannot take overrides {given}; "
+                                "pass an architecture file or zoo name instead")
+        return model_from_dict(data, src)
+    return build_model(_arch_of_doc(data, src, overrides), gpu)

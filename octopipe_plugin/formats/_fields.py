@@ -37,6 +37,11 @@ def load_json(source) -> tuple[dict, str]:
     return data, name
 
 
+def is_document_path(name: str) -> bool:
+    """Whether a command-line name means a file: it exists or ends in .json, .yaml or .yml."""
+    return os.path.exists(name) or name.endswith((".json", ".yaml", ".yml"))
+
+
 def check_format(data: dict, src: str, family: str) -> None:
     """Refuse a document whose `format` is not `family/1` (any minor version)."""
     fmt = field(data, "format", src, "$", str)
