@@ -160,20 +160,14 @@ def moe(d: Dims, arch: Arch) -> Block:
     up = (2 if d.gated else 1) * fe // t
     copies = n * k
     norm_op, norm_params, norm_act = norm(d)
-
-    def grouped(name: str, kin: int, kout: int) -> Op:
-        # Grouped GEMM: 2 * copies * kin * kout FLOPs; reads every local expert's weights once.
-        flops = 2.0 * copies * kin * kout
-        nbytes = float(copies * kin + local * kin * kout + copies * kout) * dt
-        return Op(name=name, f_flops=flops, f_bytes=nbytes, i_flops=flops, i_bytes=nbytes, w_flops=flops,
-                  w_bytes=nbytes)
-
     ops = [norm_op, *tp_comm(d, "moe all-reduce"), matmul("router", n // sp, h, e, dt),
            elementwise("router softmax/top-k", 8.0 * n / sp * e), elementwise("permute", 2.0 * copies * h * dt)]
     if arch.ep > 1:
         ops.append(collective("all-to-all", 2.0 * copies * h * dt * (arch.ep - 1) / arch.ep))
-    ops += [grouped("expert fc1", h, up), elementwise("expert activation", (3 if d.gated else 2) * copies * fe / t * dt),
-            grouped("expert fc2", fe // t, h), elementwise("unpermute", (2.0 * copies + n) * h * dt)]
+    ops += [matmul("expert fc1", copies, h, up, dt, weights=local),
+            elementwise("expert activation", (3 if d.gated else 2) * copies * fe / t * dt),
+            matmul("expert fc2", copies, fe // t, h, dt, weights=local),
+            elementwise("unpermute", (2.0 * copies + n) * h * dt)]
     params = norm_params + h * e + local * (h * up + fe // t * h)
     act = norm_act + n * h * dt // sp + 4 * n * e // sp  # norm in, router/expert input, fp32 router probs
     act += copies * h * dt + copies * up * dt + copies * fe // t * dt + copies * h * dt  # per-copy tensors

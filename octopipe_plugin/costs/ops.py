@@ -25,10 +25,13 @@ class Op:
     comm_bytes: float = 0.0  # bytes each rank moves over NVLink in F, and again in I
 
 
-def matmul(name: str, m: int, k: int, n: int, dt: int) -> Op:
-    """X[m,k] @ W[k,n]: 2mkn FLOPs each for Y, dX = dY W^T (I) and dW = X^T dY (W)."""
+def matmul(name: str, m: int, k: int, n: int, dt: int, weights: int = 1) -> Op:
+    """X[m,k] @ W[k,n]: 2mkn FLOPs each for Y, dX = dY W^T (I) and dW = X^T dY (W).
+
+    `weights` > 1 is a grouped GEMM: the m rows spread over that many [k,n] matrices, each read once.
+    """
     flops = 2.0 * m * k * n
-    nbytes = float(m * k + k * n + m * n) * dt
+    nbytes = float(m * k + weights * k * n + m * n) * dt
     return Op(name=name, f_flops=flops, f_bytes=nbytes, i_flops=flops, i_bytes=nbytes, w_flops=flops, w_bytes=nbytes)
 
 
