@@ -148,9 +148,9 @@ def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100") -> LayerCost:
     f, i, w = total_times(list(block.ops), gpu)
     out = output_bytes(arch, kind)
     recomputed = kind in RECOMPUTED_KINDS
-    # Full recompute keeps only the layer input (Korthikanti et al. 2022, Sec. 4.1: 2sbh, /t under SP).
-    input_bytes = (arch.vision_tokens * arch.micro_batch_size * arch.vision_hidden * arch.dtype_bytes // arch.sp_div
-                   if kind == "vision" else arch.tokens * arch.hidden * arch.dtype_bytes // arch.sp_div)
+    # Full recompute keeps only the layer input (Korthikanti et al. 2022, Sec. 4.1: 2sbh, /t under SP),
+    # which is what the previous layer of the same stack (ViT or decoder) sends on.
+    input_bytes = output_bytes(arch, "vision" if kind == "vision" else "dense")
     rec_act = input_bytes if recomputed else block.activation
     if arch.recompute and recomputed:
         i += f  # the forward is re-run right before the input-gradient pass
