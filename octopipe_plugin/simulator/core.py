@@ -52,7 +52,7 @@ class Transfer(NamedTuple):
         return f"{'act' if self.producer.kind is Kind.F else 'grad'} {self.producer}"
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SimResult:
     """Timing and memory of a simulated plan."""
 
@@ -279,21 +279,18 @@ def _finish(plan, sc: StageCosts, run: _Run, peak_act: list[int]) -> SimResult:
     total = sum(run.busy)
     bubble = 1.0 - total / (step * nd) if step > 0 else 0.0
     static = sc.device_state(plan.stages, nd)
-    res = SimResult(
+    return SimResult(
         step_time_ms=step,
         bubble_ratio=bubble,
         busy_ms=run.busy,
         peak_memory_bytes=[static[d] + peak_act[d] for d in range(nd)],
         static_bytes=static,
         peak_activation_bytes=peak_act,
-        timeline=[[] for _ in range(nd)],
+        timeline=run.timeline if run.detail else [[] for _ in range(nd)],
+        transfers=run.transfers if run.detail else [],
+        critical_path=_critical_path(plan, run) if run.detail else [],
         stage_activation=sc.activation,
     )
-    if run.detail:
-        res.timeline = run.timeline
-        res.transfers = run.transfers
-        res.critical_path = _critical_path(plan, run)
-    return res
 
 
 def _peak_activation(rows, activation: tuple[int, ...]) -> list[int]:
