@@ -149,6 +149,13 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     return _finish(plan, sc, run, _peak_activation(rows, sc.activation))
 
 
+def detailed(model, cluster, plan, options: SimOptions | None = None, result: SimResult | None = None) -> SimResult:
+    """`result` when it carries a timeline, else a detailed simulation of `plan` (for the pictures)."""
+    if result is not None and any(result.timeline):
+        return result
+    return simulate(model, cluster, plan, options)
+
+
 class _Run:
     """Mutable state of one simulation; `execute` is the hot loop."""
 

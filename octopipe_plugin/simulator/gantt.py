@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .core import SimOptions, SimResult, simulate
+from .core import SimOptions, SimResult, detailed
 
 KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 KIND_NAMES = {"F": "forward", "B": "backward (fused)", "I": "input-grad backward", "W": "weight-grad backward"}
@@ -108,7 +108,7 @@ def write_png(model, cluster, plan, path, options: SimOptions | None = None, res
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = result if result is not None and any(result.timeline) else simulate(model, cluster, plan, options)
+    res = detailed(model, cluster, plan, options, result)
     nd = plan.num_devices
     fig, ax = plt.subplots(figsize=(min(24.0, 10 + 0.05 * max(len(r) for r in plan.schedule)), 1.0 + 0.75 * nd))
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from .core import SimOptions, SimResult, simulate
+from .core import SimOptions, SimResult, detailed
 
 _US = 1000.0  # trace timestamps are microseconds, simulator times milliseconds
 _COMPUTE_TID, _SEND_TID = 0, 1
@@ -49,8 +49,7 @@ def _metadata(d: int) -> list[dict]:
 
 def trace_document(model, cluster, plan, options: SimOptions | None = None, result: SimResult | None = None) -> dict:
     """The whole trace as a JSON-ready dict (simulating the plan unless `result` is given)."""
-    res = result if result is not None and result.timeline and any(result.timeline) else simulate(
-        model, cluster, plan, options)
+    res = detailed(model, cluster, plan, options, result)
     return {
         "traceEvents": trace_events(plan, res),
         "displayTimeUnit": "ms",
