@@ -297,11 +297,13 @@ class _DualPipeVRank:
             self.row.append(B(stage, mb))
 
     def w(self) -> None:
+        """The oldest queued W, if any."""
         if self.weights:
             stage, mb = self.weights.popleft()
             self.row.append(W(stage, mb))
 
     def build(self, m: int) -> list[Action]:
+        """The rank's whole list for `m` micro-batches, DualPipeV's eight phases in order."""
         p, r, s0, s1 = self.p, self.r, self.s0, self.s1
         for _ in range((p - r - 1) * 2):  # 1: F0 warm-up
             self.f(s0)

@@ -55,8 +55,7 @@ def _interleaved_min(p: int, v: int) -> int:
 
 def _zb_rounds_check(p: int, m: int, v: int) -> None:
     """Interleaved ZB's rounds must divide m when v > 1 (the generator's own refusal, stated up front)."""
-    if p >= 1 and m >= 1:
-        gen.zb_round_size(p, m, v)
+    gen.zb_round_size(p, m, v)  # check() has already refused p < 1 and m < 1
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
