@@ -13,15 +13,14 @@ from typing import Sequence
 
 from ..formats import Plan, Stage
 from ..schedules.actions import Action, Kind
+from ..schedules.placement import Placement, place_stages
 
 
 def placement(kind: str, num_stages: int, num_devices: int, rng: random.Random | None = None) -> list[int]:
     """Stage -> device: 'looped' (s mod p), 'v' (zig-zag: 0..p-1, p-1..0, ...) or 'arbitrary' (random, none idle)."""
     p = num_devices
-    if kind == "looped":
-        return [s % p for s in range(num_stages)]
-    if kind == "v":
-        return [s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(num_stages)]
+    if kind in (Placement.LOOPED.value, Placement.V.value):
+        return place_stages(kind, p, num_stages)
     if kind == "arbitrary":
         rng = rng or random.Random(0)
         devs = list(range(p)) + [rng.randrange(p) for _ in range(num_stages - p)]

@@ -17,16 +17,23 @@ class Placement(str, enum.Enum):
 def looped(num_devices: int, stages_per_device: int) -> list[int]:
     """Stage s runs on device s % p, as Megatron places virtual pipeline stages."""
     _check(num_devices, stages_per_device)
-    return [s % num_devices for s in range(num_devices * stages_per_device)]
+    return place_stages(Placement.LOOPED, num_devices, num_devices * stages_per_device)
 
 
 def v_shape(num_devices: int, stages_per_device: int = 2) -> list[int]:
     """Chunk c of p stages runs down the devices when c is even and back up when odd (a V for two)."""
     _check(num_devices, stages_per_device)
+    return place_stages(Placement.V, num_devices, num_devices * stages_per_device)
+
+
+def place_stages(placement: Placement | str, num_devices: int, num_stages: int) -> list[int]:
+    """Looped or V-shape stage -> device list for any stage count (the last chunk may hold fewer than p)."""
+    kind = Placement(placement)
+    _check(num_devices, 1)
     out = []
-    for s in range(num_devices * stages_per_device):
+    for s in range(num_stages):
         chunk, pos = divmod(s, num_devices)
-        out.append(pos if chunk % 2 == 0 else num_devices - 1 - pos)
+        out.append(num_devices - 1 - pos if kind is Placement.V and chunk % 2 else pos)
     return out
 
 
