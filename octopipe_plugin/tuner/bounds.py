@@ -27,18 +27,6 @@ def lower_bound(model, num_devices: int, num_microbatches: int) -> Bound:
     return Bound(value_ms=max(work, heavy), work_ms=work, layer_ms=heavy)
 
 
-def memory_floor(model, cluster) -> int:
-    """Bytes the fullest device needs at least: its share of the state plus one micro-batch of one layer.
-
-    Uses the heaviest single layer's state as the unsplittable part and an even split of the
-    rest; a plan needing less than this on every device cannot exist.
-    """
-    state = [layer.state_bytes for layer in model.layers]
-    act = [layer.activation_bytes for layer in model.layers]
-    even = sum(state) / cluster.num_devices
-    return int(max(even, max(state)) + min(act))
-
-
 def packing_bound(model, num_devices: int, num_microbatches: int) -> float:
     """A floor from layer granularity: every plan puts each whole layer on one device.
 

@@ -24,7 +24,7 @@ from .layout import Layout
 from .moves import Context, pick_move
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
-from .seeds import Baseline, builtin_baselines, seed_layouts, seed_policies
+from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,13 @@ class _Budget:
     stopped_by: str = ""
 
     def fraction(self) -> float:
+        """Share of the budget spent, 0..1 (search steps with `iterations`, else work units)."""
         if self.iterations is not None:
             return min(1.0, self.done / max(1, self.iterations))
         return min(1.0, self.ev.work / self.units)
 
     def left(self, upto: float = 1.0) -> bool:
+        """Whether less than `upto` of the budget is spent and the wall-clock guard has not passed."""
         if time.monotonic() >= self.deadline:
             self.stopped_by = self.stopped_by or "wall clock"
             return False
@@ -109,7 +111,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     final, source = _choose(best, floor, baselines)
     if final is None:
         raise OutOfMemoryError(_oom_message(ev, model, cluster, num_microbatches, baselines))
-    if time.monotonic() >= budget.deadline and budget.stopped_by == "wall clock":
+    if budget.stopped_by == "wall clock":
         log.warning("tuner stopped by the wall clock before its work budget: the result may vary between runs")
     return _result(ev, final, source, baselines, budget, t0, seeded_s)
 
@@ -242,8 +244,6 @@ def _without_empty_stages(ev, plan):
 
 def _oom_message(ev, model, cluster, m, baselines) -> str:
     """Name the smallest per-device memory any plan needed."""
-    from .seeds import minimal_memory_need
-
     need = [b.outcome.max_peak for b in baselines if b.outcome is not None]
     need.append(minimal_memory_need(ev, model, cluster.num_devices, m))
     least = min(need)
