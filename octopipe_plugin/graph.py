@@ -43,6 +43,33 @@ def producers(model: Model, index: int) -> tuple[int, ...]:
     return (index - 1,) if index > 0 else ()
 
 
+def _edges(model: Model):
+    """Every (producer, consumer) pair, refusing a producer that does not run before its consumer."""
+    for i in range(model.num_layers):
+        for p in producers(model, i):
+            if not 0 <= p < i:
+                raise OctoPipeError(f"model {model.name}: layer {i} consumes layer {p}, which does not run before it")
+            yield p, i
+
+
+def boundary_bytes(model: Model) -> list[int]:
+    """Bytes crossing a stage boundary before each layer 0..L: every producer output still to be consumed, once."""
+    n = model.num_layers
+    last_use = list(range(n))  # a layer nobody consumes is live across no boundary
+    for p, c in _edges(model):
+        last_use[p] = max(last_use[p], c)
+    # Layer p's output crosses boundaries p+1 .. last_use[p]: add it at the first, drop it after the last.
+    delta = [0] * (n + 2)
+    for p, last in enumerate(last_use):
+        delta[p + 1] += model.layers[p].output_bytes
+        delta[last + 1] -= model.layers[p].output_bytes
+    cuts, live = [], 0
+    for k in range(n + 1):
+        live += delta[k]
+        cuts.append(live)
+    return cuts
+
+
 @dataclass(frozen=True, eq=False)
 class ModelGraph:
     """A Model's layers as a DAG (edge p -> c when c consumes p's output) in the order the pipeline partitions."""
@@ -55,11 +82,8 @@ class ModelGraph:
         g = nx.DiGraph()
         for i, layer in enumerate(self.model.layers):
             g.add_node(i, layer=layer, kind=layer.kind)
-        for i in range(self.model.num_layers):
-            for p in producers(self.model, i):
-                if not 0 <= p < i:
-                    raise OctoPipeError(f"model {self.model.name}: layer {i} consumes layer {p}, which does not run before it")
-                g.add_edge(p, i, bytes=self.model.layers[p].output_bytes)
+        for p, i in _edges(self.model):
+            g.add_edge(p, i, bytes=self.model.layers[p].output_bytes)
         return g
 
     @property
@@ -76,15 +100,18 @@ class ModelGraph:
         """Layers that read the micro-batch input (tokens, images)."""
         return [n for n in self.order if self.graph.in_degree(n) == 0]
 
+    @cached_property
+    def _cuts(self) -> list[int]:
+        return boundary_bytes(self.model)
+
     def cut_bytes(self, boundary: int) -> int:
         """Bytes crossing a stage boundary placed before layer `boundary` (every live producer output, once)."""
-        live = {p for p, c in self.graph.edges if p < boundary <= c}
-        return sum(self.model.layers[p].output_bytes for p in live)
+        return self._cuts[boundary] if 0 <= boundary <= self.model.num_layers else 0
 
     def as_chain(self) -> Model:
         """The same Model with each layer's output_bytes set to what a cut right after it sends,
         so simulators that read only the last layer's output see branch traffic too."""
-        layers = tuple(replace(layer, output_bytes=self.cut_bytes(i + 1) if i + 1 < self.model.num_layers
+        layers = tuple(replace(layer, output_bytes=self._cuts[i + 1] if i + 1 < self.model.num_layers
                                 else layer.output_bytes)
                        for i, layer in enumerate(self.model.layers))
         return replace(self.model, layers=layers)

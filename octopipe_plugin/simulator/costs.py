@@ -52,7 +52,6 @@ def _cut_bytes(model) -> list[int] | None:
     """
     if not model.inputs:
         return None
-    from ..graph import ModelGraph
+    from ..graph import boundary_bytes  # networkx is imported only for branched models
 
-    graph = ModelGraph(model)
-    return [graph.cut_bytes(k) for k in range(model.num_layers + 1)]
+    return boundary_bytes(model)
