@@ -60,12 +60,15 @@ def cluster_from_dict(data: dict, src: str = "<dict>") -> Cluster:
     """Build a Cluster from a parsed `octopipe-cluster/1` document, refusing bad input."""
     check_format(data, src, "octopipe-cluster")
     n = field(data, "num_devices", src, "$", int, minimum=1)
+    per_node = field(data, "devices_per_node", src, "$", int, minimum=1, default=n)
+    memory = field(data, "memory_bytes", src, "$", int, positive=True)
+    intra = _read_link(data, "intra_node", src)
     return Cluster(
         num_devices=n,
-        devices_per_node=field(data, "devices_per_node", src, "$", int, minimum=1, default=n),
-        memory_bytes=field(data, "memory_bytes", src, "$", int, positive=True),
-        intra_node=_read_link(data, "intra_node", src),
-        inter_node=_read_link(data, "inter_node", src) if "inter_node" in data else _read_link(data, "intra_node", src),
+        devices_per_node=per_node,
+        memory_bytes=memory,
+        intra_node=intra,
+        inter_node=_read_link(data, "inter_node", src) if "inter_node" in data else intra,
         name=check_value(data.get("name", "cluster"), src, "$.name", str),
     )
 
