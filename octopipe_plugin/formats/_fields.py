@@ -64,6 +64,18 @@ def field(obj: dict, key: str, src: str, path: str, kind, *, default: Any = ...,
     return check_value(value, src, here, kind, minimum=minimum, positive=positive)
 
 
+def objects(data: dict, key: str, src: str) -> list[tuple[str, dict]]:
+    """The non-empty list `data[key]` of JSON objects, each paired with its JSON path."""
+    items = field(data, key, src, "$", list)
+    if not items:
+        raise FormatError(src, f"$.{key}", f"a non-empty list of {key}", items)
+    out = []
+    for i, item in enumerate(items):
+        path = f"$.{key}[{i}]"
+        out.append((path, check_value(item, src, path, dict)))
+    return out
+
+
 def check_value(value, src: str, path: str, kind, *, minimum=None, positive=False):
     """Check one value's type and range and return it (ints accepted where floats are asked)."""
     ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)

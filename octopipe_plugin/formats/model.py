@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field as dc_field
 
-from ._fields import check_format, check_value, field, load_json, write_json
+from ._fields import check_format, check_value, field, load_json, objects, write_json
 from ..errors import FormatError
 
 MODEL_FORMAT = "octopipe-model/1"
@@ -55,13 +55,8 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     """Build a Model from a parsed `octopipe-model/1` document, refusing bad input."""
     check_format(data, src, "octopipe-model")
     name = field(data, "name", src, "$", str)
-    raw_layers = field(data, "layers", src, "$", list)
-    if not raw_layers:
-        raise FormatError(src, "$.layers", "a non-empty list of layers", raw_layers)
     layers = []
-    for i, raw in enumerate(raw_layers):
-        path = f"$.layers[{i}]"
-        check_value(raw, src, path, dict)
+    for i, (path, raw) in enumerate(objects(data, "layers", src)):
         costs = {k: field(raw, k, src, path, float, minimum=0) for k in _COST_FIELDS}
         sizes = {k: field(raw, k, src, path, int, minimum=0) for k in _BYTE_FIELDS}
         rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, default=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field as dc_field
 
-from ._fields import check_format, check_value, field, load_json, write_json
+from ._fields import check_format, check_value, field, load_json, objects, write_json
 from ..errors import FormatError, PlanError
 from ..schedules.actions import Action, Kind, format_schedule
 
@@ -60,13 +60,8 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
     check_format(data, src, "octopipe-plan")
     num_devices = field(data, "num_devices", src, "$", int, minimum=1)
     m = field(data, "num_microbatches", src, "$", int, minimum=1)
-    raw_stages = field(data, "stages", src, "$", list)
-    if not raw_stages:
-        raise FormatError(src, "$.stages", "a non-empty list of stages", raw_stages)
     stages = []
-    for i, raw in enumerate(raw_stages):
-        path = f"$.stages[{i}]"
-        check_value(raw, src, path, dict)
+    for path, raw in objects(data, "stages", src):
         rng = field(raw, "layers", src, path, list)
         if len(rng) != 2:
             raise FormatError(src, f"{path}.layers", "[start, end] (two integers)", rng)
