@@ -210,7 +210,8 @@ def main() -> None:
     docs = plan_docs(args.devices, args.microbatches, in_order=not args.any_order)
     with tempfile.TemporaryDirectory() as tmp:
         spawn(worker, args.devices, docs, args.modes.split(","), args.steps, tmp)
-        rows = json.load(open(os.path.join(tmp, "results.json")))
+        with open(os.path.join(tmp, "results.json"), encoding="utf-8") as fh:
+            rows = json.load(fh)
     print(f"{args.devices} ranks (gloo, one host), {args.microbatches} micro-batches, median of {args.steps} steps; "
           f"sleep stand-in F/I/W = {SLEEP_MS} ms per layer")
     print(f"{'schedule':18s} {'workload':8s} {'ours ms':>9s} {'torch ms':>9s} {'ours/torch':>11s}  "

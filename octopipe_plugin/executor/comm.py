@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..schedules.messages import Message
+from ..schedules.messages import Message, plan_messages
 from .errors import ExecutorError
 
 
@@ -152,8 +152,6 @@ def _first_line(exc: Exception) -> str:
 
 def direction_groups(plan, group=None) -> dict:
     """One communicator per direction of each communicating rank pair (NCCL); every rank must call this."""
-    from ..schedules.messages import plan_messages
-
     out = {}
     for src, dst in sorted(plan_messages(plan)):
         ranks = [dist.get_global_rank(group, r) if group else r for r in (src, dst)]

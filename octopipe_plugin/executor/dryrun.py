@@ -85,7 +85,7 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     costs = standin_costs(sc, [st.device for st in plan.stages], fast.transfer_ms)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
         spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, clock, out)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(plan.num_devices)]
+        ranks = [_read_json(os.path.join(out, f"rank{r}.json")) for r in range(plan.num_devices)]
     start = ranks[0]["start"]
     measured = max(r["end"] for r in ranks) - start
     return DryRunReport(
@@ -93,6 +93,11 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
         predicted_idle_ms=tuple(sim.idle_ms), measured_idle_ms=tuple((measured - r["busy"]) * 1000.0 for r in ranks),
         messages_checked=sum(r["checked"] for r in ranks), transfers_priced=priced, clock=clock,
     )
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCosts, timeout_s: float,
