@@ -7,17 +7,18 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable
+from types import MappingProxyType
 
 from ..errors import OctoPipeError
 
 # sub-command name -> module under octopipe_plugin.cli
-COMMANDS = {
+COMMANDS = MappingProxyType({
     "model": "model_cmd",
     "schedules": "schedules_cmd",
     "simulate": "simulate_cmd",
     "plan": "plan_cmd",
     "dryrun": "dryrun_cmd",
-}
+})
 
 
 def build_parser() -> argparse.ArgumentParser:

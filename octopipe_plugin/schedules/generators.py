@@ -285,6 +285,7 @@ class _DualPipeVRank:
         return mb
 
     def f(self, stage: int) -> None:
+        """The stage's next forward."""
         self.row.append(F(stage, self._take(stage, "F")))
 
     def b(self, stage: int, split: bool = False) -> None:

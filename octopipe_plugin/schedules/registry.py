@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..errors import OctoPipeError, PlanError
 from . import generators as gen
@@ -58,7 +59,7 @@ def _zb_rounds_check(p: int, m: int, v: int) -> None:
     gen.zb_round_size(p, m, v)  # check() has already refused p < 1 and m < 1
 
 
-SCHEDULES: dict[str, ScheduleSpec] = {
+SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
     spec.name: spec
     for spec in (
         ScheduleSpec(name="gpipe", generate=gen.gpipe, placement=Placement.LOOPED, stages_per_device=1,
@@ -89,7 +90,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      requirements="exactly 2 stages per device in a V; m >= 2p; overlapped F&B pairs "
                                   "written as F then B"),
     )
-}
+})
 
 
 def get_schedule(name: str) -> ScheduleSpec:
