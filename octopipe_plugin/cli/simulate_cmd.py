@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+from ..costs import get_gpu, resolve_cluster, resolve_model
 from ..errors import OctoPipeError
 from ..formats import Plan, read_plan, write_plan
 from ..schedules.registry import SCHEDULES, build_plan
@@ -38,14 +40,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _load(args):
-    from ..costs import get_gpu, resolve_cluster, resolve_model
-
-    model = resolve_model(args.model, get_gpu(args.gpu).name)
-    cluster = resolve_cluster(args.cluster)
-    return model, cluster
-
-
 def _plan(args, model, cluster) -> Plan:
     if args.plan:
         for flag in ("devices", "microbatches", "stages_per_device"):
@@ -71,13 +65,14 @@ def _options(args) -> SimOptions:
 
 def run(args) -> int:
     """Build or read the plan, simulate it, write what was asked, print the report."""
-    model, cluster = _load(args)
+    model = resolve_model(args.model, get_gpu(args.gpu).name)
+    cluster = resolve_cluster(args.cluster)
     plan = _plan(args, model, cluster)
     opts = _options(args)
     res = simulate(model, cluster, plan, opts)
     report = _report(model, cluster, plan, res)
     if args.save_plan:
-        write_output(lambda: write_plan(_with_prediction(plan, res), args.save_plan), args.save_plan)
+        write_output(lambda: write_plan(replace(plan, predicted=res.summary()), args.save_plan), args.save_plan)
     if args.trace:
         from ..simulator.trace import write_trace
 
@@ -88,12 +83,6 @@ def run(args) -> int:
         write_output(lambda: write_png(model, cluster, plan, args.png, opts, res), args.png)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
-
-
-def _with_prediction(plan: Plan, res: SimResult) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, predicted=res.summary())
 
 
 def _samples_per_step(model, plan) -> int | None:
