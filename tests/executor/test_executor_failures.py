@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -83,8 +84,8 @@ def test_killed_peer_fails_the_others_with_a_clear_error(tmp_path):
     assert "rank 0:" in text and "from rank 1" in text
     # the action rank 0 was about to run and the message it waited for are both named
     assert "0B" in text and "grad[1" in text, text
-    waited = float(text.split(" after ")[1].split("s:")[0])
-    assert waited < 30.0  # the dead socket is noticed before the timeout expires
+    # the dead socket ends the wait (gloo names the closed connection), not the 30 s bound
+    assert re.search(r"Connection (reset|closed) by peer", text) and "Timed out" not in text, text
 
 
 @pytest.mark.distributed
@@ -93,5 +94,5 @@ def test_silent_peer_times_out_with_the_awaited_message(tmp_path):
     text = _run("silent", timeout_s=2.0, tmp_path=tmp_path)
     assert text.startswith("ExecutorError"), text
     assert "rank 0:" in text and "timeout 2 s" in text and "from rank 1" in text, text
-    waited = float(text.split(" after ")[1].split("s:")[0])
-    assert waited >= 2.0  # the peer was alive: it is the bounded wait that ended it
+    # the peer was alive: it is the bounded wait that ended it (gloo's timeout, not a closed connection)
+    assert "Timed out waiting 2000ms for recv" in text and "by peer" not in text, text
