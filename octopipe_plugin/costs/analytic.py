@@ -58,9 +58,7 @@ def embedding_block(d: Dims, arch: Arch, text_tokens: int) -> Block:
     v, h, dt = arch.padded_vocab // d.t, d.h, d.dt
     gather = 2.0 * text_tokens * h * dt
     wgrad = v * h * (2.0 * dt + 8.0) + text_tokens * h * dt  # zero-fill + scatter-add, then main_grad += grad
-    ops = [elementwise("embedding gather", gather, i_bytes=0.0, w_bytes=wgrad)]
-    if d.t > 1:
-        ops += tp_comm(d, "embedding all-reduce")
+    ops = [elementwise("embedding gather", gather, i_bytes=0.0, w_bytes=wgrad), *tp_comm(d, "embedding all-reduce")]
     return Block(ops=tuple(ops), params=v * h, activation=8 * text_tokens)  # int64 token ids
 
 
