@@ -12,15 +12,18 @@ here imports Megatron, whose own parser and validator are the tests' oracle.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from ...errors import OctoPipeError, PlanError
 
-GPT_SYMBOLS = {"embedding": "E", "dense": "t", "dense_local": "t", "moe": "t", "mtp": "m", "lm_head": "L"}
+GPT_SYMBOLS = MappingProxyType(
+    {"embedding": "E", "dense": "t", "dense_local": "t", "moe": "t", "mtp": "m", "lm_head": "L"})
 # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols
-HYBRID_SYMBOLS = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+HYBRID_SYMBOLS = MappingProxyType({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"})
 HYBRID_ONLY_KINDS = frozenset({"mamba", "attention", "mlp"})
 # Layers Megatron builds from pre_process / post_process, never from a layout position.
-_ENDS = {"embedding": "first", "lm_head": "last"}
+_ENDS = MappingProxyType({"embedding": "first", "lm_head": "last"})
 # PipelineParallelLayerLayout.parse_str_to_list: '(...)*n' first, then 'x*n'; commas are cosmetic.
 _REPEAT_PATTERNS = (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)")
 
@@ -127,7 +130,7 @@ def _is_v(plan) -> bool:
                                             for s in range(p))
 
 
-def _symbols(model, table: dict, what: str) -> list[str]:
+def _symbols(model, table: Mapping[str, str], what: str) -> list[str]:
     out = []
     for i, layer in enumerate(model.layers):
         sym = table.get(layer.kind)
