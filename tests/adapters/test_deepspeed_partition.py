@@ -7,7 +7,6 @@ The first `deepspeed.init_distributed` on a machine compiles DeepSpeed's shared-
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from octopipe_plugin.adapters.deepspeed import layer_starts, load_parts, octopipe_config, plan_parts
 from octopipe_plugin.errors import FormatError, OctoPipeError
+from octopipe_plugin.executor.launch import free_port
 from octopipe_plugin.formats import Layer, Model, write_plan
 from octopipe_plugin.schedules.registry import build_plan
 
@@ -72,12 +72,6 @@ def reference_loss():
 
 def _double(x):
     return 2 * x
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_worker(rank, world, port, ds_config, out_dir):
