@@ -56,17 +56,6 @@ MODEL_CASES = [  # (spoiled path, value, JSON path named, expectation named)
 ]
 
 
-@pytest.mark.parametrize("path,value,json_path,expected", MODEL_CASES)
-def test_bad_model_is_refused_with_file_path_and_expectation(tmp_path, path, value, json_path, expected):
-    file = tmp_path / "bad_model.json"
-    file.write_text(json.dumps(_spoil(_model_doc(), path, value)))
-    with pytest.raises(FormatError) as info:
-        read_model(file)
-    msg = str(info.value)
-    assert str(file) in msg and json_path in msg and expected in msg
-    assert info.value.path == json_path
-
-
 PLAN_CASES = [
     (["stages", 1, "layers"], [2, 3], "$.stages[1].layers[0]", "ranges are consecutive"),
     (["stages", 0, "layers"], [1, 1], "$.stages[0].layers[0]", "cover the layers"),
@@ -77,16 +66,6 @@ PLAN_CASES = [
     (["format"], "octopipe-plan/3.1", "$.format", "major version 1"),
     (["schedule", 1], ["1F0"], "$.schedule", "complete schedule"),
 ]
-
-
-@pytest.mark.parametrize("path,value,json_path,expected", PLAN_CASES)
-def test_bad_plan_is_refused_with_file_path_and_expectation(tmp_path, path, value, json_path, expected):
-    file = tmp_path / "bad_plan.json"
-    file.write_text(json.dumps(_spoil(_plan_doc(), path, value)))
-    with pytest.raises(FormatError) as info:
-        read_plan(file, num_layers=2)
-    msg = str(info.value)
-    assert str(file) in msg and json_path in msg and expected in msg
 
 
 def test_plan_whose_stages_stop_short_of_the_model_is_refused(tmp_path):
@@ -105,14 +84,26 @@ CLUSTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,value,json_path,expected", CLUSTER_CASES)
-def test_bad_cluster_is_refused_with_file_path_and_expectation(tmp_path, path, value, json_path, expected):
-    file = tmp_path / "bad_cluster.json"
-    file.write_text(json.dumps(_spoil(_cluster_doc(), path, value)))
+DOCUMENTS = {  # document kind -> (valid document, reader)
+    "model": (_model_doc, read_model),
+    "plan": (_plan_doc, lambda file: read_plan(file, num_layers=2)),
+    "cluster": (_cluster_doc, read_cluster),
+}
+
+
+@pytest.mark.parametrize("kind,path,value,json_path,expected", [
+    pytest.param(kind, *case, id=f"{kind}-{case[2]}-{case[3]}")
+    for kind, cases in (("model", MODEL_CASES), ("plan", PLAN_CASES), ("cluster", CLUSTER_CASES)) for case in cases
+])
+def test_bad_document_is_refused_with_file_path_and_expectation(tmp_path, kind, path, value, json_path, expected):
+    make_doc, read = DOCUMENTS[kind]
+    file = tmp_path / f"bad_{kind}.json"
+    file.write_text(json.dumps(_spoil(make_doc(), path, value)))
     with pytest.raises(FormatError) as info:
-        read_cluster(file)
+        read(file)
     msg = str(info.value)
     assert str(file) in msg and json_path in msg and expected in msg
+    assert info.value.path == json_path
 
 
 def test_unparsable_json_names_line_and_column(tmp_path):
