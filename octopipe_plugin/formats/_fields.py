@@ -100,7 +100,7 @@ def _kind_name(kind) -> str:
 
 
 def write_json(data: dict, path) -> None:
-    """Write a document as indented JSON (plan schedules stay one device per line)."""
+    """Write a document as JSON indented by one space, with a final newline."""
     with open(os.fspath(path), "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1)
         fh.write("\n")
