@@ -1,8 +1,9 @@
 """The one rule for the messages a plan implies and their order between every pair of devices.
 
-Shared by the simulator (link contention serialises transfers in this order), the
-plan validator and the executor (both ends post their sends/receives in this order,
-so backends that ignore tags, like NCCL, still match every message correctly).
+The executor posts both ends of every message in this order, so backends that ignore
+tags, like NCCL, still match every message correctly. The simulator does not call this
+module, but its link contention serialises transfers in the same order: a device sends
+in the order its own list produces.
 """
 
 from __future__ import annotations
