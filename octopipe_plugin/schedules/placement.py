@@ -16,14 +16,19 @@ class Placement(str, enum.Enum):
 
 def looped(num_devices: int, stages_per_device: int) -> list[int]:
     """Stage s runs on device s % p, as Megatron places virtual pipeline stages."""
-    _check(num_devices, stages_per_device)
-    return place_stages(Placement.LOOPED, num_devices, num_devices * stages_per_device)
+    return place(Placement.LOOPED, num_devices, stages_per_device)
 
 
 def v_shape(num_devices: int, stages_per_device: int = 2) -> list[int]:
     """Chunk c of p stages runs down the devices when c is even and back up when odd (a V for two)."""
+    return place(Placement.V, num_devices, stages_per_device)
+
+
+def place(placement: Placement | str, num_devices: int, stages_per_device: int) -> list[int]:
+    """The stage -> device list of a named placement with `stages_per_device` stages on every device."""
+    kind = Placement(placement)
     _check(num_devices, stages_per_device)
-    return place_stages(Placement.V, num_devices, num_devices * stages_per_device)
+    return place_stages(kind, num_devices, num_devices * stages_per_device)
 
 
 def place_stages(placement: Placement | str, num_devices: int, num_stages: int) -> list[int]:
@@ -35,13 +40,6 @@ def place_stages(placement: Placement | str, num_devices: int, num_stages: int) 
         chunk, pos = divmod(s, num_devices)
         out.append(num_devices - 1 - pos if kind is Placement.V and chunk % 2 else pos)
     return out
-
-
-def place(placement: Placement | str, num_devices: int, stages_per_device: int) -> list[int]:
-    """The stage -> device list of a named placement."""
-    kind = Placement(placement)
-    return looped(num_devices, stages_per_device) if kind is Placement.LOOPED else v_shape(
-        num_devices, stages_per_device)
 
 
 def _check(num_devices: int, stages_per_device: int) -> None:
