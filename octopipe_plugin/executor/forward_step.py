@@ -46,20 +46,14 @@ class ForwardStepStages(TorchStages):
         self.forward_step_func = forward_step_func
         self.batches = {s: IndexedBatches(it) for s, it in data_iterators.items()}
 
-    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
-        """Like TorchStages.forward; the first stage's input comes from its data iterator inside the step."""
-        if stage == 0:
-            out = self._compute(stage, mb, None)
-            if stage == self.num_stages - 1:
-                out = out / self.num_microbatches
-            marker = torch.empty(0)  # no pipeline input: the first stage owns no input gradient
-            self._saved[(stage, mb)] = {"input": marker, "output": out}
-            return out
-        return super().forward(stage, mb, inputs)
+    def _first_input(self, mb: int) -> torch.Tensor:
+        # The first stage's data comes from its iterator inside the step; this empty marker stands
+        # for "no pipeline input", so the first stage owns no input gradient.
+        return torch.empty(0)
 
-    def _compute(self, stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
+    def _compute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
         model = self.modules[stage]
-        model.set_input_tensor(x)
+        model.set_input_tensor(None if stage == 0 else x)
         # stages without data get None, as Megatron passes to its middle stages
         data = iter([self.batches[stage].get(mb)]) if stage in self.batches else None
         output, loss_func = self.forward_step_func(data, model)

@@ -46,13 +46,7 @@ class TorchStages:
     def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
         """Run the stage module; the last stage also applies the scaled loss."""
         if stage == 0:
-            x = self.load_input(mb)
-            if x.is_floating_point():
-                # A float input that "requires grad" lets I walk the activation chain of stage 0 and
-                # leave W only the weight products, as on every other stage (a faithful I/W split for
-                # zero-bubble plans), at the price of the first layer's unused input-gradient product.
-                # Integer inputs (token ids) fall back to "I does nothing, W does everything".
-                x = x.detach().requires_grad_(True)
+            x = self._first_input(mb)
         else:
             # detach() shares storage: a same-device hand-off is not copied, only cut from the graph
             x = inputs.detach().requires_grad_(True)
@@ -61,6 +55,17 @@ class TorchStages:
             out = out / self.num_microbatches
         self._saved[(stage, mb)] = {"input": x, "output": out}
         return out
+
+    def _first_input(self, mb: int) -> torch.Tensor:
+        """Stage 0's input of micro-batch `mb` (subclasses that load data inside the step change it)."""
+        x = self.load_input(mb)
+        if x.is_floating_point():
+            # A float input that "requires grad" lets I walk the activation chain of stage 0 and
+            # leave W only the weight products, as on every other stage (a faithful I/W split for
+            # zero-bubble plans), at the price of the first layer's unused input-gradient product.
+            # Integer inputs (token ids) fall back to "I does nothing, W does everything".
+            x = x.detach().requires_grad_(True)
+        return x
 
     def _compute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
         """The stage's output, or on the last stage its unscaled loss (subclasses change how)."""
