@@ -82,7 +82,7 @@ class Evaluator:
         self._seen[key] = out
         return out
 
-    def ordered(self, layout: Layout, schedule, label: str = "octopipe") -> Outcome | None:
+    def ordered(self, layout: Layout, schedule) -> Outcome | None:
         """Simulate a layout with an explicit per-device order; None when it deadlocks."""
         key = (layout, schedule)
         if key in self._seen:
@@ -90,7 +90,7 @@ class Evaluator:
         _, sc, _ = self.job(layout)
         self.work += sum(len(row) for row in schedule)  # hashing the order for the cache
         plan = Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
-                    stages=layout.stages(), schedule=schedule, meta={"schedule": label})
+                    stages=layout.stages(), schedule=schedule, meta={"schedule": "octopipe"})
         out = self.simulated(plan, costs=sc)
         self._seen[key] = out
         return out
