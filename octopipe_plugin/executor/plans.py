@@ -22,6 +22,8 @@ def placement(kind: str, num_stages: int, num_devices: int, rng: random.Random |
     if kind in (Placement.LOOPED.value, Placement.V.value):
         return place_stages(kind, p, num_stages)
     if kind == "arbitrary":
+        if num_stages < p:  # else the list below would be longer than the stage count
+            raise ValueError(f"placement 'arbitrary' leaves no device idle: expected >= {p} stages, got {num_stages}")
         rng = rng or random.Random(0)
         devs = list(range(p)) + [rng.randrange(p) for _ in range(num_stages - p)]
         rng.shuffle(devs)
