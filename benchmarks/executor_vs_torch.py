@@ -28,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from octopipe_plugin.errors import PlanError  # noqa: E402
 from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TorchStages  # noqa: E402
 from octopipe_plugin.executor.launch import init_gloo, spawn  # noqa: E402
 from octopipe_plugin.executor.plans import make_plan, random_bounds, sample_schedule  # noqa: E402
@@ -94,7 +95,11 @@ def plan_docs(p: int, m: int, in_order: bool = True) -> list[dict]:
             sched = sample_schedule(devs, p, m, rng, in_order=in_order)
         else:
             devs = stage_devices_for(name, p, v)
-            sched = SCHEDULES[name].generate(devs, p, m)
+            try:
+                sched = SCHEDULES[name].generate(devs, p, m)
+            except PlanError as exc:  # e.g. DualPipeV with fewer than 2p micro-batches
+                print(f"skipped {name}: {exc}")
+                continue
         ns = len(devs)
         bounds = [(round(s * n / ns), round((s + 1) * n / ns)) for s in range(ns)]
         if any(a == b for a, b in bounds):
