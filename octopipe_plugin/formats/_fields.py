@@ -58,7 +58,7 @@ def field(obj: dict, key: str, src: str, path: str, kind, *, default: Any = ...,
     here = f"{path}.{key}"
     if key not in obj:
         if default is ...:
-            raise FormatError(src, here, f"a {_kind_name(kind)} (field is missing)")
+            raise FormatError(src, here, f"{_kind_name(kind)} (field is missing)")
         return default
     value = obj[key]
     return check_value(value, src, here, kind, minimum=minimum, positive=positive)
@@ -82,7 +82,7 @@ def check_value(value, src: str, path: str, kind, *, minimum=None, positive=Fals
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
-        raise FormatError(src, path, f"a {_kind_name(kind)}", value)
+        raise FormatError(src, path, _kind_name(kind), value)
     if kind in (int, float):
         if kind is float and not math.isfinite(value):
             raise FormatError(src, path, "a finite number", value)
@@ -94,9 +94,8 @@ def check_value(value, src: str, path: str, kind, *, minimum=None, positive=Fals
 
 
 def _kind_name(kind) -> str:
-    return {int: "integer", float: "number", str: "string", list: "list", dict: "object", bool: "boolean"}.get(
-        kind, getattr(kind, "__name__", str(kind))
-    )
+    return {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
+            bool: "a boolean"}.get(kind, f"a {getattr(kind, '__name__', kind)}")
 
 
 def write_json(data: dict, path) -> None:

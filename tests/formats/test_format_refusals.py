@@ -47,7 +47,7 @@ def _spoil(doc: dict, path: list, value) -> dict:
 MODEL_CASES = [  # (spoiled path, value, JSON path named, expectation named)
     (["layers", 1, "fwd_ms"], ..., "$.layers[1].fwd_ms", "field is missing"),
     (["name"], ..., "$.name", "field is missing"),
-    (["layers", 0, "state_bytes"], "big", "$.layers[0].state_bytes", "expected a integer"),
+    (["layers", 0, "state_bytes"], "big", "$.layers[0].state_bytes", "expected an integer"),
     (["layers", 0, "fwd_ms"], "fast", "$.layers[0].fwd_ms", "expected a number"),
     (["layers", 1, "bwd_ms"], -0.5, "$.layers[1].bwd_ms", ">= 0"),
     (["layers", 0, "activation_bytes"], -1, "$.layers[0].activation_bytes", ">= 0"),
@@ -61,7 +61,7 @@ PLAN_CASES = [
     (["stages", 0, "layers"], [1, 1], "$.stages[0].layers[0]", "cover the layers"),
     (["schedule", 0, 1], "0X0", "$.schedule[0][1]", "an action like '3F12'"),
     (["schedule", 1, 0], "F1", "$.schedule[1][0]", "an action like '3F12'"),
-    (["num_microbatches"], "two", "$.num_microbatches", "expected a integer"),
+    (["num_microbatches"], "two", "$.num_microbatches", "expected an integer"),
     (["num_devices"], ..., "$.num_devices", "field is missing"),
     (["format"], "octopipe-plan/3.1", "$.format", "major version 1"),
     (["schedule", 1], ["1F0"], "$.schedule", "complete schedule"),
