@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..costs import resolve_cluster, resolve_model
+from ..costs import get_gpu, resolve_cluster, resolve_model
 from ..errors import OctoPipeError
 from ..formats import read_plan
 
@@ -37,7 +37,7 @@ def run(args) -> int:
         raise OctoPipeError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.timeout <= 0:
         raise OctoPipeError(f"--timeout must be > 0, got {args.timeout}")
-    model = resolve_model(args.model, args.gpu)
+    model = resolve_model(args.model, get_gpu(args.gpu).name)
     plan = read_plan(args.plan, num_layers=model.num_layers)
     cluster = resolve_cluster(args.cluster) if args.cluster is not None else None
     if cluster is not None and cluster.num_devices < plan.num_devices:
