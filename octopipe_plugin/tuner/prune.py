@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..formats.plan import Plan, Stage
+from ..formats.plan import Plan
 from ..schedules.actions import Action
 
 
@@ -14,10 +14,8 @@ def drop_empty_stages(plan: Plan) -> Plan:
     if len(keep) == plan.num_stages or not keep:
         return plan
     new_index = {old: new for new, old in enumerate(keep)}
+    # an empty stage spans no layers (start == end), so the kept stages still tile [0, n) as they are
     stages = [plan.stages[s] for s in keep]
-    # the kept stages must still cover [0, n): stretch each to start where its predecessor ends
-    stages = [replace(st, start=stages[i - 1].end if i else 0) for i, st in enumerate(stages)]
-    stages[-1] = Stage(start=stages[-1].start, end=plan.stages[-1].end, device=stages[-1].device)
     schedule = tuple(
         tuple(Action(new_index[a.stage], a.kind, a.microbatch) for a in row if a.stage in new_index)
         for row in plan.schedule
