@@ -206,10 +206,9 @@ def test_launch_args_gpt():
     plan = build_plan(model, "interleaved-1f1b", 4, 8, stages_per_device=2)
     args = megatron_launch_args(plan, model)
     layout = plan_to_layout(plan, model)
+    # no --num-virtual-stages-per-pipeline-rank: Megatron refuses it next to a layout (arguments.py)
     assert args == ["--pipeline-model-parallel-size", "4", "--num-layers", "24",
                     "--pipeline-model-parallel-layout", layout, "--mtp-num-layers", "1"]
-    # Megatron refuses --num-virtual-stages-per-pipeline-rank next to a layout (arguments.py)
-    assert "--num-virtual-stages-per-pipeline-rank" not in args
 
 
 @pytest.fixture
