@@ -14,7 +14,7 @@ from octopipe_plugin.simulator import SimOptions, simulate, stage_costs
 
 
 def _model(num_layers: int) -> Model:
-    """A uniform 64-layer decoder with realistic byte counts, so transfers cost something."""
+    """A uniform decoder of `num_layers` layers with realistic byte counts, so transfers cost something."""
     layer = dict(kind="dense", fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1 << 30,
                  activation_bytes=1 << 28, output_bytes=1 << 25)
     return Model(name="bench", layers=tuple(Layer(name=f"l{i}", **layer) for i in range(num_layers)))
