@@ -87,12 +87,16 @@ def backward_weight(work: WeightWork) -> None:
                 accs = list(group["params"])
                 dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
                 for acc, dw in zip(accs, dws):
-                    p = owner[acc]
-                    if p.grad is None:
-                        p.grad = dw
-                    else:
-                        p.grad.add_(dw)
+                    accumulate_grad(owner[acc], dw)
         finally:
             for h in handles:
                 h.remove()
         group.clear()
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` into `param.grad` (taking it as the gradient when there is none yet), as autograd would."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)

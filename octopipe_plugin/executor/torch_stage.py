@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .interface import TensorMeta
-from .split_backward import backward_input, backward_weight
+from .split_backward import accumulate_grad, backward_input, backward_weight
 
 
 class TorchStages:
@@ -91,10 +91,7 @@ class TorchStages:
         grads = torch.autograd.grad([out], targets, [self._grads(out, grad_output)], allow_unused=True)
         for p, g in zip(targets, grads):
             if p is not x and g is not None:
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+                accumulate_grad(p, g)
         return grads[-1] if wants_dx else None
 
     def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
