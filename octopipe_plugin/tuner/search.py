@@ -119,7 +119,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
 def _own_seeds(ev, model, cluster, m, budget, floor) -> list[tuple[float, object, object, Outcome]]:
     """Evaluate own layouts x seed policies, most promising layouts first; the fitting ones, best first."""
     nd = cluster.num_devices
-    layouts = [lay for _, lay in seed_layouts(model, nd, m) if ev.static_fits(lay)]
+    layouts = [lay for _, lay in seed_layouts(model, nd) if ev.static_fits(lay)]
     layouts.sort(key=ev.work_floor)
     best = floor.step_ms if floor is not None else float("inf")
     found = []

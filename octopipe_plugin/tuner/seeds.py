@@ -29,7 +29,7 @@ class Baseline:
     reason: str = ""
 
 
-def chunk_counts(model, num_devices: int, num_microbatches: int) -> list[int]:
+def chunk_counts(model, num_devices: int) -> list[int]:
     """Stages per device worth trying: 1..4 while every stage can still own a layer."""
     return [v for v in range(1, MAX_CHUNKS + 1) if v == 1 or num_devices * v <= model.num_layers]
 
@@ -38,7 +38,7 @@ def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: 
     """Every registry schedule (interleaved-1f1b, interleaved-zb at each useful v) on both splits."""
     out = []
     for name, spec in SCHEDULES.items():
-        vs = chunk_counts(model, num_devices, num_microbatches) if spec.stages_per_device is None else [
+        vs = chunk_counts(model, num_devices) if spec.stages_per_device is None else [
             spec.stages_per_device]
         for v in vs:
             for split in SPLITS:
@@ -56,10 +56,10 @@ def _baseline(ev: Evaluator, model, name, split, v, num_devices, num_microbatche
     return Baseline(name=name, split=split, stages_per_device=v, outcome=out, reason=reason)
 
 
-def seed_layouts(model, num_devices: int, num_microbatches: int) -> list[tuple[str, Layout]]:
+def seed_layouts(model, num_devices: int) -> list[tuple[str, Layout]]:
     """Own layouts: balanced, Megatron and device-rebalanced partitions under looped and V placements."""
     out, seen = [], set()
-    for v in chunk_counts(model, num_devices, num_microbatches):
+    for v in chunk_counts(model, num_devices):
         placements = [Placement.LOOPED] + ([Placement.V] if v >= 2 else [])
         for pl in placements:
             devices = tuple(place(pl, num_devices, v))
@@ -94,7 +94,7 @@ def seed_policies(layout: Layout, num_devices: int, num_microbatches: int) -> li
 def minimal_memory_need(ev: Evaluator, model, num_devices: int, num_microbatches: int) -> int:
     """Smallest fullest-device peak over the seed layouts run one micro-batch at a time, ignoring the cap."""
     least = None
-    for _, lay in seed_layouts(model, num_devices, num_microbatches):
+    for _, lay in seed_layouts(model, num_devices):
         job, sc, _ = ev.job(lay)
         loose = replace(job, act_cap=(float("inf"),) * num_devices)
         pol = Policy(depth=(1,) * num_devices, split=(Split.FUSED,) * num_devices, w_limit=(0,) * num_devices)
