@@ -29,13 +29,12 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from octopipe_plugin.errors import PlanError  # noqa: E402
-from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TorchStages  # noqa: E402
+from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor  # noqa: E402
+from octopipe_plugin.executor.checks import toy_runner  # noqa: E402
 from octopipe_plugin.executor.launch import init_gloo, spawn  # noqa: E402
 from octopipe_plugin.executor.plans import make_plan, random_bounds, sample_schedule  # noqa: E402
 from octopipe_plugin.executor.torch_interop import torch_runtime  # noqa: E402
-from octopipe_plugin.executor.toy import (  # noqa: E402
-    ToySpec, boundary_metas, build_layers, microbatch, reference_step, stage_modules,
-)
+from octopipe_plugin.executor.toy import ToySpec, build_layers, microbatch, reference_step, stage_modules  # noqa: E402
 from octopipe_plugin.formats import plan_from_dict, plan_to_dict  # noqa: E402
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for  # noqa: E402
 
@@ -158,14 +157,11 @@ def _all_ranks(flag: bool) -> bool:
 
 
 def _bench_plan(rank: int, plan, mode: str, steps: int, tmp: str):
-    ns, m = plan.num_stages, plan.num_microbatches
+    m = plan.num_microbatches
     bounds = [(s.start, s.end) for s in plan.stages]
     mine = plan.stages_of(rank)
     ours_layers, their_layers = build(mode), build(mode)
-    runner = TorchStages(modules=stage_modules(ours_layers, bounds, mine), num_stages=ns, num_microbatches=m,
-                         metas=boundary_metas(SPEC, ns), load_input=lambda mb: microbatch(SPEC, mb)[0],
-                         loss_fn=lambda out, mb: _loss(out, microbatch(SPEC, mb)[1]))
-    ours = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=120))
+    ours = PipelineExecutor(plan, toy_runner(SPEC, ours_layers, plan, rank), options=ExecutorOptions(timeout_s=120))
     example = microbatch(SPEC, 0)[0]
     runtime = torch_runtime(plan, stage_modules(their_layers, bounds, mine), example, _loss, rank,
                             os.path.join(tmp, f"{plan.meta['label']}-{mode}-{rank}.csv"))
