@@ -75,10 +75,8 @@ class Evaluator:
         schedule = build_schedule(job, policy)
         out = None
         if schedule is not None:
-            plan = Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
-                        stages=layout.stages(), schedule=schedule,
-                        meta={"schedule": "octopipe", "policy": policy.describe()})
-            out = self.simulated(plan, costs=sc)
+            meta = {"schedule": "octopipe", "policy": policy.describe()}
+            out = self.simulated(self.plan_of(layout, schedule, meta), costs=sc)
         self._seen[key] = out
         return out
 
@@ -89,11 +87,14 @@ class Evaluator:
             return self._seen[key]
         _, sc, _ = self.job(layout)
         self.work += sum(len(row) for row in schedule)  # hashing the order for the cache
-        plan = Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
-                    stages=layout.stages(), schedule=schedule, meta={"schedule": "octopipe"})
-        out = self.simulated(plan, costs=sc)
+        out = self.simulated(self.plan_of(layout, schedule, {"schedule": "octopipe"}), costs=sc)
         self._seen[key] = out
         return out
+
+    def plan_of(self, layout: Layout, schedule, meta: dict | None = None) -> Plan:
+        """The Plan of a layout run in the given per-device order."""
+        return Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
+                    stages=layout.stages(), schedule=schedule, meta=meta or {})
 
     def run(self, layout: Layout, spec) -> Outcome | None:
         """Evaluate a candidate whose spec is a Policy (list-scheduled) or an explicit order."""

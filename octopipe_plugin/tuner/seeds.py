@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import PlanError
-from ..formats import Plan
 from ..partition import balanced_split, megatron_split
 from ..schedules.placement import Placement, place
 from ..schedules.registry import SCHEDULES, build_plan
@@ -101,9 +100,7 @@ def minimal_memory_need(ev: Evaluator, model, num_devices: int, num_microbatches
         schedule = build_schedule(loose, pol)
         if schedule is None:
             continue
-        plan = Plan(model=model.name, num_devices=num_devices, num_microbatches=num_microbatches,
-                    stages=lay.stages(), schedule=schedule)
-        out = ev.simulated(plan, costs=sc)
+        out = ev.simulated(ev.plan_of(lay, schedule), costs=sc)
         if out is not None and (least is None or out.max_peak < least):
             least = out.max_peak
     return least if least is not None else ev.cluster.memory_bytes + 1
