@@ -245,7 +245,7 @@ def _without_empty_stages(ev, plan):
 def _oom_message(ev, model, cluster, m, baselines) -> str:
     """Name the smallest per-device memory any plan needed."""
     need = [b.outcome.max_peak for b in baselines if b.outcome is not None]
-    need.append(minimal_memory_need(ev, model, cluster.num_devices, m))
+    need.append(minimal_memory_need(ev, model, cluster.num_devices))
     least = min(need)
     return (f"no plan fits {cluster.memory_bytes} bytes per device for {model.name} on {cluster.num_devices} "
             f"devices with {m} micro-batches; the smallest per-device memory any plan needed was {least} bytes "

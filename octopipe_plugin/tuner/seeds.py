@@ -90,7 +90,7 @@ def seed_policies(layout: Layout, num_devices: int, num_microbatches: int) -> li
     ]
 
 
-def minimal_memory_need(ev: Evaluator, model, num_devices: int, num_microbatches: int) -> int:
+def minimal_memory_need(ev: Evaluator, model, num_devices: int) -> int:
     """Smallest fullest-device peak over the seed layouts run one micro-batch at a time, ignoring the cap."""
     least = None
     for _, lay in seed_layouts(model, num_devices):
