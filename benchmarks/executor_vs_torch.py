@@ -162,8 +162,7 @@ def _bench_plan(rank: int, plan, mode: str, steps: int, tmp: str):
     mine = plan.stages_of(rank)
     ours_layers, their_layers = build(mode), build(mode)
     ours = PipelineExecutor(plan, toy_runner(SPEC, ours_layers, plan, rank), options=ExecutorOptions(timeout_s=120))
-    example = microbatch(SPEC, 0)[0]
-    runtime = torch_runtime(plan, stage_modules(their_layers, bounds, mine), example, _loss, rank,
+    runtime = torch_runtime(plan, stage_modules(their_layers, bounds, mine), _loss, rank,
                             os.path.join(tmp, f"{plan.meta['label']}-{mode}-{rank}.csv"))
     ours.run_step()
     _run_torch(runtime, plan, rank)

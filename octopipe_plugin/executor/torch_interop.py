@@ -24,13 +24,12 @@ def plan_to_torch_csv(plan) -> str:
     return buf.getvalue()
 
 
-def torch_runtime(plan, modules: Mapping[int, nn.Module], example: torch.Tensor, loss_fn: Callable, rank: int,
-                  csv_path: str, device: str = "cpu"):
+def torch_runtime(plan, modules: Mapping[int, nn.Module], loss_fn: Callable, rank: int, csv_path: str,
+                  device: str = "cpu"):
     """A `_PipelineScheduleRuntime` running `plan` for `rank` over `modules` (stage -> module).
 
-    `example` is one micro-batch's activation (every boundary carries that shape, as in
-    the toy model); the plan is written to `csv_path` and loaded from there, lowered with
-    torch's own send/recv passes.
+    The plan is written to `csv_path` and loaded from there, lowered with torch's own
+    send/recv passes (PipelineStage infers the boundary shapes on the first step).
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
