@@ -70,7 +70,7 @@ def log_megatron_runs(plan, model, cluster) -> None:
              simulate(model, cluster, even, detail=False).step_time_ms)
 
 
-def check_with_megatron(args_list, model) -> str:
+def check_with_megatron(args_list) -> str:
     """megatron-core's own parser and validator on the layout; its per-rank table."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         return 2
     print(shlex.join(launch))
     if args.check_with_megatron and "--pipeline-model-parallel-layout" in launch:
-        print(check_with_megatron(launch, model))
+        print(check_with_megatron(launch))
     return 0
 
 
