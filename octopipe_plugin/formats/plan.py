@@ -123,6 +123,15 @@ def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action
 
 def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
     """Check coverage and ownership: each (stage, mb) has F once and B or I+W once, on the stage's device."""
+    if plan.stages[0].start != 0:
+        raise PlanError(f"stage 0 starts at layer {plan.stages[0].start}: stages must cover the layers from 0")
+    for s in range(1, plan.num_stages):
+        if plan.stages[s].start != plan.stages[s - 1].end:
+            raise PlanError(f"stage {s} starts at layer {plan.stages[s].start}, stage {s - 1} ends at "
+                            f"{plan.stages[s - 1].end}: stage ranges must be consecutive")
+    for s, st in enumerate(plan.stages):
+        if st.end < st.start:
+            raise PlanError(f"stage {s} ends at layer {st.end} before it starts at {st.start}: expected end >= start")
     if num_layers is not None and plan.stages[-1].end != num_layers:
         raise PlanError(f"stages cover layers [0, {plan.stages[-1].end}) but the model has {num_layers}")
     if len(plan.schedule) != plan.num_devices:

@@ -130,3 +130,20 @@ def test_cli_bad_file_exits_nonzero_without_traceback_in_a_real_process(tmp_path
                           capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "$.format" in proc.stderr and str(file) in proc.stderr
+
+
+@pytest.mark.parametrize("ranges, message", [
+    ([(0, 3), (5, 8)], "stage 1 starts at layer 5, stage 0 ends at 3"),
+    ([(1, 3), (3, 8)], "stage 0 starts at layer 1"),
+    ([(0, 4), (4, 3), (3, 8)], "stage 1 ends at layer 3 before it starts at 4"),
+])
+def test_plan_built_in_code_with_a_gap_or_overlap_is_refused(ranges, message):
+    from octopipe_plugin.errors import PlanError
+    from octopipe_plugin.formats import Plan, Stage, validate_plan
+    from octopipe_plugin.schedules.actions import B, F
+
+    stages = tuple(Stage(start=a, end=b, device=i) for i, (a, b) in enumerate(ranges))
+    sched = tuple((F(i, 0), B(i, 0)) for i in range(len(ranges)))
+    plan = Plan(model="m", num_devices=len(ranges), num_microbatches=1, stages=stages, schedule=sched)
+    with pytest.raises(PlanError, match=message):
+        validate_plan(plan)
