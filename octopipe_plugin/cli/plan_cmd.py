@@ -9,7 +9,7 @@ from ..costs import get_gpu, resolve_cluster, resolve_model
 from ..errors import OctoPipeError
 from ..formats import plan_to_dict, write_plan
 from ..tuner import tune
-from ..tuner.compare import baseline_ms, comparison_rows, format_table
+from ..tuner.compare import baseline_ms, comparison_rows, format_table, per_device
 from . import write_output
 
 
@@ -80,7 +80,7 @@ def summary(result, model, cluster) -> str:
         f"  step time      {result.step_ms:.1f} ms   bubble {result.bubble:.1%}   "
         f"{result.bound.describe()} -> {result.step_ms / result.bound.value_ms:.3f}x of it",
         f"  gain           {gain}",
-        f"  stages         {plan.num_stages} ({plan.num_stages / plan.num_devices:g} per device): {stages}",
+        f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stages}",
         f"  peak memory    {peaks} GiB (limit {cluster.memory_bytes / 2**30:.1f} GiB)",
         f"  search         {result.iterations} steps, {result.evaluations} simulations, "
         f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",

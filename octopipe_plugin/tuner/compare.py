@@ -20,7 +20,7 @@ class Row:
     label: str
     schedule: str
     split: str
-    stages_per_device: int
+    stages_per_device: int | str  # 'lo-hi' when the tuned plan gives devices different counts
     step_ms: float | None
     bubble: float | None
     peak_bytes: int | None
@@ -65,7 +65,7 @@ def comparison_rows(result) -> list[Row]:
     """OctoPipe first, then each built-in schedule on the Megatron and the balanced split."""
     base = baseline_ms(result.baselines)
     rows = [Row(label="OctoPipe (tuned)", schedule="octopipe", split="tuned",
-                stages_per_device=result.plan.num_stages // result.plan.num_devices, step_ms=result.step_ms,
+                stages_per_device=per_device(result.plan), step_ms=result.step_ms,
                 bubble=result.bubble, peak_bytes=max(result.peak), fits=True,
                 speedup=base / result.step_ms if base else None,
                 note="" if result.source == "octopipe" else f"= {result.source}")]
@@ -89,16 +89,23 @@ def _row(baselines, name, split, base) -> Row:
                note="baseline" if (name, split) == BASELINE else "")
 
 
+def per_device(plan) -> int | str:
+    """Stages per device of a plan: one number when every device holds as many, else 'lo-hi'."""
+    counts = [len(plan.stages_of(d)) for d in range(plan.num_devices)]
+    lo, hi = min(counts), max(counts)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def format_table(rows: list[Row], memory_bytes: int) -> str:
     """The comparison as aligned text."""
-    head = f"{'schedule':<28} {'v':>2} {'step ms':>10} {'bubble':>7} {'peak GiB':>9} {'fits':>4} {'speedup':>8}  note"
+    head = f"{'schedule':<28} {'v':>3} {'step ms':>10} {'bubble':>7} {'peak GiB':>9} {'fits':>4} {'speedup':>8}  note"
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.step_ms is None:
-            lines.append(f"{r.label:<28} {'-':>2} {'-':>10} {'-':>7} {'-':>9} {'-':>4} {'-':>8}  {r.note[:60]}")
+            lines.append(f"{r.label:<28} {'-':>3} {'-':>10} {'-':>7} {'-':>9} {'-':>4} {'-':>8}  {r.note[:60]}")
             continue
         sp = f"{r.speedup:.2f}x" if r.speedup else "-"
-        lines.append(f"{r.label:<28} {r.stages_per_device:>2} {r.step_ms:>10.1f} {r.bubble:>7.1%} "
+        lines.append(f"{r.label:<28} {r.stages_per_device!s:>3} {r.step_ms:>10.1f} {r.bubble:>7.1%} "
                      f"{r.peak_bytes / 2**30:>9.1f} {'yes' if r.fits else 'NO':>4} {sp:>8}  {r.note}")
     lines.append(f"(memory per device {memory_bytes / 2**30:.1f} GiB; speedup = baseline step / step, "
                  f"baseline = interleaved-1f1b on the Megatron split, best v)")
