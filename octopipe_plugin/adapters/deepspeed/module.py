@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ...errors import OctoPipeError
-from .partition import plan_parts
 
 
 class OctoPipePipelineModule(PipelineModule):
@@ -25,11 +24,6 @@ class OctoPipePipelineModule(PipelineModule):
         if kwargs.get("topology") is None:
             kwargs["num_stages"] = len(self._octopipe_parts) - 1
         super().__init__(layers=layers, partition_method="octopipe", **kwargs)
-
-    @classmethod
-    def from_plan(cls, layers, plan, layer_of_spec: Sequence[int] | None = None, **kwargs):
-        """Build from a one-stage-per-rank plan, mapping its layers onto `layers` (see plan_parts)."""
-        return cls(layers, parts=plan_parts(plan, layer_of_spec), **kwargs)
 
     def _partition_layers(self, method: str = "octopipe") -> None:
         """Take the plan's boundaries instead of DeepSpeed's uniform/parameters/type split."""
