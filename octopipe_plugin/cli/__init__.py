@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
@@ -18,6 +19,8 @@ COMMANDS = MappingProxyType({
     "simulate": "simulate_cmd",
     "plan": "plan_cmd",
     "dryrun": "dryrun_cmd",
+    "profile": "profile_cmd",
+    "calibrate": "calibrate_cmd",
 })
 
 
