@@ -164,7 +164,8 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         layouts = [lay for _, lay in seed_layouts(model, nd) if evs.static_fits(lay)]
         layouts.sort(key=evs.work_floor)
         first = _first_plan(ev, evs, layouts, hand)
-        baselines = builtin_baselines(ev, model, nd, num_microbatches, search_ev=evs, on_result=hand.builtin)
+        baselines = builtin_baselines(ev, model, nd, num_microbatches, search_ev=evs, on_result=hand.builtin,
+                                      deadline=budget.deadline)
         fitting = [b.search for b in baselines if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         hand.elite = _dedupe(sorted(first + _own_seeds(evs, layouts, nd, budget, floor, hand)
@@ -225,6 +226,8 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
         for pol in seed_policies(lay, nd, ev.m):
+            if (found or floor is not None) and time.monotonic() >= budget.deadline:
+                break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
             if out is not None and out.fits and out.plan is not None:
                 found.append((out.step_ms, lay, pol, out))
@@ -365,6 +368,8 @@ def _oom_message(ev, model, cluster, m, baselines) -> str:
     need = [b.outcome.max_peak for b in baselines if b.outcome is not None]
     need.append(minimal_memory_need(ev, model, cluster.num_devices))
     least = min(need)
-    return (f"no plan fits {cluster.memory_bytes} bytes per device for {model.name} on {cluster.num_devices} "
-            f"devices with {m} micro-batches; the smallest per-device memory any plan needed was {least} bytes "
-            f"({least / 2**30:.2f} GiB)")
+    return (f"no plan fits the {cluster.memory_bytes / 2**30:.1f} GiB per device of {cluster.name} for {model.name} "
+            f"on {cluster.num_devices} devices with {m} micro-batches; the smallest per-device memory any plan "
+            f"needed (one micro-batch in flight included) was {least / 2**30:.2f} GiB. Try: more devices (a larger cluster), full activation recompute "
+            f"(`recompute: true` in the architecture, or `octopipe model ... --recompute -o m.json`), tensor "
+            f"parallelism (--tp) or a larger --dp to shard the optimizer, or a GPU with more memory")

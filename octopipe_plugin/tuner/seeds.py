@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from ..errors import PlanError
@@ -15,6 +16,7 @@ from .moves import rebalance
 from .periodic import ActionTable, extend_schedule
 
 SPLITS = ("megatron", "balanced")
+NOT_RUN = "not run: time budget spent"
 MAX_CHUNKS = 4  # stages per device tried by the seeds (Megatron's useful range)
 
 
@@ -50,13 +52,16 @@ def builtin_configs(model, num_devices: int) -> list[tuple[str, str, int]]:
 
 
 def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: int, *,
-                      search_ev: Evaluator | None = None, on_result=None, keep: int = 6) -> list[Baseline]:
+                      search_ev: Evaluator | None = None, on_result=None, keep: int = 6,
+                      deadline: float | None = None) -> list[Baseline]:
     """Every registry schedule (interleaved-1f1b, interleaved-zb at each useful v) on both splits.
 
     With `search_ev` at fewer micro-batches, each schedule is first built and simulated there
     (cheap), then taken to the full count fastest first: grown by its periodic steady state
     (tuner/periodic.py), or built afresh where it shows none, and simulated. `on_result` sees
-    each Baseline as soon as its full outcome is known (the anytime plan in hand).
+    each Baseline as soon as its full outcome is known (the anytime plan in hand). Past
+    `deadline` (time.monotonic()), once one fitting baseline is in hand, the rest are listed as
+    not run, so the time budget holds during setup too.
     """
     search_ev = search_ev or ev
     m_s = search_ev.m
@@ -65,6 +70,9 @@ def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: 
     staged = []  # (config, plan at the search count or None, search outcome, reason)
     seen: list = []
     for name, split, v in builtin_configs(model, num_devices):
+        if _late(deadline) and any(o is not None and o.fits for _, _, o, _ in staged):
+            staged.append(((name, split, v), None, None, NOT_RUN))
+            continue
         plan, reason = _build(model, name, split, v, num_devices, m_s, ranges)
         out = None
         if plan is not None:
@@ -78,7 +86,9 @@ def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: 
     for i in order:
         (name, split, v), plan, s_out, reason = staged[i]
         full = s_out
-        if m_s != num_microbatches:
+        if m_s != num_microbatches and s_out is not None and _late(deadline) and best is not None:
+            full, reason = None, NOT_RUN
+        elif m_s != num_microbatches and reason != NOT_RUN:
             full, reason = _full_outcome(ev, model, name, split, v, num_devices, num_microbatches, plan, ranges,
                                          table, full_seen, reason)
         b = Baseline(name=name, split=split, stages_per_device=v, outcome=full, reason=reason, search=s_out)
@@ -93,6 +103,10 @@ def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: 
             if old is not None:
                 results[old] = replace(results[old], outcome=replace(results[old].outcome, plan=None))
     return _strip(results, keep)
+
+
+def _late(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def _rank(out: Outcome | None):
