@@ -37,6 +37,7 @@ POLISH_SHARE = 0.15  # share of the budget spent on order moves at the end
 STEP_UNITS = 25  # work charged per search step for the move itself (pruned and cached steps cost too)
 SEARCH_FACTOR = 4  # above this many micro-batches per device, the search runs at this many (periodic steady state)
 FINAL_SHARE = 0.1  # share of the budget kept for taking the search's best to the full count
+RESULT_SHARE = 0.03  # kept for checking the returned plan (simulation, validation)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +77,7 @@ class _Budget:
     units: float
     iterations: int | None
     deadline: float
+    seconds: float = 0.0  # the time budget the deadline ends
     done: int = 0
     stopped_by: str = ""
 
@@ -86,8 +88,12 @@ class _Budget:
         return min(1.0, self.ev.work / self.units)
 
     def left(self, upto: float = 1.0) -> bool:
-        """Whether less than `upto` of the budget is spent and the wall-clock guard has not passed."""
-        if time.monotonic() >= self.deadline:
+        """Whether less than `upto` of the budget is spent and the wall-clock guard has not passed.
+
+        The guard scales with `upto` too, so a slow or loaded machine still leaves each later
+        phase (the full-count plans, polish, the final check) its share of the time.
+        """
+        if time.monotonic() >= self.deadline - (1.0 - upto) * self.seconds:
             self.stopped_by = self.stopped_by or "wall clock"
             return False
         if self.fraction() >= upto:
@@ -156,7 +162,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     ev = Evaluator(model, cluster, num_microbatches)
     evs = ev.at(search_count(num_microbatches, nd))
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
-                     deadline=t0 + time_budget_s)
+                     deadline=t0 + time_budget_s, seconds=time_budget_s)
     hand = _InHand(budget=budget, progress=progress, t0=t0)
     rng = random.Random(seed)
     baselines: list = []
@@ -324,7 +330,7 @@ def _polish(ev, rng, hand, budget) -> None:
     best = hand.outcome
     slots = critical_slots(ev, best.plan)
     misses = 0
-    while budget.left(1.0) and misses < 200:
+    while budget.left(1.0 - RESULT_SHARE) and misses < 200:
         budget.done += 1
         ev.work += STEP_UNITS
         better = polish_step(ev, rng, best, slots)
