@@ -15,7 +15,7 @@ from ..formats import Plan
 from ..simulator import simulate, stage_costs
 from .layout import Layout, device_work, make_job
 from .listsched import Policy, build_schedule
-from .periodic import action_count
+from .encoded import action_count
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

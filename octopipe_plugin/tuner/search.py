@@ -24,7 +24,8 @@ from .evaluate import Evaluator, Outcome
 from .layout import Layout
 from .listsched import Policy
 from .moves import Context, pick_move
-from .periodic import ActionTable, extend_schedule, scale_policy
+from .encoded import ActionTable
+from .periodic import extend_schedule, scale_policy
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
