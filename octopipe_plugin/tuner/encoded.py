@@ -50,10 +50,12 @@ class EncodedSchedule(Sequence):
     object per action; only the plan that is kept (written, drawn, polished) is materialised.
     """
 
-    __slots__ = ("encoded", "_table", "_rows")
+    __slots__ = ("encoded", "_table", "_rows", "clock")
 
     def __init__(self, encoded, table: ActionTable | None = None):
         self.encoded = tuple(encoded)
+        # (step ms, per-device peak live activation bytes) when the list scheduler timed this order itself
+        self.clock: tuple[float, tuple[int, ...]] | None = None
         self._table = table or ActionTable()
         self._rows: list = [None] * len(self.encoded)
 

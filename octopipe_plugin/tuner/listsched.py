@@ -97,12 +97,22 @@ def build_schedule(job: Job, policy: Policy, compiled: bool | None = None):
     return _Scheduler(job, policy).run()
 
 
+def schedule_units(job: Job) -> float:
+    """Work units charged for scheduling `job` (a simulated action is one unit).
+
+    By size alone, never by which implementation ran, so a seed and a work budget give the same
+    plan with or without numba (a machine without it just needs longer for the same work).
+    """
+    actions = 3 * len(job.devices) * job.num_microbatches
+    return actions * (6.0 if actions < KERNEL_MIN_ACTIONS else 0.5)
+
+
 def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
     """The compiled scheduler's rows as an EncodedSchedule."""
     f64, i64 = np.float64, np.int64
     split_code = {Split.FUSED: kernel.FUSED, Split.SPLIT: kernel.SPLIT, Split.AUTO: kernel.AUTO}
     hop = np.array([0.0 if h is None else h for h in job.hop], f64)
-    out, lengths, ok = kernel.schedule_kernel(
+    out, lengths, ok, free, peak = kernel.schedule_kernel(
         job.num_microbatches, np.array(job.devices, i64), np.array(job.fwd, f64), np.array(job.bwd, f64),
         np.array(job.wgrad, f64), np.array(job.activation, i64), hop, np.array(job.act_cap, f64),
         np.array(policy.depth, i64), np.array([split_code[s] for s in policy.split], i64),
@@ -110,7 +120,9 @@ def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
         policy.b_order is Order.DEEP)
     if not ok:
         return None
-    return EncodedSchedule([out[d, :lengths[d]].copy() for d in range(job.num_devices)])
+    rows = EncodedSchedule([out[d, :lengths[d]].copy() for d in range(job.num_devices)])
+    rows.clock = (float(free.max()) if len(free) else 0.0, tuple(int(x) for x in peak))
+    return rows
 
 
 class _Scheduler:

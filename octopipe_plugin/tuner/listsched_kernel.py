@@ -140,7 +140,8 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
 @_jit
 def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_limit, w_fill_always, f_deep,
                     b_deep):
-    """Per-device (stage, kind, micro-batch) rows and their lengths; ok False when the policy starves."""
+    """Per-device (stage, kind, micro-batch) rows and their lengths, ok (False when the policy starves), each
+    device's end time and peak live activation bytes (the simulator's figures for this order)."""
     ns, nd = devices.shape[0], cap.shape[0]
     counts = np.zeros(nd + 1, np.int64)
     for s in range(ns):
@@ -172,6 +173,7 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
     next_b = np.zeros(ns, np.int64)
     free = np.zeros(nd)
     live = np.zeros(nd, np.int64)
+    peak = np.zeros(nd, np.int64)
     inflight = np.zeros(nd, np.int64)
     wcap = most * m
     wq_s = np.zeros((nd, wcap), np.int64)
@@ -221,6 +223,8 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
             idx = s * m + mb
             f_end[idx] = end
             live[d] += act[s]
+            if live[d] > peak[d]:
+                peak[d] = live[d]
             if s == low[d]:
                 inflight[d] += 1
             if s + 1 < ns:
@@ -263,10 +267,10 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
             version[e] += 1
             if te < INF:
                 if hsize >= hsize_cap:
-                    return out, out_len, False
+                    return out, out_len, False, free, peak
                 hsize = _push(ht, hd, hv, hsize, te, e, version[e])
     ok = done_main >= total
     for d in range(nd):
         if wq_tail[d] > wq_head[d]:
             ok = False
-    return out, out_len, ok
+    return out, out_len, ok, free, peak

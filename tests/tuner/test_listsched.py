@@ -131,3 +131,9 @@ def test_compiled_scheduler_takes_the_python_schedulers_decisions(costs, devices
     assert (ref is None) == (got is None)
     if ref is not None:
         assert got == ref
+        # the compiled scheduler's own clock and live-memory peaks are the simulator's
+        res = simulate(model, cl, Plan(model=model.name, num_devices=devices, num_microbatches=m,
+                                       stages=layout.stages(), schedule=got), detail=False)
+        step, live = got.clock
+        assert abs(step - res.step_time_ms) <= 1e-9 * max(1.0, step)
+        assert list(live) == list(res.peak_activation_bytes)
