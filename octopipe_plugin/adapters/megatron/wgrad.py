@@ -37,7 +37,9 @@ class Phase:
     """Which part of the backward the deferrable linears compute right now (None: both)."""
 
     value: str | None = None
-    weight_gemms: int = 0  # weight-gradient GEMMs run (a counter the tests read)
+    # counters the tests read: forwards that will need a backward, and each GEMM of the backward
+    forward_calls: int = 0
+    weight_gemms: int = 0
     input_gemms: int = 0
 
 
@@ -50,6 +52,7 @@ def _function_class():
         @staticmethod
         def forward(ctx, phase, *args):
             ctx.phase = phase
+            ctx.octopipe_split = True  # W recognises these nodes among the captured intermediates
             return Base.forward(ctx, *args)
 
         @staticmethod
@@ -138,6 +141,8 @@ def enable_wgrad_split(module: torch.nn.Module, phase: Phase) -> int:
             raise ValueError("defer_embedding_wgrad_compute keeps its own wgrad buffer; with OctoPipe's split "
                              "backward the output layer's weight gradient is already deferred to W: turn it off")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        if torch.is_grad_enabled():
+            phase.forward_calls += 1
         return split.apply(phase, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, None, wgrad_deferral_limit, tp_group, gtp_remat_size)
 
@@ -180,31 +185,64 @@ def weight_pass(split: SplitWork) -> None:
 
 
 def _deliver(work) -> None:
-    """The executor's W walk (from the gradients I captured) with a sink through AccumulateGrad."""
+    """The executor's W walk (from the gradients I captured), all gradients sunk through AccumulateGrad at once.
+
+    A group whose parameters join the input path only at split linears needs no graph walk:
+    each linear's weight GEMM runs directly from the input its node saved and the gradient I
+    captured there. Walking the engine from such a node would also run, with zero gradients,
+    every node between it and a later use of the same weight (MTP reuses the output layer),
+    and some of those (Megatron's cross-entropy) changed their saved tensors in place at I.
+    """
+    sink: list[tuple[GradientEdge, torch.Tensor]] = []
     for group in work.groups:
-        edges, grads = [], []
-        for captured, node in zip(group["grads"], group["intermediates"]):
-            for i, g in enumerate(captured or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        handles = []
-        if len(group["intermediates"]) > 1:
-            # an intermediate below another would count the upper one's gradient twice:
-            # pin every intermediate's incoming gradient to what I captured there
-            for captured, node in zip(group["grads"], group["intermediates"]):
-                handles.append(node.register_prehook(lambda _g, sg=captured: sg))
-        try:
-            if edges:
-                accs = list(group["params"])
-                dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
-                sink = [(GradientEdge(a, 0), d) for a, d in zip(accs, dws) if d is not None]
-                if sink:
-                    torch.autograd.backward([e for e, _ in sink], [d for _, d in sink])
-        finally:
-            for h in handles:
-                h.remove()
+        inter, captured = group["intermediates"], group["grads"]
+        if inter and all(getattr(n, "octopipe_split", False) for n in inter):
+            for node, cap in zip(inter, captured):
+                if cap and cap[0] is not None:
+                    sink.extend(_direct_weight_grad(node, cap[0]))
+        else:
+            sink.extend(_walk(group))
         group.clear()
+    if sink:
+        torch.autograd.backward([e for e, _ in sink], [g for _, g in sink])
+
+
+def _direct_weight_grad(node, grad_output) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """W of one split linear: its weight (and bias) gradient and the edges they flow into."""
+    node.phase.weight_gemms += 1
+    grad_weight, grad_bias = _weight_grad(node, grad_output)
+    out = []
+    # next_functions holds the tensor arguments of forward only: input, weight, and bias when given
+    nexts = node.next_functions
+    for pos, g in ((1, grad_weight), (2, grad_bias)):
+        if g is not None and pos < len(nexts) and nexts[pos][0] is not None:
+            out.append((GradientEdge(*nexts[pos]), g))
+    return out
+
+
+def _walk(group) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """Parameter gradients of one group by walking the engine from its captured intermediates."""
+    edges, grads = [], []
+    for captured, node in zip(group["grads"], group["intermediates"]):
+        for i, g in enumerate(captured or ()):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(g)
+    if not edges:
+        return []
+    handles = []
+    if len(group["intermediates"]) > 1:
+        # an intermediate below another would count the upper one's gradient twice:
+        # pin every intermediate's incoming gradient to what I captured there
+        for captured, node in zip(group["grads"], group["intermediates"]):
+            handles.append(node.register_prehook(lambda _g, sg=captured: sg))
+    try:
+        accs = list(group["params"])
+        dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(GradientEdge(a, 0), d) for a, d in zip(accs, dws) if d is not None]
 
 
 def param_edges_of(params) -> list:

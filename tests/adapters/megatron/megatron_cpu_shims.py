@@ -33,6 +33,7 @@ def install() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     torch.cuda.Stream = lambda *a, **k: _NullStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.Event = lambda *a, **k: _NullEvent()
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: None
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -59,6 +60,22 @@ class _NullStream:
         return None
 
     def record_event(self, event=None):
+        return _NullEvent()
+
+
+class _NullEvent:
+    """A CPU stand-in for a CUDA event: already complete."""
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+    def record(self, stream=None):
         return None
 
 

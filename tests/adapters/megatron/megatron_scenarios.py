@@ -8,6 +8,7 @@ file the test reads.
 
 from __future__ import annotations
 
+import logging
 import traceback
 
 import torch
@@ -110,20 +111,27 @@ def run_case(case: dict) -> dict:
             for c in chunks:
                 c.train()
     weights = H.gathered_weights(chunks)
-    return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights}
+    counts = torch.zeros(3, dtype=torch.int64)
+    for c in chunks:
+        phase = getattr(c, "_octopipe_wgrad_phase", None)
+        if phase is not None:
+            counts += torch.tensor([phase.forward_calls, phase.input_gemms, phase.weight_gemms])
+    dist.all_reduce(counts)
+    return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
+            "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
 
 
 def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -> None:
     """Spawn target: run every case in turn; rank 0 saves {case name: result} (or the first error)."""
     H.init_process(rank, world, port)
+    logging.disable(logging.INFO)  # Megatron logs every bucket and optimizer setting at INFO
     results = {}
     for case in cases:
         try:
             results[case["name"]] = run_case(case)
         except Exception:  # record and stop: later cases would only hang on a broken group
             results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
-            if rank == 0:
-                torch.save(results, out_path)
+            torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
             raise
     if rank == 0:
         torch.save(results, out_path)
