@@ -20,6 +20,7 @@ the plan's order, keeping nothing for a backward.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
 
@@ -152,6 +153,22 @@ def _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(model, num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+# One schedule per plan content for the life of the process: Megatron asks its factory again in
+# every train() and evaluate() call, and the executors (communicators, programs) must be made once.
+_SCHEDULES: dict[str, object] = {}
+
+
+def get_octopipe_forward_backward_func(plan, pp_size=None, vp_size=None, schedule_pg_collection=None, **unused):
+    """What the launch integration returns from Megatron's `get_forward_backward_func(...)` under a plan."""
+    from ...formats import plan_to_dict
+
+    key = json.dumps(plan_to_dict(plan), sort_keys=True)
+    fn = _SCHEDULES.get(key)
+    if fn is None:
+        fn = _SCHEDULES[key] = make_forward_backward_func(plan)
+    return fn
 
 
 def get_forward_backward_func_for(plan, model_graph=None, options: ScheduleOptions | None = None):
