@@ -82,7 +82,7 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     sc = scaled_costs(model, plan, scale)
     fast = scaled_cluster(cluster, scale)
     sim = simulate(None, fast, plan, costs=sc, detail=False)
-    costs = standin_costs(sc, [st.device for st in plan.stages], fast.transfer_ms)
+    costs = standin_costs(sc, [st.device for st in plan.stages], fast)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
         spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, clock, out)
         ranks = [_read_json(os.path.join(out, f"rank{r}.json")) for r in range(plan.num_devices)]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from ..errors import DeadlockError
 from ..formats import Plan
-from ..simulator import simulate, stage_costs
+from ..simulator import SimOptions, simulate, stage_costs
+from ..simulator.memory import least_live
 from .layout import Layout, device_work, make_job
 from .listsched import Policy, build_schedule
 
@@ -36,8 +37,9 @@ class Outcome:
 class Evaluator:
     """Simulates candidates of one tuning problem, with caches and a work counter."""
 
-    def __init__(self, model, cluster, num_microbatches: int):
+    def __init__(self, model, cluster, num_microbatches: int, options: SimOptions | None = None):
         self.model, self.cluster, self.m = model, cluster, num_microbatches
+        self.options = options or SimOptions()  # the judge's switches; the list scheduler prices hops alike
         self.work = 0  # actions scheduled + simulated so far
         self.evaluations = 0
         self._jobs: dict[Layout, tuple] = {}
@@ -47,7 +49,7 @@ class Evaluator:
         """(Job, StageCosts, static bytes) of a layout, cached."""
         got = self._jobs.get(layout)
         if got is None:
-            got = make_job(self.model, self.cluster, self.m, layout)
+            got = make_job(self.model, self.cluster, self.m, layout, self.options.launch_ms)
             self._jobs[layout] = got
         return got
 
@@ -59,11 +61,9 @@ class Evaluator:
     def static_fits(self, layout: Layout) -> bool:
         """Whether every device can hold its stages' state and one activation of each."""
         job, _, static = self.job(layout)
-        mem = self.cluster.memory_bytes
-        need = [static[d] for d in range(self.cluster.num_devices)]
-        for s, d in enumerate(layout.devices):
-            need[d] += job.activation[s]
-        return max(need) <= mem
+        nd = self.cluster.num_devices
+        live = least_live(layout.devices, job.activation, nd)
+        return max(static[d] + live[d] for d in range(nd)) <= self.cluster.memory_bytes
 
     def scheduled(self, layout: Layout, policy: Policy) -> Outcome | None:
         """List-schedule a layout under a policy and simulate it; None when the policy starves."""
@@ -108,7 +108,7 @@ class Evaluator:
         self.work += sum(len(row) for row in plan.schedule)
         self.evaluations += 1
         try:
-            res = simulate(self.model, self.cluster, plan, costs=sc, detail=False)
+            res = simulate(self.model, self.cluster, plan, self.options, costs=sc, detail=False)
         except DeadlockError:
             return None
         peak = tuple(res.peak_memory_bytes)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..errors import OutOfMemoryError
-from ..simulator import simulate
+from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
@@ -92,10 +92,13 @@ class _Budget:
 
 
 def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
-         iterations: int | None = None, progress=None) -> TuneResult:
-    """Search partition, placement and per-device schedule for the fastest plan that fits memory."""
+         iterations: int | None = None, progress=None, options: SimOptions | None = None) -> TuneResult:
+    """Search partition, placement and per-device schedule for the fastest plan that fits memory.
+
+    `options` are the simulator switches plans are judged by (and the list scheduler plans with).
+    """
     t0 = time.monotonic()
-    ev = Evaluator(model, cluster, num_microbatches)
+    ev = Evaluator(model, cluster, num_microbatches, options)
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
                      deadline=t0 + time_budget_s)
     rng = random.Random(seed)
@@ -232,11 +235,11 @@ def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> Tune
 
 def _without_empty_stages(ev, plan):
     """Prefer the plan without empty stages when it is no slower and still fits (it never needs more memory)."""
-    res = simulate(ev.model, ev.cluster, plan, detail=False)
+    res = simulate(ev.model, ev.cluster, plan, ev.options, detail=False)
     pruned = drop_empty_stages(plan)
     if pruned is plan:
         return plan, res
-    res_p = simulate(ev.model, ev.cluster, pruned, detail=False)
+    res_p = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
     if res_p.step_time_ms <= res.step_time_ms and max(res_p.peak_memory_bytes) <= ev.cluster.memory_bytes:
         return pruned, res_p
     return plan, res
