@@ -19,6 +19,8 @@ COMMANDS = MappingProxyType({
     "simulate": "simulate_cmd",
     "plan": "plan_cmd",
     "dryrun": "dryrun_cmd",
+    "profile": "profile_cmd",
+    "calibrate": "calibrate_cmd",
 })
 
 
