@@ -12,17 +12,23 @@ counts pipeline rank 0's only: deepspeed/runtime/utils.py clip_grad_norm_).
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as tdist
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor, TensorMeta
 from ...formats import plan_to_dict
+from ...schedules.actions import Action, Kind
+from .checkpoint import load_checkpoint, save_records
 from .config import check_microbatches
 from .module import OctoPipePipelineModule
 from .stages import DeepSpeedStages, hook_sink
@@ -49,6 +55,7 @@ class OctoPipeEngine(PipelineEngine):
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
         self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, options=options)
         self._probed_input = None
+        self._forward_executors: dict[int, PipelineExecutor] = {}
         self._octopipe_ready = True
         if self.training_data:
             self._build_data_iter(self.training_data)  # first/last stage now mean the plan's
@@ -108,11 +115,52 @@ class OctoPipeEngine(PipelineEngine):
                          float(self.agg_train_loss), iter_time, self.train_batch_size() / iter_time)
         return self.agg_train_loss
 
-    def _run_plan(self, num_microbatches: int, *, compute_loss: bool):
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        """Forward only through the plan's stages; the mean loss as PipelineEngine.eval_batch returns it."""
+        if return_logits:
+            raise OctoPipeError("OctoPipeEngine.eval_batch: return_logits is not supported (the last stage keeps "
+                                "only the losses)")
+        self.module.eval()
+        self._compute_loss = compute_loss
+        train_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        m = self.micro_batches if num_micro_batches is None else num_micro_batches
+        tdist.barrier()
+        try:
+            with torch.no_grad():
+                self._run_plan(m, compute_loss=compute_loss, executor=self._forward_executor(m))
+            eval_output = None
+            if self.is_last_stage():
+                eval_output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=m)
+            if compute_loss and (bcast_loss or self.monitor.enabled):
+                eval_output = self._bcast_pipe_scalar(eval_output)
+        finally:
+            self.set_dataiterator(train_iterator)
+            self.module.train()
+        return eval_output
+
+    def _forward_executor(self, m: int) -> PipelineExecutor:
+        """An executor running every F of the plan's stages for m micro-batches, in (micro-batch, stage) order.
+
+        That order is a topological order of the forward dependencies, so each device's share of it
+        cannot deadlock, whatever the placement; nothing is kept for a backward.
+        """
+        if m not in self._forward_executors:
+            rows = [[] for _ in range(self.plan.num_devices)]
+            for mb in range(m):
+                for s, st in enumerate(self.plan.stages):
+                    rows[st.device].append(Action(s, Kind.F, mb))
+            plan = replace(self.plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows))
+            opts = replace(self._executor.options, validate=False)  # the plan validator wants a backward per F
+            self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group, options=opts)
+        return self._forward_executors[m]
+
+    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, executor: PipelineExecutor | None = None):
         """One executor step; leaves the last-stage rank's summed, unscaled loss in `total_loss`."""
         self._runner.begin_step(num_microbatches, compute_loss=compute_loss)
         self._probe_metas()
-        result = self._executor.run_step()
+        result = (executor or self._executor).run_step()
         if self._runner.pending():
             raise OctoPipeError(f"rank {self.global_rank}: {self._runner.pending()} (stage, micro-batch) states "
                                 "left after the step")
@@ -207,12 +255,21 @@ class OctoPipeEngine(PipelineEngine):
             tag = f"global_step{self.global_steps}"
         ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                      exclude_frozen_parameters=exclude_frozen_parameters)
+        save_records(self, save_dir, tag)
         if self.global_rank == 0:
-            import json
-
             with open(os.path.join(save_dir, str(tag), PLAN_FILE), "w", encoding="utf-8") as fh:
                 json.dump(plan_to_dict(self.plan), fh, indent=1)
+        tdist.barrier()
         return ok
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load; module weights under any partition, optimizer state mapped by name or refused."""
+        stock = functools.partial(DeepSpeedEngine.load_checkpoint, self)
+        return load_checkpoint(self, stock, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
 
 
 def _plain_sink():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 
 log = logging.getLogger(__name__)
 _MARK = "_octopipe_installed"
@@ -26,6 +27,7 @@ def install() -> None:
         return
     stock = deepspeed.PipelineEngine
     deepspeed.PipelineEngine = _chooser(stock)
+    stock.load_checkpoint = _mapped_load(stock.load_checkpoint)
     deepspeed.initialize = _wrap_initialize(deepspeed.initialize)
     setattr(deepspeed, _MARK, True)
 
@@ -50,6 +52,21 @@ def _chooser(stock):
             return (OctoPipeEngine if planned else stock)(*args, **kwargs)
 
     return PipelineEngine
+
+
+def _mapped_load(load):
+    """PipelineEngine.load_checkpoint mapping optimizer state by name when OctoPipe wrote the checkpoint."""
+
+    @functools.wraps(load)
+    def wrapped(self, load_dir, tag=None, **kwargs):
+        from .checkpoint import RECORD, load_checkpoint, read_tag
+
+        t = read_tag(load_dir, tag)
+        if t is None or not os.path.exists(os.path.join(load_dir, t, RECORD.format(0))):
+            return load(self, load_dir, tag, **kwargs)  # not written by OctoPipe: DeepSpeed's own behaviour
+        return load_checkpoint(self, functools.partial(load, self), load_dir, tag=tag, **kwargs)
+
+    return wrapped
 
 
 def _config_dict(config, config_params, args):

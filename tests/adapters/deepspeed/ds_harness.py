@@ -115,7 +115,10 @@ def reference_forward(emb, blocks, ids):
 
 def reference_run(*, dp: int, m: int, lr: float, momentum: float, clip: float, masked: bool = False,
                   steps: int = STEPS):
-    """Losses per step and final weights (by layer index) of SGD on the mean loss over m x dp micro-batches."""
+    """Losses per step and final weights (by layer index) of SGD on the mean loss over m x dp micro-batches.
+
+    `clip` is a max norm (0: none) or one per step; clipping uses the norm of every gradient of the model.
+    """
     emb, blocks = reference_model(masked)
     params = list(emb.parameters()) + list(blocks.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum)
@@ -128,8 +131,9 @@ def reference_run(*, dp: int, m: int, lr: float, momentum: float, clip: float, m
                 loss = loss_fn(reference_forward(emb, blocks, ids), labels)
                 (loss / (m * dp)).backward()
                 total += float(loss.detach())
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+        c = clip[step] if isinstance(clip, (list, tuple)) else clip
+        if c > 0:
+            torch.nn.utils.clip_grad_norm_(params, c)
         opt.step()
         losses.append(total / (m * dp))
     weights = {"0": {"weight": emb.weight.detach().clone()}}
@@ -189,7 +193,7 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     elif sc.get("plain"):
         from deepspeed.pipe import PipelineModule
 
-        module = PipelineModule(specs, num_stages=sc["pp"], partition_method="uniform", **kwargs)
+        module = PipelineModule(specs, num_stages=sc["pp"], partition_method="uniform", **kwargs)  # "parameters" + seed_layers: DeepSpeed seeds with a numpy int (TypeError)
     else:
         module = OctoPipePipelineModule(specs, config=cfg, **kwargs)
     engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,

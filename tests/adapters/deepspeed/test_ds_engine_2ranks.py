@@ -31,13 +31,20 @@ def _scenarios(tmp):
                                                          plan_path=path, extra=extra)
     v = plan("v", V_DEVICES, V_BOUNDS, 3)
     flat = plan("flat", [0, 1], FLAT_BOUNDS, 5)
+    ck = str(tmp / "ck")
+    resume = dict(first_step=H.STEPS, load=dict(dir=ck, tag="v3"))
     return [
-        dict(name="v_fp32", config=cfg(v), eval=False),
+        dict(name="v_fp32", config=cfg(v), eval=True, save=dict(dir=ck, tag="v3")),
         dict(name="v_ckpt", config=cfg(v), ckpt_interval=2),
         dict(name="flat_octopipe", config=cfg(flat, clip=0.0)),
-        dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9]),
+        dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
         dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
         dict(name="v_bf16_immediate", config=cfg(v, bf16={"enabled": True, "immediate_grad_update": True})),
+        dict(name="resume_other_plan", config=cfg(flat), **resume),
+        # DeepSpeed's engine clips on pipeline rank 0's gradients only: resume it unclipped
+        dict(name="resume_deepspeed_partition", config=cfg(None, clip=0.0), plain=True, pp=2, **resume),
+        dict(name="refuse_unmapped", config=cfg(v), load=dict(dir=ck, tag="stock3"), fatal=False),
+        dict(name="refuse_microbatches", config=cfg(v, train_batch_size=H.MBS * 2), fatal=False),
     ]
 
 
@@ -105,3 +112,28 @@ def test_bf16_both_gradient_modes(runs):
     for idx in wa:
         for k in wa[idx]:
             assert torch.equal(wa[idx][k], wb[idx][k])
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_resumes_under_another_plan_and_deepspeeds_partition(runs):
+    for name, engine, clip in (("resume_other_plan", "OctoPipeEngine", CLIP),
+                               ("resume_deepspeed_partition", "PipelineEngine", 0.0)):
+        ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM,
+                                                  clip=[CLIP] * H.STEPS + [clip] * H.STEPS, steps=2 * H.STEPS)
+        reports = H.load(runs, name, 2)
+        assert {r["engine"] for r in reports} == {engine}
+        for rep in reports:  # momentum buffers followed their parameters: the losses go on as without a break
+            assert rep["losses"] == pytest.approx(ref_losses[H.STEPS:], rel=1e-5), name
+        weights = H.merged_weights(reports)
+        for idx, sd in ref_weights.items():
+            for k, v in sd.items():
+                torch.testing.assert_close(weights[idx][k], v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_refusals_name_the_reason(runs):
+    for r in range(2):
+        err = (runs / f"refuse_unmapped-rank{r}.err").read_text()
+        assert "does not record which parameters it belongs to" in err and "load_optimizer_states=False" in err
+        err = (runs / f"refuse_microbatches-rank{r}.err").read_text()
+        assert "$.gradient_accumulation_steps: expected the plan's micro-batch count 4" in err
