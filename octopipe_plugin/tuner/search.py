@@ -99,7 +99,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
                      deadline=t0 + time_budget_s)
     rng = random.Random(seed)
-    baselines = builtin_baselines(ev, model, cluster.num_devices, num_microbatches)
+    baselines = builtin_baselines(ev, model, cluster.num_devices, num_microbatches, deadline=budget.deadline)
     fitting = [b.outcome for b in baselines if b.outcome is not None and b.outcome.fits]
     floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
     seeded_s = time.monotonic() - t0
@@ -127,6 +127,8 @@ def _own_seeds(ev, model, cluster, m, budget, floor) -> list[tuple[float, object
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
         for pol in seed_policies(lay, nd, m):
+            if (found or floor is not None) and time.monotonic() >= budget.deadline:
+                break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
             if out is not None and out.fits:
                 found.append((out.step_ms, lay, pol, out))
@@ -247,6 +249,8 @@ def _oom_message(ev, model, cluster, m, baselines) -> str:
     need = [b.outcome.max_peak for b in baselines if b.outcome is not None]
     need.append(minimal_memory_need(ev, model, cluster.num_devices))
     least = min(need)
-    return (f"no plan fits {cluster.memory_bytes} bytes per device for {model.name} on {cluster.num_devices} "
-            f"devices with {m} micro-batches; the smallest per-device memory any plan needed was {least} bytes "
-            f"({least / 2**30:.2f} GiB)")
+    return (f"no plan fits the {cluster.memory_bytes / 2**30:.1f} GiB per device of {cluster.name} for {model.name} "
+            f"on {cluster.num_devices} devices with {m} micro-batches; the smallest per-device memory any plan "
+            f"needed (one micro-batch in flight included) was {least / 2**30:.2f} GiB. Try: more devices (a larger cluster), full activation recompute "
+            f"(`recompute: true` in the architecture, or `octopipe model ... --recompute -o m.json`), tensor "
+            f"parallelism (--tp) or a larger --dp to shard the optimizer, or a GPU with more memory")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from ..errors import PlanError
@@ -33,14 +34,24 @@ def chunk_counts(model, num_devices: int) -> list[int]:
     return [v for v in range(1, MAX_CHUNKS + 1) if v == 1 or num_devices * v <= model.num_layers]
 
 
-def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: int) -> list[Baseline]:
-    """Every registry schedule (interleaved-1f1b, interleaved-zb at each useful v) on both splits."""
+def builtin_baselines(ev: Evaluator, model, num_devices: int, num_microbatches: int,
+                      deadline: float | None = None) -> list[Baseline]:
+    """Every registry schedule (interleaved-1f1b, interleaved-zb at each useful v) on both splits.
+
+    Past `deadline` (time.monotonic()), once one fitting baseline is in hand, the rest are listed
+    as not run, so the time budget holds during setup too.
+    """
     out = []
     for name, spec in SCHEDULES.items():
         vs = chunk_counts(model, num_devices) if spec.stages_per_device is None else [
             spec.stages_per_device]
         for v in vs:
             for split in SPLITS:
+                if deadline is not None and time.monotonic() >= deadline and any(
+                        b.outcome is not None and b.outcome.fits for b in out):
+                    out.append(Baseline(name=name, split=split, stages_per_device=v, outcome=None,
+                                        reason="not run: time budget spent"))
+                    continue
                 out.append(_baseline(ev, model, name, split, v, num_devices, num_microbatches))
     return out
 
