@@ -68,6 +68,11 @@ RULES: Mapping[Kind, KindRule] = MappingProxyType({
 })
 
 
+# Integer code of each kind (its position in Kind), for compact encodings of long schedules.
+KINDS: tuple[Kind, ...] = tuple(Kind)
+CODE: Mapping[Kind, int] = MappingProxyType({k: i for i, k in enumerate(KINDS)})
+
+
 def forms() -> dict[str, dict[str, tuple[Kind, ...]]]:
     """phase -> form -> the kinds that together run it (e.g. backward: fused (B,) or split (I, W))."""
     out: dict[str, dict[str, tuple[Kind, ...]]] = {}

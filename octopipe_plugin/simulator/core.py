@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..errors import DeadlockError
-from ..actions import RULES, Action, Flow, Kind, render_grid, senders
+from ..actions import CODE, KINDS, RULES, Action, Flow, render_grid, senders
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes, memory_curve, peak_live
 
@@ -94,19 +94,17 @@ class SimResult:
         }
 
 
-# The kind table compiled for the hot loop: kind code = position in Kind.
-_KINDS = tuple(Kind)
-_CODE = {k: i for i, k in enumerate(_KINDS)}
-_NK = len(_KINDS)
+# The kind table compiled for the hot loop, by kind code (actions.CODE).
+_NK = len(KINDS)
 # What a parked device waits for, as a slot of the key `index * _SLOTS + slot`: slot c < _NK is the
 # device's own action of kind code c (the table's `after`); then the activation and the gradient.
 _ACT, _GRAD = _NK, _NK + 1
 _SLOTS = _NK + 2
 _IN_SLOT = {None: -1, Flow.ACT: _ACT, Flow.GRAD: _GRAD}
-_AFTER = tuple(-1 if RULES[k].after is None else _CODE[RULES[k].after] for k in _KINDS)
-_RECV = tuple(_IN_SLOT[RULES[k].receives] for k in _KINDS)
+_AFTER = tuple(-1 if RULES[k].after is None else CODE[RULES[k].after] for k in KINDS)
+_RECV = tuple(_IN_SLOT[RULES[k].receives] for k in KINDS)
 # kinds some other kind waits for: only their end times are kept
-_TRACK = tuple(any(r.after is k for r in RULES.values()) for k in _KINDS)
+_TRACK = tuple(any(r.after is k for r in RULES.values()) for k in KINDS)
 
 
 def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop):
@@ -114,14 +112,15 @@ def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop):
 
     The second is one shared tuple per (kind, stage): (kind code, duration, after, input slot,
     tracked, device its output goes to or -1, index step to that output, hop time, output slot).
-    Also each device's activation changes in its own order (for the peak).
+    Also each device's activation changes in its own order (for the peak). A schedule kept
+    as (stage, kind code, micro-batch) integer arrays (`schedule.encoded`) is read as such.
     """
     dur = kind_durations(sc)
     change = activation_changes(sc.activation)
     ns = len(dev_of)
     pre = {}
-    for k in _KINDS:
-        c, flow = _CODE[k], RULES[k].sends
+    for k in KINDS:
+        c, flow = CODE[k], RULES[k].sends
         per_stage = []
         for s in range(ns):
             t = s + flow.step if flow is not None else -1
@@ -131,9 +130,23 @@ def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop):
                 out = (-1, 0, None, -1)
             per_stage.append((c, dur[k][s], _AFTER[c], _RECV[c], _TRACK[c]) + out)
         pre[k] = per_stage
+    encoded = getattr(schedule, "encoded", None)
+    if encoded is not None:
+        return _compile_encoded(encoded, nm, [pre[k] for k in KINDS], [change[k] for k in KINDS])
     idxs = [[a.stage * nm + a.microbatch for a in row] for row in schedule]
     rules = [[pre[a.kind][a.stage] for a in row] for row in schedule]
     deltas = [[change[a.kind][a.stage] for a in row] for row in schedule]
+    return idxs, rules, deltas
+
+
+def _compile_encoded(encoded, nm: int, pre: list, change: list):
+    """`_compile` for rows kept as (n, 3) integer arrays of stage, kind code (actions.CODE) and micro-batch."""
+    idxs, rules, deltas = [], [], []
+    for e in encoded:
+        stages, codes, mbs = e[:, 0].tolist(), e[:, 1].tolist(), e[:, 2].tolist()
+        idxs.append([s * nm + mb for s, mb in zip(stages, mbs)])
+        rules.append([pre[c][s] for c, s in zip(codes, stages)])
+        deltas.append([change[c][s] for c, s in zip(codes, stages)])
     return idxs, rules, deltas
 
 
@@ -150,7 +163,9 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms)
     idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop)
     run = _Run(nd, len(dev_of) * nm, nm, opts, detail)
-    run.execute(idxs, rules, plan.schedule)
+    # the action objects are read only to record transfers (detail); an encoded schedule stays encoded
+    encoded = getattr(plan.schedule, "encoded", None) is not None
+    run.execute(idxs, rules, plan.schedule if detail or not encoded else idxs)
     if any(run.pos[d] < len(idxs[d]) for d in range(nd)):
         _raise_deadlock(plan, run.pos, run.waiting)
     return _finish(plan, sc, run, [peak_live(dl) for dl in deltas])
@@ -204,7 +219,7 @@ class _Run:
         self.timeline[d].append((a, start, end))
         self.bound[d].append(slot)
         idx = a.stage * self.nm + a.microbatch
-        self.at[_CODE[a.kind]][idx] = p
+        self.at[CODE[a.kind]][idx] = p
         flow = RULES[a.kind].sends
         if flow is not None:
             self.sent_at[flow][idx] = p
@@ -328,7 +343,7 @@ def _critical_path(plan, run: _Run) -> list[tuple[int, Action]]:
 
 
 _WAIT_TEXT = {
-    **{_CODE[k]: f"its own {RULES[k].noun} {{s}}{k.value}{{m}}" for k in _KINDS},
+    **{CODE[k]: f"its own {RULES[k].noun} {{s}}{k.value}{{m}}" for k in KINDS},
     _ACT: "the activation for {a} (from {p}" + "/".join(k.value for k in senders(Flow.ACT)) + "{m})",
     _GRAD: "the output gradient for {a} (from stage {q})",
 }

@@ -19,7 +19,7 @@ from tuner_helpers import cluster, hetero_model
 def test_job_hops_are_the_simulators_with_the_same_launch_cost():
     model, cl = hetero_model(12), cluster(4, per_node=2)
     layout = Layout(bounds=((0, 3), (3, 6), (6, 9), (9, 12)), devices=(0, 1, 1, 3))
-    ev = Evaluator(model, cl, 4, SimOptions(launch_ms=0.25))
+    ev = Evaluator(model, cl, 4, options=SimOptions(launch_ms=0.25))
     job, sc, _ = ev.job(layout)
     assert job.hop == hop_times(cl, layout.devices, sc.output, 0.25)
     assert job.hop[1] is None  # stages 1 and 2 share device 1: nothing is sent
