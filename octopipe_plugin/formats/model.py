@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field as dc_field
 
 from ._fields import check_format, check_value, field, load_json, objects, write_json
+from .. import limits as L
 from ..errors import FormatError
 
 MODEL_FORMAT = "octopipe-model/1"
@@ -60,10 +61,10 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     check_format(data, src, "octopipe-model")
     name = field(data, "name", src, "$", str)
     layers = []
-    for i, (path, raw) in enumerate(objects(data, "layers", src)):
-        costs = {k: field(raw, k, src, path, float, minimum=0) for k in _COST_FIELDS}
-        sizes = {k: field(raw, k, src, path, int, minimum=0) for k in _BYTE_FIELDS}
-        rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, default=None)
+    for i, (path, raw) in enumerate(objects(data, "layers", src, maximum=L.MAX_LAYERS)):
+        costs = {k: field(raw, k, src, path, float, minimum=0, maximum=L.MAX_LAYER_MS) for k in _COST_FIELDS}
+        sizes = {k: field(raw, k, src, path, int, minimum=0, maximum=L.MAX_BYTES) for k in _BYTE_FIELDS}
+        rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, maximum=L.MAX_BYTES, default=None)
         source = field(raw, "source", src, path, str, default=None)
         if source is not None and source not in SOURCES:
             raise FormatError(src, f"{path}.source", " or ".join(repr(x) for x in SOURCES), source)
