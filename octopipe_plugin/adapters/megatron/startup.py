@@ -181,8 +181,7 @@ def _open_process_group(args) -> None:
         return
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         torch.cuda.set_device(int(getattr(args, "local_rank", None) or os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=args.distributed_backend, rank=int(os.environ.get("RANK", "0")),
-                            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    dist.init_process_group(backend=args.distributed_backend, rank=args.rank, world_size=args.world_size,
                             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
 
 
@@ -195,7 +194,7 @@ def _apply_stages(args, plan, specs) -> None:
 
 def _save_next_to_checkpoint(args, plan) -> None:
     save = getattr(args, "save", None)
-    if not save or int(os.environ.get("RANK", "0")) != 0:
+    if not save or args.rank != 0:
         return
     os.makedirs(save, exist_ok=True)
     write_plan(plan, os.path.join(save, PLAN_FILE))

@@ -31,7 +31,7 @@ def megatron_env(argv: list[str], world: int, rank: int = 0):
                 os.environ[k] = v
 
 
-def parse(argv: list[str], world: int = 1, *, octopipe: bool = True, validate: bool = True):
+def parse(argv: list[str], world: int = 1, *, rank: int = 0, octopipe: bool = True, validate: bool = True):
     """Megatron's parse_args (with OctoPipe's arguments and plan resolution) and optionally validate_args."""
     allow_megatron_training_import()
     from megatron.training import arguments
@@ -39,7 +39,7 @@ def parse(argv: list[str], world: int = 1, *, octopipe: bool = True, validate: b
     from octopipe_plugin.adapters.megatron.launch import parse_args_with_octopipe
 
     parse_fn = parse_args_with_octopipe(arguments.parse_args) if octopipe else arguments.parse_args
-    with megatron_env(argv, world), contextlib.redirect_stdout(sys.stderr):
+    with megatron_env(argv, world, rank), contextlib.redirect_stdout(sys.stderr):
         args = parse_fn()
         if validate:
             arguments.validate_args(args)
