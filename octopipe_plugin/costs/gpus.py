@@ -60,12 +60,17 @@ _ALIASES = MappingProxyType({
 })
 
 
+def known_gpu(name: str) -> str | None:
+    """The canonical table name of a GPU name or alias (case-insensitive), or None when unknown."""
+    key = str(name).strip().lower()
+    return _ALIASES.get(key) or next((n for n in GPUS if n.lower() == key), None)
+
+
 def get_gpu(name: str | GpuSpec) -> GpuSpec:
     """Look a GPU up by name or alias, case-insensitively; unknown names list the valid ones."""
     if isinstance(name, GpuSpec):
         return name
-    key = str(name).strip().lower()
-    canonical = _ALIASES.get(key) or next((n for n in GPUS if n.lower() == key), None)
+    canonical = known_gpu(name)
     if canonical is None:
         valid = ", ".join(sorted(set(GPUS) | {"A100", "H100", "H200", "B200"}))
         raise OctoPipeError(f"unknown GPU {name!r}; expected one of: {valid}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field as dc_field
 
 from ._fields import check_format, check_value, field, load_json, objects, write_json
+from .. import limits as L
 from ..errors import FormatError, PlanError
 from ..schedules.actions import Action, Kind, format_schedule
 
@@ -58,15 +59,15 @@ class Plan:
 def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = None) -> Plan:
     """Build a Plan from a parsed document, refusing bad input (coverage checked when num_layers is given)."""
     check_format(data, src, "octopipe-plan")
-    num_devices = field(data, "num_devices", src, "$", int, minimum=1)
-    m = field(data, "num_microbatches", src, "$", int, minimum=1)
+    num_devices = field(data, "num_devices", src, "$", int, minimum=1, maximum=L.MAX_DEVICES)
+    m = field(data, "num_microbatches", src, "$", int, minimum=1, maximum=L.MAX_MICROBATCHES)
     stages = []
-    for path, raw in objects(data, "stages", src):
+    for path, raw in objects(data, "stages", src, maximum=L.MAX_DEVICES * L.MAX_STAGES_PER_DEVICE):
         rng = field(raw, "layers", src, path, list)
         if len(rng) != 2:
             raise FormatError(src, f"{path}.layers", "[start, end] (two integers)", rng)
-        start = check_value(rng[0], src, f"{path}.layers[0]", int, minimum=0)
-        end = check_value(rng[1], src, f"{path}.layers[1]", int, minimum=start)
+        start = check_value(rng[0], src, f"{path}.layers[0]", int, minimum=0, maximum=L.MAX_LAYERS)
+        end = check_value(rng[1], src, f"{path}.layers[1]", int, minimum=start, maximum=L.MAX_LAYERS)
         dev = field(raw, "device", src, path, int, minimum=0)
         if dev >= num_devices:
             raise FormatError(src, f"{path}.device", f"a device in 0..{num_devices - 1}", dev)
