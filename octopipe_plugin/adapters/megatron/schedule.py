@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
-from ...schedules.actions import Kind
+from ...actions import Kind
 from .embeddings import sum_local_grads
 from .placement import plan_pipeline_view
 from .stages import MegatronStages, split_phases

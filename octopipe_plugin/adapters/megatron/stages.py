@@ -23,7 +23,7 @@ import torch
 
 from octopipe_plugin.executor.forward_step import IndexedBatches
 from octopipe_plugin.executor.interface import TensorMeta
-from octopipe_plugin.schedules.actions import Kind
+from octopipe_plugin.actions import Kind
 
 from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
 
@@ -227,7 +227,7 @@ class MegatronStages:
     # -- helpers -----------------------------------------------------------------------------------
 
     def _pos(self, stage: int, kind: Kind, mb: int) -> int:
-        from octopipe_plugin.schedules.actions import Action
+        from octopipe_plugin.actions import Action
 
         return self.position[Action(stage, kind, mb)]
 

@@ -274,7 +274,7 @@ def te_modules_of(module) -> list:
 def check_te_order(plan, rank: int) -> None:
     """Refuse a plan whose W order of a stage differs from its I order (TE's wgrad queue is FIFO)."""
     from octopipe_plugin.errors import PlanError
-    from octopipe_plugin.schedules.actions import Kind
+    from octopipe_plugin.actions import Kind
 
     order: dict[tuple[str, int], list[int]] = {}
     for a in plan.schedule[rank]:
