@@ -121,6 +121,18 @@ def _compile(schedule, nm: int, sc: StageCosts) -> list[list[tuple[int, int, int
     return out
 
 
+def _compile_encoded(encoded, nm: int, sc: StageCosts) -> list[list[tuple[int, int, int, float]]]:
+    """`_compile` for rows kept as (stage, kind code, micro-batch) integer arrays (kind codes as in _CODE)."""
+    import numpy as np  # only long, tuner-grown schedules come encoded
+
+    dur = np.array([sc.fwd, [b + w for b, w in zip(sc.bwd, sc.wgrad)], sc.bwd, sc.wgrad], dtype=float)
+    out = []
+    for e in encoded:
+        s, k = e[:, 0], e[:, 1]
+        out.append(list(zip(k.tolist(), (s * nm + e[:, 2]).tolist(), s.tolist(), dur[k, s].tolist())))
+    return out
+
+
 def _hops(cluster, dev_of: list[int], output: tuple[int, ...], launch_ms: float) -> list[float]:
     """Transfer time across each stage boundary s -> s+1; -1 where both stages share a device."""
     out = []
@@ -140,10 +152,12 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     sc = costs if costs is not None else stage_costs(model, plan.stages)
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]
-    rows = _compile(plan.schedule, nm, sc)
+    encoded = getattr(plan.schedule, "encoded", None)
+    rows = _compile(plan.schedule, nm, sc) if encoded is None else _compile_encoded(encoded, nm, sc)
     hop = _hops(cluster, dev_of, sc.output, opts.launch_ms)
     run = _Run(nd, len(dev_of) * nm, nm, opts, detail)
-    run.execute(rows, dev_of, hop, plan.schedule)
+    # the action objects are read only to record transfers (detail); an encoded schedule stays encoded
+    run.execute(rows, dev_of, hop, plan.schedule if detail or encoded is None else rows)
     if any(run.pos[d] < len(rows[d]) for d in range(nd)):
         _raise_deadlock(plan, run.pos, run.waiting)
     return _finish(plan, sc, run, _peak_activation(rows, sc.activation))
