@@ -102,7 +102,8 @@ def run(args) -> int:
     if args.impl == "megatron":
         from ..adapters.megatron.profile import megatron_builders, megatron_inputs
 
-        builders, inputs, extra = megatron_builders(arch, device), megatron_inputs(arch, dtype), ("megatron-core",)
+        builders = megatron_builders(arch, device, dtype)
+        inputs, extra = megatron_inputs(arch, dtype), ("megatron-core",)
     else:
         from ..profile.torch_layers import builders as torch_builders
 
