@@ -25,8 +25,11 @@ FAST = ProfileSettings(device="cpu", warmup=0, repeats=2)
 def profiled(tmp_path_factory):
     """llama3-8b shrunk to a few small layers, profiled with plain-torch layers."""
     arch = load_arch("llama3-8b", **SMALL)
-    result = profile_arch(arch, builders(arch), settings=FAST)
-    path = tmp_path_factory.mktemp("prof") / "llama.json"
+    tmp = tmp_path_factory.mktemp("prof")
+    # module-scoped: set up before the per-test private cache, so name its own
+    settings = ProfileSettings(device="cpu", warmup=0, repeats=2, cache_dir=str(tmp / "cache"))
+    result = profile_arch(arch, builders(arch), settings=settings)
+    path = tmp / "llama.json"
     write_model(result.model, path)
     return result, path
 
