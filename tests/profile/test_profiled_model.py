@@ -98,3 +98,18 @@ def test_source_field_is_checked():
     assert model_to_dict(model_from_dict(doc))["layers"][0]["source"] == "measured"
     del doc["layers"][0]["source"]
     assert "source" not in model_to_dict(model_from_dict(doc))["layers"][0]
+
+
+def test_a_kind_that_fails_to_build_falls_back_with_its_reason():
+    arch = load_arch("llama3-8b", **SMALL)
+    make = dict(builders(arch))
+
+    def broken():
+        raise RuntimeError("kernel not installed")
+
+    make["lm_head"] = broken
+    result = profile_arch(arch, make, settings=FAST)
+    head = result.model.layers[-1]
+    assert head.source == "analytic" and head.fwd_ms > 0
+    assert result.model.meta["profile"]["failed_kinds"] == {"lm_head": "RuntimeError: kernel not installed"}
+    assert result.model.meta["profile"]["analytic_kinds"] == ["lm_head"]
