@@ -29,7 +29,7 @@ class Stage:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """What the tuner decides and the executor runs (FORMATS.md)."""
+    """What the tuner decides and the executor runs (docs/formats.md)."""
 
     model: str
     num_devices: int

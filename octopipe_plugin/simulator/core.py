@@ -1,11 +1,11 @@
-"""Event-driven simulation of a plan under the reference semantics of FORMATS.md, plus switches.
+"""Event-driven simulation of a plan under the reference semantics of docs/formats.md, plus switches.
 
 Each device runs its list in order; a device blocked on a missing input parks on that
 input's key and is woken when the producer ends, so every action is visited a bounded
 number of times (the tuner calls this thousands of times). The schedule is first compiled
 into plain integer tuples so the hot loop touches no enums, dataclasses or dicts of objects.
 
-Switches (all off = FORMATS.md exactly):
+Switches (all off = docs/formats.md exactly):
 - contention: one transfer at a time per (src, dst) link direction, in the sender's production
   order (the per-pair message order of schedules/messages.py).
 - overlap=False: a device cannot compute while it moves data. The sender is busy for the
@@ -27,7 +27,7 @@ from .memory import activation_changes, memory_curve, peak_live
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimOptions:
-    """Refinements over the reference semantics; all off reproduces FORMATS.md exactly."""
+    """Refinements over the reference semantics; all off reproduces docs/formats.md exactly."""
 
     contention: bool = False  # one transfer at a time per (src, dst) link direction
     overlap: bool = True  # False: each device spends every send and receive on its own timeline

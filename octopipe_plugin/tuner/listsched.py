@@ -5,7 +5,7 @@ picks among the actions whose inputs have arrived, following its own policy (war
 depth, fused B or split I/W, when to run deferred W work, which chunk first). Because a
 decision is taken only once every action that could deliver an input earlier has been
 committed, each action starts at max(device free, inputs ready) -- exactly the reference
-semantics of FORMATS.md -- so the simulator replays the order to the same times.
+semantics of docs/formats.md -- so the simulator replays the order to the same times.
 """
 
 from __future__ import annotations
