@@ -12,10 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..schedules.actions import Action, Kind
-
-KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
-_CODE = {k: i for i, k in enumerate(KINDS)}
+from ..actions import CODE as _CODE, KINDS, Action
 
 
 def encode(row) -> np.ndarray:

@@ -4,8 +4,9 @@
 installs it); the pure-Python `_Scheduler` stays the reference, and the tests require both to
 return the same orders. Everything here is flat arrays: no Python object per action.
 
-Kind codes are the simulator's (F 0, B 1, I 2, W 3). What each kind costs, frees and sends is
-passed in as arrays built from the job by `listsched`, so the rules are stated once there.
+Kind codes are `actions.CODE`. What each kind costs, frees and sends is passed in as arrays that
+`listsched` builds from the kind table (actions.RULES, simulator.costs, simulator.memory), so the
+rules stay stated once; what is kind-specific here is the scheduling policy itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ try:  # numba is optional: without it the Python scheduler runs
 except ImportError:  # pragma: no cover - exercised where numba is absent
     njit = None
 
-F, B, I, W = 0, 1, 2, 3
+from ..actions import CODE, Kind
+
+F, B, I, W = CODE[Kind.F], CODE[Kind.B], CODE[Kind.I], CODE[Kind.W]  # the simulator's kind codes
 FUSED, SPLIT, AUTO = 0, 1, 2
 INF = np.inf
 
@@ -67,7 +70,7 @@ def _pop(ht, hd, hv, size):
 
 @_jit
 def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, next_f, next_b, free, live,
-            inflight, wq_s, wq_head, wq_tail, depth, w_limit, w_fill_always, f_deep, b_deep, wgrad, act, cap):
+            inflight, wq_s, wq_head, wq_tail, depth, w_limit, w_fill_always, f_deep, b_deep, dur, change, cap):
     """(time, kind, stage) of device d's next action; kind -1 when it must wait for news."""
     t0 = free[d]
     nxt = INF
@@ -90,7 +93,7 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
             entry = s == low[d]
             if entry and inflight[d] >= depth[d]:
                 continue
-            if live[d] + act[s] + (headroom[d] if entry else 0) > cap[d]:
+            if live[d] + change[F, s] + (headroom[d] if entry else 0) > cap[d]:
                 blocked = True
                 continue
             if a < nxt:
@@ -99,7 +102,7 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
     if nw > 0 and (blocked or nw > w_limit[d]):
         return t0, W, -1
     if nxt > t0 and nw > 0:
-        w_dur = wgrad[wq_s[d, wq_head[d]]]
+        w_dur = dur[W, wq_s[d, wq_head[d]]]
         if w_fill_always or nxt == INF or nxt - t0 >= w_dur:
             return t0, W, -1
     if nxt == INF:
@@ -130,7 +133,7 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
             entry = s == low[d]
             if entry and inflight[d] >= depth[d]:
                 continue
-            if live[d] + act[s] + (headroom[d] if entry else 0) > cap[d]:
+            if live[d] + change[F, s] + (headroom[d] if entry else 0) > cap[d]:
                 continue
             if best_f < 0 or (f_deep and s > best_f) or (not f_deep and s < best_f):
                 best_f = s
@@ -138,10 +141,15 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
 
 
 @_jit
-def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_limit, w_fill_always, f_deep,
+def schedule_kernel(m, devices, dur, change, held, send, hop, cap, depth, split, w_limit, w_fill_always, f_deep,
                     b_deep):
     """Per-device (stage, kind, micro-batch) rows and their lengths, ok (False when the policy starves), each
-    device's end time and peak live activation bytes (the simulator's figures for this order)."""
+    device's end time and peak live activation bytes (the simulator's figures for this order).
+
+    From the kind table, per kind code and stage: `dur` (action time), `change` (live activation
+    bytes it adds or frees); per stage `held` (what one micro-batch keeps live); per kind `send`
+    (+1 output to the next stage, -1 to the previous, 0 none); `hop[s]` the s -> s+1 transfer.
+    """
     ns, nd = devices.shape[0], cap.shape[0]
     counts = np.zeros(nd + 1, np.int64)
     for s in range(ns):
@@ -162,7 +170,7 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
         if k > 0:
             low[d] = dev_stages[dev_ptr[d]]
             for j in range(dev_ptr[d] + 1, dev_ptr[d + 1]):
-                headroom[d] += act[dev_stages[j]]
+                headroom[d] += held[dev_stages[j]]
     n = ns * m
     f_end = np.full(n, -1.0)
     act_arr = np.full(n, -1.0)
@@ -194,7 +202,7 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
     for d in range(nd):
         t, k, s = _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, next_f, next_b, free,
                           live, inflight, wq_s, wq_head, wq_tail, depth, w_limit, w_fill_always, f_deep, b_deep,
-                          wgrad, act, cap)
+                          dur, change, cap)
         dec_t[d], dec_k[d], dec_s[d] = t, k, s
         version[d] += 1
         if t < INF:
@@ -208,52 +216,43 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
         if ver != version[d]:
             continue
         kind, s = dec_k[d], dec_s[d]
-        nt = 1
-        touched[0] = d
         if kind == W:
             h = wq_head[d]
             s, mb = wq_s[d, h], wq_mb[d, h]
             wq_head[d] = h + 1
-            end = t + wgrad[s]
-            live[d] -= act[s]
         elif kind == F:
             mb = next_f[s]
             next_f[s] += 1
-            end = t + fwd[s]
-            idx = s * m + mb
-            f_end[idx] = end
-            live[d] += act[s]
-            if live[d] > peak[d]:
-                peak[d] = live[d]
             if s == low[d]:
                 inflight[d] += 1
-            if s + 1 < ns:
-                act_arr[idx + m] = end + hop[s]
-                if devices[s + 1] != d:
-                    touched[1] = devices[s + 1]
-                    nt = 2
             done_main += 1
         else:
             mb = next_b[s]
             next_b[s] += 1
-            if split[d] == FUSED or (split[d] == AUTO and s == 0):
-                kind = B
-                end = t + bwd[s] + wgrad[s]
-                live[d] -= act[s]
-            else:
-                kind = I
-                end = t + bwd[s]
-                wq_s[d, wq_tail[d]] = s
+            kind = B if split[d] == FUSED or (split[d] == AUTO and s == 0) else I
+            if kind == I:
+                wq_s[d, wq_tail[d]] = s  # its W (which runs after it) is placed later on this device
                 wq_mb[d, wq_tail[d]] = mb
                 wq_tail[d] += 1
             if s == low[d]:
                 inflight[d] -= 1
-            if s > 0:
-                grad_arr[(s - 1) * m + mb] = end + hop[s - 1]
-                if devices[s - 1] != d:
-                    touched[1] = devices[s - 1]
-                    nt = 2
             done_main += 1
+        end = t + dur[kind, s]
+        live[d] += change[kind, s]
+        if live[d] > peak[d]:
+            peak[d] = live[d]
+        idx = s * m + mb
+        if kind == F:
+            f_end[idx] = end
+        nt = 1
+        touched[0] = d
+        step = send[kind]
+        if step != 0 and 0 <= s + step < ns:
+            arrivals = act_arr if step > 0 else grad_arr
+            arrivals[idx + step * m] = end + hop[min(s, s + step)]
+            if devices[s + step] != d:
+                touched[1] = devices[s + step]
+                nt = 2
         p = out_len[d]
         out[d, p, 0], out[d, p, 1], out[d, p, 2] = s, kind, mb
         out_len[d] = p + 1
@@ -262,7 +261,7 @@ def schedule_kernel(m, devices, fwd, bwd, wgrad, act, hop, cap, depth, split, w_
             e = touched[j]
             te, ke, se = _decide(e, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, next_f, next_b,
                                  free, live, inflight, wq_s, wq_head, wq_tail, depth, w_limit, w_fill_always, f_deep,
-                                 b_deep, wgrad, act, cap)
+                                 b_deep, dur, change, cap)
             dec_t[e], dec_k[e], dec_s[e] = te, ke, se
             version[e] += 1
             if te < INF:

@@ -21,6 +21,7 @@ import numpy as np
 from .encoded import ActionTable, EncodedSchedule, encode
 from .listsched import Policy
 
+
 def periodic_end(enc: np.ndarray, q: int, length: int) -> int | None:
     """Where the last full period of the longest periodic stretch ends (its cool-down starts), or None.
 
