@@ -3,9 +3,11 @@
 Each kind of an Arch becomes one real Megatron module on one tensor-parallel rank (tp = 1 here:
 the profiler measures one rank's share), built from megatron-core's local spec
 (`get_gpt_layer_local_spec`, plain torch modules, no Transformer Engine) with a one-layer
-TransformerConfig, so the profile measures the code a Megatron run executes. Megatron needs its
-model-parallel state: `ensure_model_parallel` initialises it on a one-rank gloo group when no
-process group exists (at start-up of an integration that already has one, it is left alone).
+TransformerConfig, so the profile measures the code a Megatron run executes; on a GPU with
+Transformer Engine installed, from its TE spec instead (what production runs use). Megatron needs its
+model-parallel state: `ensure_model_parallel` initialises it on a one-rank group when no
+process group exists (NCCL on a GPU; at start-up of an integration that already has one, it is
+left alone).
 Mamba layers need the mamba-ssm kernels (CUDA only): without them the kind has no builder and
 the profiler falls back to the analytic model for it.
 """
@@ -33,7 +35,9 @@ def ensure_model_parallel(device: torch.device, seed: int = 1234) -> None:
     if not dist.is_initialized():
         from ...executor.launch import free_port
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        # one rank: NCCL on a GPU (Megatron's collectives then see CUDA tensors on a CUDA group), gloo on CPU
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     if device.type == "cuda":
@@ -114,14 +118,34 @@ class HeadModule(nn.Module):
         return vocab_parallel_cross_entropy(logits.float(), self.labels).mean()
 
 
-def _layer_spec(arch: Arch, kind: str, config):
-    """The megatron-core local ModuleSpec of one decoder kind (attention-only / MLP-only drop the other half)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def use_transformer_engine(spec: str, device: torch.device) -> bool:
+    """Whether to build from the Transformer Engine spec: 'te', or 'auto' on a GPU where TE imports."""
+    if spec not in ("auto", "local", "te"):
+        raise OctoPipeError(f"megatron profile: spec must be 'auto', 'local' or 'te', got {spec!r}")
+    if spec != "auto":
+        return spec == "te"
+    if device.type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _layer_spec(arch: Arch, kind: str, config, te: bool):
+    """megatron-core's ModuleSpec of one decoder kind, local or Transformer Engine (attention-only / MLP-only
+    kinds drop the other half, as Megatron's hybrid stack builds them)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.identity_op import IdentityOp
 
     experts = arch.num_experts if kind == "moe" else None
-    spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                  normalization=config.normalization))
+    if te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False)
+    else:
+        spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                              normalization=config.normalization)
+    spec = copy.deepcopy(spec)
     if kind == "attention":
         spec.submodules.pre_mlp_layernorm, spec.submodules.mlp = IdentityOp, IdentityOp
     elif kind == "mlp":
@@ -150,12 +174,17 @@ def _mamba_builder(arch: Arch, dtype: torch.dtype, device: torch.device) -> Call
     return build
 
 
-def megatron_builders(arch: Arch, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
-                      ) -> dict[str, Callable[[], nn.Module]]:
-    """kind -> factory of a real Megatron layer of that kind for the profiler (kinds without one are absent)."""
+def megatron_builders(arch: Arch, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                      spec: str = "auto") -> dict[str, Callable[[], nn.Module]]:
+    """kind -> factory of a real Megatron layer of that kind for the profiler (kinds without one are absent).
+
+    `spec`: 'local' (megatron-core's plain torch modules), 'te' (Transformer Engine, what GPU runs use)
+    or 'auto' (TE on a GPU where it imports, else local).
+    """
     from megatron.core.transformer.spec_utils import build_module
 
     device = torch.device(device)
+    te = use_transformer_engine(spec, device)
     if arch.tp != 1:
         raise OctoPipeError(f"megatron profile: layers are built on one rank with tp = 1, got tp = {arch.tp}; "
                             "profile with --tp 1 (per-rank costs at larger tp come from the analytic model)")
@@ -165,11 +194,13 @@ def megatron_builders(arch: Arch, device: torch.device | str = "cpu", dtype: tor
         def build() -> nn.Module:
             extra = {"window_size": (arch.sliding_window, 0)} if kind == "dense_local" else {}
             config = transformer_config(arch, dtype, device, **extra)
-            return LayerModule(build_module(_layer_spec(arch, kind, config), config=config, layer_number=1))
+            return LayerModule(build_module(_layer_spec(arch, kind, config, te), config=config, layer_number=1))
 
         return build
 
     out = {k: decoder(k) for k in ("dense", "attention", "mlp")}
+    if arch.sliding_window:
+        out["dense_local"] = decoder("dense_local")
     if arch.num_experts:
         out["moe"] = decoder("moe")
     out["embedding"] = lambda: EmbeddingModule(transformer_config(arch, dtype, device), arch)
