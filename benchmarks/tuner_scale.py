@@ -12,6 +12,7 @@ steps; simulations per second; the tuner process's peak resident memory.
     PYTHONPATH=. python benchmarks/tuner_scale.py                       # full grid (long on 2 cores)
     PYTHONPATH=. python benchmarks/tuner_scale.py --devices 8 16 32 --factors 2 4
     PYTHONPATH=. python benchmarks/tuner_scale.py --devices 64 --factors 4 --budget 60
+    PYTHONPATH=. python benchmarks/tuner_scale.py --write-model deep.json   # then: octopipe plan --model deep.json ...
 """
 
 from __future__ import annotations
@@ -87,8 +88,16 @@ def main(argv=None) -> int:
     ap.add_argument("--factors", nargs="*", type=int, default=list(FACTORS), help="micro-batches per device (2 4 8)")
     ap.add_argument("--budget", type=float, default=60.0, help="tuner time budget per configuration (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write-model", metavar="PATH", help="write the deep model as an octopipe-model/1 file and stop")
     ap.add_argument("--one", nargs=2, type=int, metavar=("DEVICES", "FACTOR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.write_model:
+        from deep_model import deep_model
+        from octopipe_plugin.formats import write_model
+
+        write_model(deep_model(), args.write_model)
+        print(f"wrote {args.write_model}")
+        return 0
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.budget, args.seed)))
         return 0
