@@ -113,17 +113,42 @@ def _analytic(name: str, spec, env) -> Layer | None:
                      kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                      vocab=int(getattr(config, "vocab_size", 1) or 1), **base)
         return _from_cost(name, "dense", layer_cost(arch, "dense", env["gpu"]))
-    return None
+    return _meta_built(name, spec, env)
 
 
 def _analytic_module(name: str, module: nn.Module, env) -> Layer | None:
+    """Cost a module from its attributes (a built one, or one built on the meta device)."""
     if isinstance(module, nn.Embedding):
         return _analytic(name, _Spec(nn.Embedding, (module.num_embeddings, module.embedding_dim)), env)
     if isinstance(module, nn.Linear):
         return _linear(name, (module.in_features, module.out_features, module.bias is not None), {}, env)
     if isinstance(module, nn.LayerNorm):
         return _norm(name, int(module.normalized_shape[-1]), True, env)
+    attn = [m for m in module.modules() if isinstance(m, nn.MultiheadAttention)]
+    if len(attn) == 1:  # a transformer block: attention + MLP (e.g. a class wrapping TransformerEncoderLayer)
+        hidden, heads = int(attn[0].embed_dim), int(attn[0].num_heads)
+        inner = {id(m) for m in attn[0].modules()}
+        up = [m.out_features for m in module.modules()
+              if isinstance(m, nn.Linear) and id(m) not in inner and m.in_features == hidden]
+        ffn = max(up) if up else 4 * hidden
+        arch = _arch(name, hidden, heads=heads, ffn=ffn, gated_mlp=up.count(ffn) >= 2,
+                     layernorm=any(isinstance(m, nn.LayerNorm) for m in module.modules()), bias=True, rope=False,
+                     flash_attention=False, seq_len=env["seq_len"], micro_batch_size=env["micro_batch_size"],
+                     dtype_bytes=env["dtype_bytes"])
+        return _from_cost(name, "dense", layer_cost(arch, "dense", env["gpu"]))
     return None
+
+
+def _meta_built(name: str, spec, env) -> Layer | None:
+    """Build a LayerSpec on the meta device (no memory, no compute) and cost what it contains."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            module = spec.build()
+    except Exception:  # noqa: BLE001 - a constructor that needs real tensors: not recognised
+        return None
+    return _analytic_module(name, module, env)
 
 
 class _Spec:
