@@ -24,7 +24,7 @@ from .mamba import mamba
 from .ops import Op, elementwise, matmul, total_flops, total_times
 from ..formats.model import Layer, Model
 
-RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision"}  # Megatron recomputes transformer-block layers only
+RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision", "moe_mlp"}  # Megatron recomputes transformer-block layers only
 # Unfused vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py): per logit, the bf16
 # read and fp32 copy, then max, subtract, exp, sum and divide passes over fp32; it keeps the fp32 softmax.
 CE_FWD_BYTES = 38
@@ -116,6 +116,7 @@ def kind_block(arch: Arch, kind: str) -> Block:
         "mamba": lambda: (mamba(d, arch),),
         "attention": lambda: (attention(d),),
         "mlp": lambda: (mlp(d),),
+        "moe_mlp": lambda: (moe(d, arch),),  # a hybrid model's MoE layer ('E'): experts without attention
         "vision": lambda: (attention(vision_dims(arch)), mlp(vision_dims(arch))),
         "projector": lambda: (projector_block(arch),),
         "embedding": lambda: (embedding_block(d, arch, text),),
