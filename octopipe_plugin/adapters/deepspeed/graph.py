@@ -136,7 +136,24 @@ def _analytic_module(name: str, module: nn.Module, env) -> Layer | None:
                      flash_attention=False, seq_len=env["seq_len"], micro_batch_size=env["micro_batch_size"],
                      dtype_bytes=env["dtype_bytes"])
         return _from_cost(name, "dense", layer_cost(arch, "dense", env["gpu"]))
-    return None
+    return _composite(name, module, env)
+
+
+def _composite(name: str, module: nn.Module, env) -> Layer | None:
+    """A module whose parameters all sit in Linear and norm layers (an MLP block): the sum of their costs."""
+    parts = []
+    for sub in module.modules():
+        if sub is module or not any(True for _ in sub.parameters(recurse=False)):
+            continue
+        if not isinstance(sub, (nn.Linear, nn.LayerNorm)):
+            return None
+        parts.append(_analytic_module(f"{name}.part", sub, env))
+    if not parts or any(p is None for p in parts):
+        return None
+    return Layer(name=name, kind="mlp", fwd_ms=sum(p.fwd_ms for p in parts), bwd_ms=sum(p.bwd_ms for p in parts),
+                 wgrad_ms=sum(p.wgrad_ms for p in parts), state_bytes=sum(p.state_bytes for p in parts),
+                 activation_bytes=sum(p.activation_bytes for p in parts), output_bytes=parts[-1].output_bytes,
+                 source="analytic")
 
 
 def _meta_built(name: str, spec, env) -> Layer | None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ds_harness as H
+from octopipe_plugin.formats import read_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
@@ -44,6 +45,11 @@ def _scenarios(tmp):
         # DeepSpeed's engine clips on pipeline rank 0's gradients only: resume it unclipped
         dict(name="resume_deepspeed_partition", config=cfg(None, clip=0.0), plain=True, pp=2, **resume),
         dict(name="refuse_unmapped", config=cfg(v), load=dict(dir=ck, tag="stock3"), fatal=False),
+        # a plain PipelineModule with a "tune" block: rebuilt at the plan rank 0 tunes, broadcasts and saves
+        dict(name="tune_plain", plain=True, pp=2, config=H.ds_config(
+            m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=CLIP, extra={"octopipe": {
+                "tune": {"cluster": "h100x2", "time_budget_s": 2}, "save_plan": str(tmp / "tuned.json"),
+                "timeout_s": 120}})),
         dict(name="refuse_microbatches", config=cfg(v, train_batch_size=H.MBS * 2), fatal=False),
     ]
 
@@ -137,3 +143,12 @@ def test_refusals_name_the_reason(runs):
         assert "does not record which parameters it belongs to" in err and "load_optimizer_states=False" in err
         err = (runs / f"refuse_microbatches-rank{r}.err").read_text()
         assert "$.gradient_accumulation_steps: expected the plan's micro-batch count 4" in err
+
+
+@pytest.mark.timeout(60)
+def test_plain_module_with_tune_block_runs_a_plan_tuned_on_rank0(runs):
+    reports = H.load(runs, "tune_plain", 2)
+    assert {r["engine"] for r in reports} == {"OctoPipeEngine"}
+    _check_against_reference(reports, CLIP)
+    plan = read_plan(runs / "tuned.json")
+    assert plan.num_devices == 2 and plan.num_microbatches == M and plan.stages[-1].end == H.NUM_LAYERS
