@@ -7,7 +7,9 @@ import logging
 
 from ..errors import OctoPipeError
 from ..formats.model import model_to_dict, write_model
+from .. import limits as L
 from . import write_output
+from ._options import check_writable, integer
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,16 @@ def add_parser(subparsers) -> None:
                         "where it imports)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="parameter and activation dtype (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--seq-len", type=int, help="override the sequence length")
-    p.add_argument("--micro-batch-size", type=int, help="override the micro-batch size")
-    p.add_argument("--tp", type=int, help="override the tensor-parallel size")
-    p.add_argument("--dp", type=int, help="data-parallel size sharding the optimizer state")
+    p.add_argument("--seq-len", type=integer(1, L.MAX_SEQ_LEN), help="override the sequence length")
+    p.add_argument("--micro-batch-size", type=integer(1, L.MAX_MICRO_BATCH_SIZE), help="override the micro-batch size")
+    p.add_argument("--tp", type=integer(1, L.MAX_TP), help="override the tensor-parallel size")
+    p.add_argument("--dp", type=integer(1, L.MAX_DP), help="data-parallel size sharding the optimizer state")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any architecture field, e.g. --set hidden=512 --set num_experts=4")
-    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's; part of the cache "
+    p.add_argument("--threads", type=integer(1, 1024), help="torch intra-op threads on CPU (default: torch's; part of the cache "
                                                "key, as it changes the timings)")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs per layer (the median is kept)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer first")
+    p.add_argument("--repeats", type=integer(1, 10_000), default=10, help="timed runs per layer (the median is kept)")
+    p.add_argument("--warmup", type=integer(0, 1000), default=2, help="untimed runs per layer first")
     p.add_argument("--cache-dir", help="profile cache directory (default: $OCTOPIPE_PROFILE_CACHE or "
                                        "~/.cache/octopipe/profiles)")
     p.add_argument("--no-cache", action="store_true", help="measure everything, read and write no cache")
@@ -80,6 +82,7 @@ def run(args) -> int:
     from ..profile.device import resolve_device
     from .model_cmd import format_table
 
+    check_writable(args.output, "-o")
     for flag in ("seq_len", "micro_batch_size", "tp", "dp"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -66,9 +66,9 @@ def _plan(args, model, cluster) -> tuple[Plan, object]:
                 raise OctoPipeError(f"{exc}; or pass --devices {plan.num_devices} to run it on the first "
                                     f"{plan.num_devices} devices of {cluster.name}") from None
             raise
+        check_size(plan.num_stages, plan.num_microbatches, f"--plan {args.plan}")
         for line in lines:
             warn(args, line)
-        check_size(plan.num_stages, plan.num_microbatches, f"--plan {args.plan}")
         return plan, used
     if args.microbatches is None:
         raise OctoPipeError("--schedule needs --microbatches (e.g. --microbatches 16)")
@@ -76,6 +76,11 @@ def _plan(args, model, cluster) -> tuple[Plan, object]:
     devices = used.num_devices
     v = get_schedule(args.schedule).stages_for(args.stages_per_device)
     check_size(devices * v, args.microbatches, f"--schedule {args.schedule} on {devices} devices x {v} stages each")
+    cells = model.num_layers * devices * v
+    if args.split == "balanced" and cells > L.MAX_SPLIT_CELLS:
+        raise OctoPipeError(f"--split balanced: {model.num_layers:,} layers x {devices * v:,} stages = {cells:,} cells, "
+                            f"more than the {L.MAX_SPLIT_CELLS:,} the exact split handles; use --split megatron or "
+                            f"fewer stages")
     plan = build_plan(model, args.schedule, devices, args.microbatches, args.stages_per_device, split=args.split)
     idle = idle_devices(plan)
     if idle:
