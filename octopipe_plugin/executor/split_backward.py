@@ -66,8 +66,13 @@ def _capture(group: dict, i: int):
     return hook
 
 
-def backward_weight(work: WeightWork) -> None:
-    """Accumulate parameter gradients from the gradients I captured; frees the retained graph."""
+def backward_weight(work: WeightWork, sink: str = "direct") -> None:
+    """Accumulate parameter gradients from the gradients I captured; frees the retained graph.
+
+    sink 'direct' computes each weight gradient and adds it into `p.grad`; 'autograd' lets the
+    engine run each parameter's AccumulateGrad node, so hooks on the grad accumulator and
+    post-accumulate-grad hooks fire (once per parameter and call).
+    """
     owner = {_get_grad_fn_or_grad_acc(p): p for p in work.params}
     for group in work.groups:
         edges, grads = [], []
@@ -85,9 +90,12 @@ def backward_weight(work: WeightWork) -> None:
         try:
             if edges:
                 accs = list(group["params"])
-                dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
-                for acc, dw in zip(accs, dws):
-                    accumulate_grad(owner[acc], dw)
+                if sink == "autograd":
+                    torch.autograd.backward(edges, grads, inputs=[owner[a] for a in accs])
+                else:
+                    dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
+                    for acc, dw in zip(accs, dws):
+                        accumulate_grad(owner[acc], dw)
         finally:
             for h in handles:
                 h.remove()

@@ -121,8 +121,11 @@ def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action
     return tuple(out)
 
 
-def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
-    """Check coverage and ownership: each (stage, mb) has F once and B or I+W once, on the stage's device."""
+def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bool = False) -> None:
+    """Check coverage and ownership: each (stage, mb) has F once and B or I+W once, on the stage's device.
+
+    `forward_only` (an evaluation plan) wants every F once and no backward at all.
+    """
     if plan.stages[0].start != 0:
         raise PlanError(f"stage 0 starts at layer {plan.stages[0].start}: stages must cover the layers from 0")
     for s in range(1, plan.num_stages):
@@ -155,6 +158,11 @@ def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
         for mb in range(m):
             if (s, Kind.F, mb) not in seen:
                 raise PlanError(f"stage {s} micro-batch {mb}: no forward {s}F{mb}")
+            if forward_only:
+                extra = [k for k in (Kind.B, Kind.I, Kind.W) if (s, k, mb) in seen]
+                if extra:
+                    raise PlanError(f"stage {s} micro-batch {mb}: a forward-only plan has no {s}{extra[0].value}{mb}")
+                continue
             has_b = (s, Kind.B, mb) in seen
             has_i, has_w = (s, Kind.I, mb) in seen, (s, Kind.W, mb) in seen
             if has_b and (has_i or has_w):
