@@ -95,6 +95,7 @@ class Transport:
         self.posted_count: dict[int, int] = {}
         self.posted: dict[Message, Posted] = {}
         self.meta_posts: dict[Message, Posted] = {}
+        self.meta_arrived: set[Message] = set()
         self.in_flight: list[Posted] = []
 
     def begin(self, declared: dict, forward_only: bool) -> None:
@@ -113,6 +114,7 @@ class Transport:
         self.posted_count.clear()
         self.posted.clear()
         self.meta_posts.clear()
+        self.meta_arrived.clear()
         self.in_flight.clear()
 
     def _meta(self, b: int):
@@ -164,10 +166,14 @@ class Transport:
             hs = self.meta_posts.get(msg)
             if hs is None:
                 hs = self.meta_posts[msg] = self._post(msg, [_HANDSHAKE])
-            if not all(w.is_completed() for w in hs.works):
-                return None
-            self._finish_recv(hs, msg.consumer)
-            self.learned[b] = decode_meta(hs.tensors[0])
+            if msg not in self.meta_arrived:
+                # gloo's receive work cannot be polled (is_completed() stays False until wait()), so there
+                # the handshake is awaited only when its message is consumed (recv)
+                if self.gloo or not all(w.is_completed() for w in hs.works):
+                    return None
+                self._wait(hs, msg.consumer, "receive")
+            buf = hs.host[0] if self.staged else hs.tensors[0]
+            self.learned[b] = decode_meta(buf)
         return leaf_metas(self._meta(b))[0]
 
     def _post(self, msg: Message, metas: list[TensorMeta]) -> Posted:
@@ -213,6 +219,7 @@ class Transport:
                                     f"meta, no handshake, and this rank has not sent its activation)",
                                     rank=self.rank, action=str(action), awaited=str(blocking))
             self._wait(hs, action, "receive")
+            self.meta_arrived.add(blocking)
             self._advance(peer)
         p = self.posted.pop(msg)
         tensors = self._finish_recv(p, action)
