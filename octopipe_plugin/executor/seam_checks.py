@@ -177,3 +177,53 @@ def check_cases_worker(rank: int, world: int, port: int, cases: list[dict]) -> N
     for case in cases:
         check_case(rank, case)
     dist.destroy_process_group()
+
+
+def _toy_step_matches(executor, runner, layers, spec, plan, rank: int, label: str) -> None:
+    """One training step of the toy model equals the single-process reference on this rank's layers."""
+    from .toy import build_layers, reference_step
+
+    for p in layers.parameters():
+        p.grad = None
+    result = executor.run_step()
+    ref = build_layers(spec)
+    ref_loss = reference_step(spec, ref, plan.num_microbatches)
+    if plan.num_stages - 1 in plan.stages_of(rank):
+        torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=1e-14, msg=f"{label}: loss")
+    for s in plan.stages_of(rank):
+        st = plan.stages[s]
+        for idx in range(st.start, st.end):
+            for (name, p), q in zip(layers[idx].named_parameters(), ref[idx].parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=f"{label}: layer {idx} {name}")
+
+
+def check_pair_groups_worker(rank: int, world: int, port: int, plan_doc: dict, spec) -> None:
+    """Spawn target: the world splits into pipeline groups of `plan.num_devices` ranks (as with TP x DP > 1);
+    every group runs the plan with one communicator per direction. The first executor makes the pairs of
+    every group; a second executor and later steps make none, and gradients match the reference."""
+    from .checks import toy_runner
+    from .toy import build_layers
+
+    init_gloo(rank, world, port, timeout_s=60)
+    plan = plan_from_dict(plan_doc)
+    p = plan.num_devices
+    pipelines = [dist.new_group(ranks=list(range(g, g + p))) for g in range(0, world, p)]  # collective: every rank
+    mine = pipelines[rank // p]
+    me = dist.get_rank(mine)
+    opts = ExecutorOptions(timeout_s=30, pair_groups=True)
+    label = f"rank {rank} (pipeline rank {me})"
+    with NewGroupCounter() as groups:
+        layers = build_layers(spec)
+        first = PipelineExecutor(plan, toy_runner(spec, layers, plan, me), group=mine, options=opts)
+        pairs = {(src, dst) for src in range(p) for dst in range(p) if src != dst and abs(src - dst) == 1}
+        made = groups.calls
+        assert made == len(pairs) * (world // p), f"{label}: {made} process groups for {world // p} pipelines"
+        assert set(first.pair_groups) == pairs
+        _toy_step_matches(first, first.runner, layers, spec, plan, me, f"{label}, first executor, step 1")
+        _toy_step_matches(first, first.runner, layers, spec, plan, me, f"{label}, first executor, step 2")
+        layers2 = build_layers(spec)
+        second = PipelineExecutor(plan, toy_runner(spec, layers2, plan, me), group=mine, options=opts)
+        assert second.pair_groups == first.pair_groups
+        _toy_step_matches(second, second.runner, layers2, spec, plan, me, f"{label}, second executor")
+        assert groups.calls == made, f"{label}: {groups.calls - made} process groups made after the first executor"
+    dist.destroy_process_group()

@@ -108,3 +108,16 @@ def test_the_cases_cover_what_they_claim():
 @pytest.mark.timeout(300)
 def test_multi_tensor_boundaries_match_the_reference_on_every_plan():
     spawn(check_cases_worker, P, masked_cases() + vlm_cases())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_direction_groups_are_made_once_for_every_pipeline_of_the_world():
+    from octopipe_plugin.executor.seam_checks import check_pair_groups_worker
+    from octopipe_plugin.executor.toy import ToySpec
+
+    devs = stage_devices_for("zb-v", 2, 2)
+    plan = make_plan(stage_devices=devs, bounds=[(0, 2), (2, 4), (4, 5), (5, 7)], num_devices=2, num_microbatches=3,
+                     schedule=SCHEDULES["zb-v"].generate(devs, 2, 3))
+    # 4 ranks = 2 pipelines of 2 (as with data parallelism 2): pairs of both pipelines made by every rank
+    spawn(check_pair_groups_worker, 4, plan_to_dict(plan), ToySpec())
