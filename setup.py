@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Co-optimized partitioning, placement and scheduling for pipeline-parallel training",
     packages=find_packages(include=["octopipe_plugin", "octopipe_plugin.*"]),
-    package_data={"octopipe_plugin": ["costs/zoo/*.yaml", "data/*.json"]},
+    package_data={"octopipe_plugin": ["costs/zoo/*.yaml", "costs/*.json", "data/*.json"]},
     python_requires=">=3.11",
     install_requires=[
         "networkx>=3.0",

@@ -19,12 +19,16 @@ COMMANDS = MappingProxyType({
     "simulate": "simulate_cmd",
     "plan": "plan_cmd",
     "dryrun": "dryrun_cmd",
+    "profile": "profile_cmd",
+    "calibrate": "calibrate_cmd",
 })
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser, one sub-parser per available sub-command."""
-    parser = argparse.ArgumentParser(prog="octopipe", description=__doc__)
+    from ._options import Parser
+
+    parser = Parser(prog="octopipe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS.values():
@@ -43,7 +47,10 @@ def write_output(write: Callable[[], object], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `octopipe` console script; bad input exits 2 with one message, no traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # -h, or a bad option already reported on one line
+        return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(args.run(args) or 0)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..costs import get_gpu, resolve_cluster, resolve_model
+from .. import limits as L
 from ..errors import OctoPipeError
-from ..formats import read_plan
+from ..formats import check_plan_binding, read_plan
+from ._options import load_cluster, load_model, number, warn
 
 
 def add_parser(subparsers) -> None:
@@ -18,10 +19,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", required=True, help="zoo name or model/architecture file the plan was made for")
     p.add_argument("--cluster", help="cluster name (e.g. h100x8) or octopipe-cluster/1 file; transfers then sleep "
                                      "their scaled cost (default: free transfers)")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model for zoo names")
-    p.add_argument("--time-scale", type=float, help="multiply every cost by this (default: scale to --target-s)")
-    p.add_argument("--target-s", type=float, default=2.0, help="step time to scale to when --time-scale is unset")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits for one message")
+    p.add_argument("--gpu", default=None,
+                   help="GPU whose analytic costs zoo/architecture models get (default: the cluster's GPU, else H100)")
+    p.add_argument("--time-scale", type=number(0.0, L.MAX_TIME_SCALE, open_low=True),
+                   help="multiply every cost by this (default: scale the step to --target-s)")
+    p.add_argument("--target-s", type=number(0.01, L.MAX_DRYRUN_STEP_S, unit="s"), default=2.0,
+                   help=f"step time in seconds to scale to when --time-scale is unset (0.01..{L.MAX_DRYRUN_STEP_S:g}; "
+                        "default 2)")
+    p.add_argument("--timeout", type=number(L.MIN_TIMEOUT_S, L.MAX_TIMEOUT_S, unit="s"), default=60.0,
+                   help=f"seconds any rank waits for one message ({L.MIN_TIMEOUT_S:g}..{L.MAX_TIMEOUT_S:g}; "
+                        "default 60)")
     p.add_argument("--clock", choices=("device", "wall"), default="device",
                    help="device: each stand-in ends at max(device free, input arrival) + cost, so host dispatch "
                         "overlaps the previous action as with asynchronous GPU kernels; wall: every action sleeps "
@@ -33,20 +40,21 @@ def run(args) -> int:
     """Run the dry run and print predicted vs measured step time and per-device idle time."""
     from ..executor.dryrun import dry_run
 
-    if args.time_scale is not None and args.time_scale <= 0:
-        raise OctoPipeError(f"--time-scale must be > 0, got {args.time_scale}")
-    if args.timeout <= 0:
-        raise OctoPipeError(f"--timeout must be > 0, got {args.timeout}")
-    model = resolve_model(args.model, get_gpu(args.gpu).name)
+    cluster = load_cluster(args.cluster) if args.cluster is not None else None
+    model, costs = load_model(args, cluster)
     plan = read_plan(args.plan, num_layers=model.num_layers)
-    cluster = resolve_cluster(args.cluster) if args.cluster is not None else None
-    if cluster is not None and cluster.num_devices < plan.num_devices:
-        raise OctoPipeError(f"--cluster {args.cluster}: {cluster.num_devices} devices, the plan needs {plan.num_devices}")
+    lines = check_plan_binding(plan, model, cluster, source=f"plan {args.plan}", model_source=f"--model {args.model}",
+                               cluster_source=f"--cluster {args.cluster}")
+    _check_size(plan)
+    for line in lines:
+        warn(args, line)
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
-                  timeout_s=args.timeout, clock=args.clock)
+                  timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
-    print(f"time scale {rep.time_scale:.4g}  transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}"
-          f"  clock: {rep.clock}")
+    print(f"costs: {costs.line()}")
+    print(f"time scale {rep.time_scale:.4g}: every cost is multiplied by it, so the step sleeps about "
+          f"{rep.predicted_ms / 1000:.3g} s (times below are scaled; divide by the scale for the model's own)")
+    print(f"transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}  clock: {rep.clock}")
     print(f"messages checked: {rep.messages_checked} (micro-batch, stage and direction all as planned)")
     print(f"step time  predicted {rep.predicted_ms:9.1f} ms  measured {rep.measured_ms:9.1f} ms  "
           f"({100 * rep.error:+.2f}%)")
@@ -54,3 +62,15 @@ def run(args) -> int:
     for d, (p, m) in enumerate(zip(rep.predicted_idle_ms, rep.measured_idle_ms)):
         print(f"{d:>6} {p:18.1f} {m:17.1f}")
     return 0
+
+
+def _check_size(plan) -> None:
+    """Refuse a dry run with more local processes or actions than this machine runs in reasonable time."""
+    if plan.num_devices > L.MAX_DRYRUN_DEVICES:
+        raise OctoPipeError(f"the plan has {plan.num_devices} devices; a dry run starts one local process each and "
+                            f"handles at most {L.MAX_DRYRUN_DEVICES}: check larger plans with `octopipe simulate`")
+    size = plan.num_stages * plan.num_microbatches
+    if size > L.MAX_DRYRUN_STAGE_MICROBATCHES:
+        raise OctoPipeError(f"the plan has {plan.num_stages} stages x {plan.num_microbatches} micro-batches = {size:,}"
+                            f"; a dry run exchanges real messages for each and handles at most "
+                            f"{L.MAX_DRYRUN_STAGE_MICROBATCHES:,}: check it with `octopipe simulate`")

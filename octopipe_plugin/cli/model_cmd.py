@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 
-from ..costs import ZOO, get_gpu, resolve_model, zoo_description
+from ..costs import ZOO, resolve_model, zoo_description
 from ..errors import OctoPipeError
 from ..formats.model import Model, model_to_dict, write_model
 from ..graph import ModelGraph
+from .. import limits as L
 from . import write_output
+from ._options import check_writable, gpu_option, integer
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +22,12 @@ def add_parser(subparsers) -> None:
                               description=__doc__)
     p.add_argument("name", nargs="?", help="zoo name (see --list) or a .json/.yaml architecture or model file")
     p.add_argument("--list", action="store_true", help="list the built-in model zoo")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (A100, H100, H200, B200)")
-    p.add_argument("--seq-len", type=int, help="override the sequence length")
-    p.add_argument("--micro-batch-size", type=int, help="override the micro-batch size")
-    p.add_argument("--tp", type=int, help="override the tensor-parallel size")
-    p.add_argument("--dp", type=int, help="data-parallel size sharding the optimizer (distributed optimizer)")
+    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (A100, H100, H200, B200; default H100)")
+    p.add_argument("--seq-len", type=integer(1, L.MAX_SEQ_LEN), help="override the sequence length")
+    p.add_argument("--micro-batch-size", type=integer(1, L.MAX_MICRO_BATCH_SIZE), help="override the micro-batch size")
+    p.add_argument("--tp", type=integer(1, L.MAX_TP), help="override the tensor-parallel size")
+    p.add_argument("--dp", type=integer(1, L.MAX_DP),
+                   help="data-parallel size sharding the optimizer (distributed optimizer)")
     p.add_argument("--recompute", action="store_true", default=None, help="full activation recomputation")
     p.add_argument("-o", "--output", metavar="FILE", help="write the cost-annotated octopipe-model/1 JSON here")
     p.add_argument("--json", action="store_true", help="print the octopipe-model/1 JSON instead of the table")
@@ -39,11 +42,8 @@ def run(args) -> int:
         return 0
     if not args.name:
         raise OctoPipeError("give a zoo model name or an architecture/model file (or --list to see the zoo)")
-    for flag in ("seq_len", "micro_batch_size", "tp", "dp"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise OctoPipeError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    model = resolve_model(args.name, get_gpu(args.gpu).name, seq_len=args.seq_len,
+    check_writable(args.output, "-o")
+    model = resolve_model(args.name, gpu_option(args.gpu), seq_len=args.seq_len,
                           micro_batch_size=args.micro_batch_size, tp=args.tp, dp=args.dp, recompute=args.recompute)
     if args.output:
         write_output(lambda: write_model(model, args.output), args.output)

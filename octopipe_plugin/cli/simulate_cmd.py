@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from ..costs import get_gpu, resolve_cluster, resolve_model
-from ..errors import OctoPipeError
-from ..formats import Plan, read_plan, write_plan
-from ..schedules.registry import SCHEDULES, build_plan
+from .. import limits as L
+from ..errors import OctoPipeError, PlanError
+from ..formats import Plan, bind_plan, check_plan_binding, read_plan, write_plan
+from ..formats.fingerprint import describe_devices, idle_devices
+from ..schedules.registry import SCHEDULES, build_plan, get_schedule
 from ..simulator import SimOptions, SimResult, simulate
-from . import write_output
+from ._options import check_writable, integer, keep_on_failure, load_cluster, load_model, number, warn
 
 _GIB = 2**30
 
@@ -23,16 +24,22 @@ def add_parser(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", metavar="PLAN.json", help="an octopipe-plan/1 file to simulate")
     src.add_argument("--schedule", choices=sorted(SCHEDULES), help="a built-in schedule (see `octopipe schedules`)")
-    p.add_argument("--devices", type=int, help="pipeline devices (with --schedule; default: the cluster's)")
-    p.add_argument("--microbatches", type=int, help="micro-batches per step (with --schedule)")
-    p.add_argument("--stages-per-device", type=int, default=None, metavar="V",
-                   help="virtual stages per device (default: the schedule's own, 2 for V schedules, else 1)")
+    p.add_argument("--devices", type=integer(1, L.MAX_DEVICES), metavar="N",
+                   help="run on the cluster's first N devices (default: all; a --plan must have exactly as many)")
+    p.add_argument("--microbatches", type=integer(1, L.MAX_MICROBATCHES), metavar="M",
+                   help="micro-batches per step (with --schedule; stages x micro-batches at most "
+                        f"{L.MAX_STAGE_MICROBATCHES:,})")
+    p.add_argument("--stages-per-device", type=integer(1, L.MAX_STAGES_PER_DEVICE), default=None, metavar="V",
+                   help="virtual stages per device (default: the schedule's own, 2 for V schedules, else 1; "
+                        f"at most {L.MAX_STAGES_PER_DEVICE})")
     p.add_argument("--split", choices=("megatron", "balanced"), default="megatron",
                    help="stage boundaries for --schedule: Megatron's even split or the min-max balanced split")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model for zoo models (default H100)")
+    p.add_argument("--gpu", default=None,
+                   help="GPU whose analytic costs zoo/architecture models get (default: the cluster's GPU)")
     p.add_argument("--contention", action="store_true", help="one transfer at a time per link direction")
     p.add_argument("--no-overlap", action="store_true", help="devices cannot compute while sending/receiving")
-    p.add_argument("--launch-us", type=float, default=0.0, metavar="X", help="fixed cost per message (us)")
+    p.add_argument("--launch-us", type=number(0.0, L.MAX_LAUNCH_US, unit="us"), default=0.0, metavar="X",
+                   help=f"fixed cost per message in microseconds (0..{L.MAX_LAUNCH_US:g})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--save-plan", metavar="F", help="write the simulated plan (with `predicted`) here")
     p.add_argument("--trace", metavar="F", help="write a Chrome/Perfetto JSON trace here")
@@ -40,48 +47,88 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _plan(args, model, cluster) -> Plan:
+def _plan(args, model, cluster) -> tuple[Plan, object]:
+    """The plan to simulate and the cluster it runs on (the first --devices devices when fewer are asked)."""
+    if args.devices is not None and args.devices > cluster.num_devices:
+        raise OctoPipeError(f"--devices {args.devices}: cluster {cluster.name} has only {cluster.num_devices}; "
+                            f"use --devices {cluster.num_devices} or fewer, or a larger cluster")
     if args.plan:
-        for flag in ("devices", "microbatches", "stages_per_device"):
+        for flag in ("microbatches", "stages_per_device"):
             if getattr(args, flag) is not None:
                 raise OctoPipeError(f"--{flag.replace('_', '-')} applies to --schedule, not to --plan")
         plan = read_plan(args.plan, model.num_layers)
-    else:
-        if args.microbatches is None:
-            raise OctoPipeError("--schedule needs --microbatches")
-        devices = args.devices if args.devices is not None else cluster.num_devices
-        plan = build_plan(model, args.schedule, devices, args.microbatches, args.stages_per_device, split=args.split)
-    if plan.num_devices > cluster.num_devices:
-        raise OctoPipeError(f"the plan uses {plan.num_devices} devices, cluster {cluster.name} has "
-                            f"{cluster.num_devices}")
-    return plan
+        used = first_devices(cluster, args.devices)
+        try:
+            lines = check_plan_binding(plan, model, used, source=f"--plan {args.plan}",
+                                       model_source=f"--model {args.model}", cluster_source=f"--cluster {used.name}")
+        except PlanError as exc:
+            if plan.num_devices < cluster.num_devices and args.devices is None:
+                raise OctoPipeError(f"{exc}; or pass --devices {plan.num_devices} to run it on the first "
+                                    f"{plan.num_devices} devices of {cluster.name}") from None
+            raise
+        check_size(plan.num_stages, plan.num_microbatches, f"--plan {args.plan}")
+        for line in lines:
+            warn(args, line)
+        return plan, used
+    if args.microbatches is None:
+        raise OctoPipeError("--schedule needs --microbatches (e.g. --microbatches 16)")
+    used = first_devices(cluster, args.devices)
+    devices = used.num_devices
+    v = get_schedule(args.schedule).stages_for(args.stages_per_device)
+    check_size(devices * v, args.microbatches, f"--schedule {args.schedule} on {devices} devices x {v} stages each")
+    plan = build_plan(model, args.schedule, devices, args.microbatches, args.stages_per_device, split=args.split)
+    idle = idle_devices(plan)
+    if idle:
+        warn(args, f"{len(idle)} of {devices} devices hold no layers (device{'s' if len(idle) > 1 else ''} "
+                   f"{describe_devices(idle)}): {model.name} has {model.num_layers} layers for {plan.num_stages} "
+                   f"stages; use at most {max(1, model.num_layers // v)} devices")
+    return plan, used
 
 
-def _options(args) -> SimOptions:
-    if args.launch_us < 0:
-        raise OctoPipeError(f"--launch-us must be >= 0, got {args.launch_us}")
-    return SimOptions(contention=args.contention, overlap=not args.no_overlap, launch_ms=args.launch_us / 1000.0)
+def first_devices(cluster, n: int | None):
+    """The cluster cut to its first `n` devices (itself when n is None or all of them)."""
+    if n is None or n == cluster.num_devices:
+        return cluster
+    return replace(cluster, num_devices=n, devices_per_node=min(cluster.devices_per_node, n),
+                   name=f"{cluster.name}[0:{n}]")
+
+
+def check_size(num_stages: int, num_microbatches: int, what: str) -> None:
+    """Refuse a simulation larger than `limits.MAX_STAGE_MICROBATCHES` (stages x micro-batches), naming the limit."""
+    size = num_stages * num_microbatches
+    if size > L.MAX_STAGE_MICROBATCHES:
+        most = max(1, L.MAX_STAGE_MICROBATCHES // num_stages)
+        raise OctoPipeError(f"{what}: {num_stages:,} stages x {num_microbatches:,} micro-batches = {size:,}, more than "
+                            f"the {L.MAX_STAGE_MICROBATCHES:,} one simulation handles (about 10 s and 1 GiB); "
+                            f"use at most {most:,} micro-batches here")
 
 
 def run(args) -> int:
     """Build or read the plan, simulate it, write what was asked, print the report."""
-    model = resolve_model(args.model, get_gpu(args.gpu).name)
-    cluster = resolve_cluster(args.cluster)
-    plan = _plan(args, model, cluster)
-    opts = _options(args)
+    for option, path in (("--save-plan", args.save_plan), ("--trace", args.trace), ("--png", args.png)):
+        check_writable(path, option)
+    cluster = load_cluster(args.cluster)
+    model, costs = load_model(args, cluster)
+    plan, cluster = _plan(args, model, cluster)
+    opts = SimOptions(contention=args.contention, overlap=not args.no_overlap, launch_ms=args.launch_us / 1000.0)
     res = simulate(model, cluster, plan, opts)
     report = _report(model, cluster, plan, res)
+    report["costs"] = costs.as_dict()
+    failed = []
     if args.save_plan:
-        write_output(lambda: write_plan(replace(plan, predicted=res.summary()), args.save_plan), args.save_plan)
+        saved = bind_plan(replace(plan, predicted=res.summary()), model, cluster)
+        failed += keep_on_failure(lambda: write_plan(saved, args.save_plan), args.save_plan, saved)
     if args.trace:
         from ..simulator.trace import write_trace
 
-        write_output(lambda: write_trace(model, cluster, plan, args.trace, opts, res), args.trace)
+        failed += keep_on_failure(lambda: write_trace(model, cluster, plan, args.trace, opts, res), args.trace)
     if args.png:
         from ..simulator.gantt import write_png
 
-        write_output(lambda: write_png(model, cluster, plan, args.png, opts, res), args.png)
+        failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png, opts, res), args.png)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
+    if failed:
+        raise OctoPipeError("; ".join(failed))
     return 0
 
 
@@ -119,6 +166,12 @@ def _report(model, cluster, plan, res: SimResult) -> dict:
     }
 
 
+def _costs_line(costs: dict | None) -> str:
+    if not costs:
+        return "as given"
+    return f"{costs['source']}, {costs['gpu'] or 'GPU not recorded'} ({costs['why']})"
+
+
 def format_report(r: dict) -> str:
     """The report as a short header and a per-device table."""
     tp = r["throughput"]
@@ -127,6 +180,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['model']} on {r['cluster']}: {r['schedule']}, {r['num_devices']} devices, {r['num_stages']} stages, "
         f"{r['num_microbatches']} micro-batches",
+        f"  costs       {_costs_line(r.get('costs'))}",
         f"  step time   {r['step_time_ms']:.3f} ms",
         f"  bubble      {r['bubble_ratio']:.2%}",
         f"  throughput  {rate}",

@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from .arch import DECODER_KINDS, Arch, layer_plan
+from .calibration import kind_scale
 from .blocks import Block, Dims, attention, llm_dims, mlp, moe, norm, tp_comm, vision_dims
 from .gpus import GpuSpec, get_gpu
 from .mamba import mamba
 from .ops import Op, elementwise, matmul, total_flops, total_times
 from ..formats.model import Layer, Model
 
-RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision"}  # Megatron recomputes transformer-block layers only
+RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision", "moe_mlp"}  # Megatron recomputes transformer-block layers only
 # Unfused vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py): per logit, the bf16
 # read and fp32 copy, then max, subtract, exp, sum and divide passes over fp32; it keeps the fp32 softmax.
 CE_FWD_BYTES = 38
@@ -48,8 +49,13 @@ class LayerCost:
 
 def state_bytes_per_param(arch: Arch) -> float:
     """Weight + fp32 grad + optimizer bytes per parameter: 18 in bf16, 6 + 12/dp with the distributed optimizer."""
-    optimizer = 12 if arch.dtype_bytes < 4 else 8  # fp32 master copy only when training in lower precision
-    return arch.dtype_bytes + 4 + optimizer / arch.dp
+    return adam_state_bytes_per_param(arch.dtype_bytes, arch.dp)
+
+
+def adam_state_bytes_per_param(dtype_bytes: int, dp: int = 1) -> float:
+    """Mixed-precision Adam bytes per parameter of `dtype_bytes` weights, optimizer sharded over `dp`."""
+    optimizer = 12 if dtype_bytes < 4 else 8  # fp32 master copy only when training in lower precision
+    return dtype_bytes + 4 + optimizer / dp
 
 
 def embedding_block(d: Dims, arch: Arch, text_tokens: int) -> Block:
@@ -110,6 +116,7 @@ def kind_block(arch: Arch, kind: str) -> Block:
         "mamba": lambda: (mamba(d, arch),),
         "attention": lambda: (attention(d),),
         "mlp": lambda: (mlp(d),),
+        "moe_mlp": lambda: (moe(d, arch),),  # a hybrid model's MoE layer ('E'): experts without attention
         "vision": lambda: (attention(vision_dims(arch)), mlp(vision_dims(arch))),
         "projector": lambda: (projector_block(arch),),
         "embedding": lambda: (embedding_block(d, arch, text),),
@@ -139,11 +146,18 @@ def output_bytes(arch: Arch, kind: str) -> int:
     return arch.tokens * arch.hidden * dt // sp
 
 
-def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100") -> LayerCost:
-    """Analytic costs of one layer of `kind` (full recompute adds F to I and keeps only the input)."""
+def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100", *, calibrated: bool = True) -> LayerCost:
+    """Analytic costs of one layer of `kind` (full recompute adds F to I and keeps only the input).
+
+    `calibrated` applies the measured efficiency scales of costs/calibration.json for this GPU and kind.
+    """
     gpu = get_gpu(gpu)
     block = kind_block(arch, kind)
     f, i, w = total_times(list(block.ops), gpu)
+    if calibrated:
+        # measured efficiency of this kind on this GPU (costs/calibration.json), 1.0 where never measured
+        sc = kind_scale(gpu.name, kind)
+        f, i, w = f / sc.fwd, i / sc.bwd, w / sc.wgrad
     out = output_bytes(arch, kind)
     recomputed = kind in RECOMPUTED_KINDS
     # Full recompute keeps only the layer input (Korthikanti et al. 2022, Sec. 4.1: 2sbh, /t under SP),
@@ -158,11 +172,12 @@ def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100") -> LayerCost:
                      recompute_activation_bytes=rec_act, output_bytes=out, flops=total_flops(list(block.ops)))
 
 
-def build_model(arch: Arch, gpu: GpuSpec | str = "H100") -> Model:
+def build_model(arch: Arch, gpu: GpuSpec | str = "H100", *, calibrated: bool = True) -> Model:
     """The cost-annotated Model of an architecture: one Layer per partitioning unit, branches in `inputs`."""
     gpu = get_gpu(gpu)
     plan = layer_plan(arch)
-    costs = {kind: layer_cost(arch, kind, gpu) for kind in {k for _, k in plan}}
+    kinds = sorted({k for _, k in plan})
+    costs = {kind: layer_cost(arch, kind, gpu, calibrated=calibrated) for kind in kinds}
     layers = tuple(
         Layer(name=name, kind=kind, fwd_ms=c.fwd_ms, bwd_ms=c.bwd_ms, wgrad_ms=c.wgrad_ms, state_bytes=c.state_bytes,
               activation_bytes=c.activation_bytes, output_bytes=c.output_bytes,
@@ -175,4 +190,7 @@ def build_model(arch: Arch, gpu: GpuSpec | str = "H100") -> Model:
         emb, proj = arch.vision_layers + 1, arch.vision_layers
         inputs = {emb: (), emb + 1: (proj, emb)}
     meta = {"cost_model": "analytic", "gpu": gpu.name, "arch": asdict(arch)}
+    fitted = [k for k in kinds if calibrated and kind_scale(gpu.name, k).samples]
+    if fitted:
+        meta["calibrated_kinds"] = fitted
     return Model(name=arch.name, layers=layers, inputs=inputs, meta=meta)

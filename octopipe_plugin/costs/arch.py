@@ -7,7 +7,8 @@ import difflib
 from dataclasses import dataclass
 
 from ..errors import FormatError
-from ..formats._fields import check_value
+from .. import limits as L
+from ..formats._fields import Said, check_value
 
 ARCH_FORMAT = "octopipe-arch/1"
 HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}  # Nemotron-H hybrid_override_pattern
@@ -160,13 +161,17 @@ def arch_from_dict(data: dict, src: str = "<dict>") -> Arch:
 def _check_field(key: str, value, src: str):
     path = f"$.{key}"
     if key in ("name", "hybrid_pattern"):
-        return check_value(value, src, path, str)
+        text = check_value(value, src, path, str)
+        if len(text) > L.MAX_LAYERS:
+            raise FormatError(src, path, f"at most {L.MAX_LAYERS} characters", Said(f"{len(text)} characters"))
+        return text
     if key in _BOOL_FIELDS:
         return check_value(value, src, path, bool)
     positive = key in _REQUIRED[1:] + ("seq_len", "micro_batch_size", "tp", "dp", "ep", "dtype_bytes",
                                        "moe_layer_freq", "mamba_state", "mamba_head_dim", "mamba_groups",
                                        "mamba_conv", "mamba_chunk", "vision_tiles")
-    return check_value(value, src, path, int, minimum=0, positive=positive)
+    most = L.MAX_LAYERS if key in ("num_layers", "vision_layers", "mtp_depth") else L.MAX_ARCH_INT
+    return check_value(value, src, path, int, minimum=1 if positive else 0, maximum=most)
 
 
 def _require(ok: bool, src: str, path: str, expected: str, got) -> None:

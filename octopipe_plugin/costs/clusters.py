@@ -7,6 +7,7 @@ import re
 from ..errors import OctoPipeError
 from ..formats._fields import is_document_path
 from ..formats.cluster import Cluster, Link, read_cluster
+from ..limits import MAX_DEVICES
 from .gpus import get_gpu
 
 DEVICES_PER_NODE = 8
@@ -18,9 +19,12 @@ _NAME = re.compile(r"^(?P<gpu>[a-z0-9-]+?)x(?P<count>\d+)$", re.IGNORECASE)
 
 def named_cluster(gpu: str, count: int, devices_per_node: int = DEVICES_PER_NODE) -> Cluster:
     """`count` GPUs of one kind, `devices_per_node` to a node: NVLink inside a node, one IB NIC per GPU across."""
-    spec = get_gpu(gpu)
-    if count < 1:
-        raise OctoPipeError(f"cluster size must be >= 1, got {count}")
+    try:
+        spec = get_gpu(gpu)
+    except OctoPipeError as exc:
+        raise OctoPipeError(f"cluster {gpu.lower()}x{count}: {exc}") from None
+    if not 1 <= count <= MAX_DEVICES:
+        raise OctoPipeError(f"cluster {gpu.lower()}x{count}: expected 1..{MAX_DEVICES} devices, got {count}")
     return Cluster(
         name=f"{gpu.lower()}x{count}",  # as the user wrote it: h100x8, not h100-sxmx8
         num_devices=count,
@@ -28,6 +32,7 @@ def named_cluster(gpu: str, count: int, devices_per_node: int = DEVICES_PER_NODE
         memory_bytes=spec.memory_bytes,
         intra_node=Link(bandwidth_gb_per_s=spec.nvlink_gb_per_s, latency_us=NVLINK_LATENCY_US),
         inter_node=Link(bandwidth_gb_per_s=spec.ib_gb_per_s, latency_us=IB_LATENCY_US),
+        gpu=spec.name,
     )
 
 
@@ -40,4 +45,7 @@ def resolve_cluster(name_or_path: str) -> Cluster:
     if not match:
         raise OctoPipeError(
             f"unknown cluster {name!r}: expected '<gpu>x<count>' (e.g. h100x8, a100x16, b200x8) or a cluster file")
-    return named_cluster(match["gpu"], int(match["count"]))
+    count = match["count"]
+    if len(count) > 6:  # int() of a thousand digits is slow and the number is refused anyway
+        raise OctoPipeError(f"cluster {name}: expected 1..{MAX_DEVICES} devices, got {count}")
+    return named_cluster(match["gpu"], int(count))

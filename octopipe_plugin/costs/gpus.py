@@ -35,7 +35,7 @@ class GpuSpec:
 
 
 # Sources: NVIDIA A100 / H100 / H200 / DGX B200 datasheets (dense bf16, SXM parts).
-# Memory: 80 GiB for the 80 GB parts (what the FORMATS.md example uses), 141 GB and
+# Memory: 80 GiB for the 80 GB parts (what the docs/formats.md example uses), 141 GB and
 # 180 GB (DGX B200: 1,440 GB / 8) for H200 and B200 in decimal units as quoted.
 # Efficiency: large-GEMM bf16 throughput seen in practice (~70% of peak on A100/H100/H200,
 # lower on the young B200 software stack); this workplace's device notes report ~790 TFLOP/s
@@ -60,12 +60,17 @@ _ALIASES = MappingProxyType({
 })
 
 
+def known_gpu(name: str) -> str | None:
+    """The canonical table name of a GPU name or alias (case-insensitive), or None when unknown."""
+    key = str(name).strip().lower()
+    return _ALIASES.get(key) or next((n for n in GPUS if n.lower() == key), None)
+
+
 def get_gpu(name: str | GpuSpec) -> GpuSpec:
     """Look a GPU up by name or alias, case-insensitively; unknown names list the valid ones."""
     if isinstance(name, GpuSpec):
         return name
-    key = str(name).strip().lower()
-    canonical = _ALIASES.get(key) or next((n for n in GPUS if n.lower() == key), None)
+    canonical = known_gpu(name)
     if canonical is None:
         valid = ", ".join(sorted(set(GPUS) | {"A100", "H100", "H200", "B200"}))
         raise OctoPipeError(f"unknown GPU {name!r}; expected one of: {valid}")

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import FormatError, OctoPipeError
-from ..formats._fields import check_format, is_document_path, load_json
+from ..formats._fields import Said, check_format, is_document_path, load_json
 from ..formats.model import Model, model_from_dict
 from .analytic import build_model
 from .arch import Arch, arch_from_dict
@@ -61,6 +61,7 @@ def load_arch(name_or_path: str, **overrides) -> Arch:
 
 def _arch_of_doc(data: dict, src: str, overrides: dict) -> Arch:
     """The Arch of a loaded architecture document with the given overrides applied."""
+    _refuse_other_documents(data, src)
     if "format" in data:
         check_format(data, src, "octopipe-arch")
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -72,13 +73,35 @@ def _arch_of_doc(data: dict, src: str, overrides: dict) -> Arch:
     return arch_from_dict({**data, **given}, src)
 
 
+_MODEL_EXPECTED = ("an 'octopipe-model/1' file (per-layer costs, e.g. written by `octopipe model -o`) or an "
+                   "architecture file (num_layers, hidden, ffn, heads, vocab; 'octopipe-arch/1')")
+
+
+def _refuse_other_documents(data: dict, src: str) -> None:
+    """A plan, a cluster or a model file without `format` given where a model is expected: say what it is."""
+    fmt = data.get("format")
+    if isinstance(fmt, str) and fmt.split("/")[0] in ("octopipe-plan", "octopipe-cluster"):
+        kind = fmt.split("/")[0].removeprefix("octopipe-")
+        fix = "pass it as the plan (`octopipe simulate --plan FILE`, `octopipe dryrun FILE`)" if kind == "plan" \
+            else "pass it to --cluster"
+        raise FormatError(src, "$.format", f"{_MODEL_EXPECTED}; this is a {kind} file: {fix}", fmt)
+    if "format" not in data and isinstance(data.get("layers"), list):
+        raise FormatError(src, "$.format", f"{_MODEL_EXPECTED}; the file has a `layers` list like a model file: "
+                                           f"add \"format\": \"octopipe-model/1\"", Said("no format field"))
+
+
 def resolve_model(name_or_path: str, gpu: str = "H100", **overrides) -> Model:
     """Zoo name or arch file -> analytic-costed Model; an `octopipe-model/1` file is read as it is."""
+    return load_model(name_or_path, gpu, **overrides)[0]
+
+
+def load_model(name_or_path: str, gpu: str = "H100", **overrides) -> tuple[Model, bool]:
+    """Like `resolve_model`, also saying whether the costs came from an `octopipe-model/1` file (True)."""
     data, src = _load_doc(str(name_or_path))
     if _is_model_doc(data):
         given = sorted(k for k, v in overrides.items() if v is not None)
         if given:
             raise OctoPipeError(f"{src}: a cost-annotated octopipe-model file cannot take overrides {given}; "
                                 "pass an architecture file or zoo name instead")
-        return model_from_dict(data, src)
-    return build_model(_arch_of_doc(data, src, overrides), gpu)
+        return model_from_dict(data, src), True
+    return build_model(_arch_of_doc(data, src, overrides), gpu), False

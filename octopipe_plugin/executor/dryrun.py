@@ -13,6 +13,7 @@ See SleepStages for the 'device' and 'wall' clocks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from ..errors import OctoPipeError
 from ..formats import Cluster, Link, plan_from_dict, plan_to_dict
 from ..simulator import simulate, stage_costs
 from .engine import ExecutorOptions, PipelineExecutor
@@ -76,15 +78,31 @@ def auto_scale(model, plan, cluster: Cluster, target_ms: float) -> float:
 
 
 def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | None = None,
-            target_ms: float = 2000.0, timeout_s: float = 60.0, clock: str = "device") -> DryRunReport:
-    """Run `plan` with sleeping stand-ins on local processes and compare with the simulator."""
+            target_ms: float = 2000.0, timeout_s: float = 60.0, clock: str = "device",
+            max_step_ms: float | None = None) -> DryRunReport:
+    """Run `plan` with sleeping stand-ins on local processes and compare with the simulator.
+
+    Refused before any process starts (OctoPipeError): a scale, target or timeout that is not a
+    positive finite number, a scaled step longer than `max_step_ms`, or one longer than the
+    timeout (a rank may wait that long for one message, and would report a false deadlock).
+    """
+    for name, value in (("time_scale", time_scale), ("target_ms", target_ms), ("timeout_s", timeout_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise OctoPipeError(f"dry run: {name} must be a finite number > 0, got {value}")
     priced = cluster is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)
     scale = time_scale if time_scale is not None else auto_scale(model, plan, cluster, target_ms)
     sc = scaled_costs(model, plan, scale)
     fast = scaled_cluster(cluster, scale)
     sim = simulate(None, fast, plan, costs=sc, detail=False)
-    costs = standin_costs(sc, [st.device for st in plan.stages], fast.transfer_ms)
+    step_s = sim.step_time_ms / 1000.0
+    if max_step_ms is not None and sim.step_time_ms > max_step_ms:
+        raise OctoPipeError(f"time scale {scale:.4g} makes the step last {step_s:.4g} s, more than the "
+                            f"{max_step_ms / 1000:g} s a dry run allows; use a smaller --time-scale or --target-s")
+    if step_s > timeout_s:
+        raise OctoPipeError(f"the scaled step lasts {step_s:.4g} s, longer than the {timeout_s:g} s timeout a rank "
+                            f"waits for one message: raise --timeout above {step_s:.4g} or lower the time scale")
+    costs = standin_costs(sc, [st.device for st in plan.stages], fast)
     live = stage_live_outputs(model, plan.stages)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
         spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, live, timeout_s, clock, out)

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..schedules.actions import Action, Kind
+from ..actions import Action, Kind
 from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
@@ -150,7 +150,7 @@ class PipelineExecutor:
             result.timeline.append((a, start, time.time()))
             if a.kind is Kind.F and a.stage == ns - 1:
                 result.outputs[a.microbatch] = _loss_output(out, self.rank, a)
-            elif a.kind is Kind.F or (a.kind is not Kind.W and a.stage > 0):
+            elif a.output_stage(ns) is not None:
                 if step.send is not None:
                     tp.send(step.send, out, a)
                 else:
@@ -174,10 +174,11 @@ class PipelineExecutor:
 
 
 def _last_backward(program: RankProgram) -> dict[int, int]:
-    """Stage -> index of its last B or W in the rank's program (after it, its weight gradients are final)."""
+    """Stage -> index of its last weight-gradient action (B or W) in the rank's program: after it, the
+    stage's weight gradients are final."""
     out: dict[int, int] = {}
     for i, step in enumerate(program.steps):
-        if step.action.kind in (Kind.B, Kind.W):
+        if "wgrad" in step.action.rule.cost:
             out[step.action.stage] = i
     return out
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..formats import Cluster, Link, validate_plan
-from ..schedules.actions import Kind
+from ..actions import Kind
 from ..simulator import StageCosts, simulate
 
 

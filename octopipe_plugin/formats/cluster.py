@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._fields import check_format, check_value, field, load_json, write_json
+from .. import limits as L
+from ..errors import FormatError
 
 CLUSTER_FORMAT = "octopipe-cluster/1"
 
@@ -17,7 +19,7 @@ class Link:
     latency_us: float
 
     def transfer_ms(self, nbytes: float) -> float:
-        """Time to move `nbytes` over this link (FORMATS.md)."""
+        """Time to move `nbytes` over this link (docs/formats.md)."""
         return self.latency_us / 1000.0 + nbytes / (self.bandwidth_gb_per_s * 1e9) * 1000.0
 
 
@@ -31,6 +33,8 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     name: str = "cluster"
+    # GPU whose analytic costs fit this cluster (canonical name of costs.gpus, e.g. "A100-80G"); None: unsaid
+    gpu: str | None = None
 
     def same_node(self, d1: int, d2: int) -> bool:
         """Whether two devices share a node."""
@@ -51,17 +55,18 @@ def _read_link(data: dict, key: str, src: str) -> Link:
     raw = field(data, key, src, "$", dict)
     path = f"$.{key}"
     return Link(
-        bandwidth_gb_per_s=field(raw, "bandwidth_gb_per_s", src, path, float, positive=True),
-        latency_us=field(raw, "latency_us", src, path, float, minimum=0),
+        bandwidth_gb_per_s=field(raw, "bandwidth_gb_per_s", src, path, float, positive=True,
+                                 maximum=L.MAX_BANDWIDTH_GB_PER_S),
+        latency_us=field(raw, "latency_us", src, path, float, minimum=0, maximum=L.MAX_LATENCY_US),
     )
 
 
 def cluster_from_dict(data: dict, src: str = "<dict>") -> Cluster:
     """Build a Cluster from a parsed `octopipe-cluster/1` document, refusing bad input."""
     check_format(data, src, "octopipe-cluster")
-    n = field(data, "num_devices", src, "$", int, minimum=1)
-    per_node = field(data, "devices_per_node", src, "$", int, minimum=1, default=n)
-    memory = field(data, "memory_bytes", src, "$", int, positive=True)
+    n = field(data, "num_devices", src, "$", int, minimum=1, maximum=L.MAX_DEVICES)
+    per_node = field(data, "devices_per_node", src, "$", int, minimum=1, maximum=L.MAX_DEVICES, default=n)
+    memory = field(data, "memory_bytes", src, "$", int, minimum=1 << 20, maximum=L.MAX_BYTES)
     intra = _read_link(data, "intra_node", src)
     return Cluster(
         num_devices=n,
@@ -70,7 +75,22 @@ def cluster_from_dict(data: dict, src: str = "<dict>") -> Cluster:
         intra_node=intra,
         inter_node=_read_link(data, "inter_node", src) if "inter_node" in data else intra,
         name=check_value(data.get("name", "cluster"), src, "$.name", str),
+        gpu=_read_gpu(data, src),
     )
+
+
+def _read_gpu(data: dict, src: str) -> str | None:
+    """The optional `gpu` field as a canonical GPU name of the cost model's table."""
+    if "gpu" not in data:
+        return None
+    from ..costs.gpus import GPUS, known_gpu  # a leaf module: no import cycle
+
+    name = check_value(data["gpu"], src, "$.gpu", str)
+    canonical = known_gpu(name)
+    if canonical is None:
+        raise FormatError(src, "$.gpu", f"a GPU of the cost model ({', '.join(GPUS)}; A100, H100 also accepted)",
+                          name)
+    return canonical
 
 
 def cluster_to_dict(cluster: Cluster) -> dict:
@@ -87,6 +107,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
         "memory_bytes": cluster.memory_bytes,
         "intra_node": link(cluster.intra_node),
         "inter_node": link(cluster.inter_node),
+        **({"gpu": cluster.gpu} if cluster.gpu else {}),
     }
 
 

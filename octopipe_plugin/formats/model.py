@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field as dc_field
 
 from ._fields import check_format, check_value, field, load_json, objects, write_json
+from .. import limits as L
 from ..errors import FormatError
 
 MODEL_FORMAT = "octopipe-model/1"
 
 _COST_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
 _BYTE_FIELDS = ("state_bytes", "activation_bytes", "output_bytes")
+# Where a layer's figures came from (optional per-layer "source"; absent: not recorded).
+SOURCES = ("measured", "analytic")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layer:
-    """One partitioning unit: its kind and its costs for one micro-batch (FORMATS.md)."""
+    """One partitioning unit: its kind and its costs for one micro-batch (docs/formats.md)."""
 
     name: str
     kind: str
@@ -27,6 +30,8 @@ class Layer:
     output_bytes: int
     # Activation memory when the layer is fully recomputed (input kept only); informational.
     recompute_activation_bytes: int | None = None
+    # "measured" (profiled on a device) or "analytic" (cost model); None when not recorded.
+    source: str | None = None
 
     @property
     def total_ms(self) -> float:
@@ -56,15 +61,19 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     check_format(data, src, "octopipe-model")
     name = field(data, "name", src, "$", str)
     layers = []
-    for i, (path, raw) in enumerate(objects(data, "layers", src)):
-        costs = {k: field(raw, k, src, path, float, minimum=0) for k in _COST_FIELDS}
-        sizes = {k: field(raw, k, src, path, int, minimum=0) for k in _BYTE_FIELDS}
-        rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, default=None)
+    for i, (path, raw) in enumerate(objects(data, "layers", src, maximum=L.MAX_LAYERS)):
+        costs = {k: field(raw, k, src, path, float, minimum=0, maximum=L.MAX_LAYER_MS) for k in _COST_FIELDS}
+        sizes = {k: field(raw, k, src, path, int, minimum=0, maximum=L.MAX_BYTES) for k in _BYTE_FIELDS}
+        rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, maximum=L.MAX_BYTES, default=None)
+        source = field(raw, "source", src, path, str, default=None)
+        if source is not None and source not in SOURCES:
+            raise FormatError(src, f"{path}.source", " or ".join(repr(x) for x in SOURCES), source)
         layers.append(
             Layer(
                 name=field(raw, "name", src, path, str, default=f"layer{i}"),
                 kind=field(raw, "kind", src, path, str, default="layer"),
                 recompute_activation_bytes=rec,
+                source=source,
                 **costs,
                 **sizes,
             )
@@ -95,8 +104,9 @@ def model_to_dict(model: Model) -> dict:
     layers = []
     for layer in model.layers:
         d = asdict(layer)
-        if d["recompute_activation_bytes"] is None:
-            del d["recompute_activation_bytes"]
+        for optional in ("recompute_activation_bytes", "source"):
+            if d[optional] is None:
+                del d[optional]
         layers.append(d)
     doc = {"format": MODEL_FORMAT, "name": model.name, "layers": layers}
     if model.inputs:

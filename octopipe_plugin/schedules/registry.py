@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import OctoPipeError, PlanError
+from ..formats import Plan, Stage, validate_plan
+from ..formats.ranges import stage_range_problem
+from ..partition import balanced_split, megatron_split
 from . import generators as gen
 from .placement import Placement, place
 
@@ -108,16 +111,14 @@ def stage_devices_for(name: str, num_devices: int, stages_per_device: int | None
 
 
 def build_plan(model, name: str, num_devices: int, num_microbatches: int, stages_per_device: int | None = None,
-               boundaries=None, split: str = "megatron"):
+               boundaries=None, split: str = "megatron", validate: bool = True):
     """A validated Plan running built-in schedule `name` on `model`.
 
     Stage ranges come from `boundaries` (pairs, or cut points [0, ..., L]) when given, else from
     `split`: 'megatron' (even decoder split) or 'balanced' (min-max DP). `stages_per_device`
-    None means the schedule's own (2 for the V schedules, else 1).
+    None means the schedule's own (2 for the V schedules, else 1). `validate=False` skips the
+    plan check for callers that simulate the plan anyway (the tuner, on long schedules).
     """
-    from ..formats import Plan, Stage, validate_plan
-    from ..partition import balanced_split, megatron_split
-
     spec = get_schedule(name)
     v = spec.stages_for(stages_per_device)
     spec.check(num_devices, num_microbatches, v)
@@ -136,7 +137,8 @@ def build_plan(model, name: str, num_devices: int, num_microbatches: int, stages
     plan = Plan(model=model.name, num_devices=num_devices, num_microbatches=num_microbatches, stages=stages,
                 schedule=schedule, meta={"schedule": spec.name, "split": "explicit" if boundaries else split,
                                          "stages_per_device": v})
-    validate_plan(plan, model.num_layers)
+    if validate:
+        validate_plan(plan, model.num_layers)
     return plan
 
 
@@ -149,11 +151,7 @@ def _ranges(boundaries, num_layers: int, n_stages: int) -> list[tuple[int, int]]
         ranges = [(int(a), int(b)) for a, b in items]
     if len(ranges) != n_stages:
         raise PlanError(f"boundaries give {len(ranges)} stages, the schedule needs {n_stages}")
-    pos = 0
-    for i, (a, b) in enumerate(ranges):
-        if a != pos or b < a:
-            raise PlanError(f"boundaries: stage {i} is [{a}, {b}), expected to start at {pos} and not end before")
-        pos = b
-    if pos != num_layers:
-        raise PlanError(f"boundaries end at layer {pos}, the model has {num_layers} layers")
+    problem = stage_range_problem(ranges, num_layers)
+    if problem is not None:
+        raise PlanError(f"boundaries: {problem.message}")
     return ranges

@@ -8,20 +8,22 @@ deterministic budget is measured in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError
 from ..formats import Plan
-from ..simulator import simulate, stage_costs
+from ..simulator import SimOptions, simulate, stage_costs
+from ..simulator.memory import least_live
 from .layout import Layout, device_work, make_job
 from .listsched import Policy, build_schedule
+from .periodic import action_count
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Outcome:
     """A simulated plan: step time, bubble, per-device peak memory and whether it fits."""
 
-    plan: Plan
+    plan: Plan | None  # None in a cache hit: the candidate was judged before (search skips it)
     step_ms: float
     bubble: float
     peak: tuple[int, ...]
@@ -33,21 +35,51 @@ class Outcome:
         return max(self.peak)
 
 
+@dataclass(kw_only=True)
+class Meter:
+    """Work and simulations of one tuning run, shared by its evaluators at different micro-batch counts."""
+
+    work: float = 0.0  # actions scheduled + simulated so far
+    evaluations: int = 0
+
+
 class Evaluator:
     """Simulates candidates of one tuning problem, with caches and a work counter."""
 
-    def __init__(self, model, cluster, num_microbatches: int):
+    def __init__(self, model, cluster, num_microbatches: int, meter: Meter | None = None,
+                 options: SimOptions | None = None):
         self.model, self.cluster, self.m = model, cluster, num_microbatches
-        self.work = 0  # actions scheduled + simulated so far
-        self.evaluations = 0
+        self.meter = meter or Meter()
+        self.options = options or SimOptions()  # the judge's switches; the list scheduler prices hops alike
         self._jobs: dict[Layout, tuple] = {}
+        # judged candidates; outcomes are kept without their plans, so long runs hold no schedules here
         self._seen: dict[tuple, Outcome | None] = {}
+
+    @property
+    def work(self) -> float:
+        """Work units spent so far by every evaluator sharing this one's meter."""
+        return self.meter.work
+
+    @work.setter
+    def work(self, value: float) -> None:
+        self.meter.work = value
+
+    @property
+    def evaluations(self) -> int:
+        """Simulations run so far by every evaluator sharing this one's meter."""
+        return self.meter.evaluations
+
+    def at(self, num_microbatches: int) -> "Evaluator":
+        """An evaluator of the same problem at another micro-batch count, sharing the work meter."""
+        if num_microbatches == self.m:
+            return self
+        return Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter, options=self.options)
 
     def job(self, layout: Layout):
         """(Job, StageCosts, static bytes) of a layout, cached."""
         got = self._jobs.get(layout)
         if got is None:
-            got = make_job(self.model, self.cluster, self.m, layout)
+            got = make_job(self.model, self.cluster, self.m, layout, self.options.launch_ms)
             self._jobs[layout] = got
         return got
 
@@ -59,17 +91,21 @@ class Evaluator:
     def static_fits(self, layout: Layout) -> bool:
         """Whether every device can hold its stages' state and one activation of each."""
         job, _, static = self.job(layout)
-        mem = self.cluster.memory_bytes
-        need = [static[d] for d in range(self.cluster.num_devices)]
-        for s, d in enumerate(layout.devices):
-            need[d] += job.activation[s]
-        return max(need) <= mem
+        nd = self.cluster.num_devices
+        live = least_live(layout.devices, job.activation, nd)
+        return max(static[d] + live[d] for d in range(nd)) <= self.cluster.memory_bytes
 
     def scheduled(self, layout: Layout, policy: Policy) -> Outcome | None:
         """List-schedule a layout under a policy and simulate it; None when the policy starves."""
         key = (layout, policy)
         if key in self._seen:
             return self._seen[key]
+        out = self.schedule_and_simulate(layout, policy)
+        self._seen[key] = None if out is None else replace(out, plan=None)
+        return out
+
+    def schedule_and_simulate(self, layout: Layout, policy: Policy) -> Outcome | None:
+        """List-schedule and simulate without the cache (for a final, full-count plan)."""
         job, sc, _ = self.job(layout)
         self.work += 6 * 3 * len(layout.devices) * self.m  # list scheduling costs ~6x a simulated action
         schedule = build_schedule(job, policy)
@@ -77,7 +113,6 @@ class Evaluator:
         if schedule is not None:
             meta = {"schedule": "octopipe", "policy": policy.describe()}
             out = self.simulated(self.plan_of(layout, schedule, meta), costs=sc)
-        self._seen[key] = out
         return out
 
     def ordered(self, layout: Layout, schedule) -> Outcome | None:
@@ -86,9 +121,9 @@ class Evaluator:
         if key in self._seen:
             return self._seen[key]
         _, sc, _ = self.job(layout)
-        self.work += sum(len(row) for row in schedule)  # hashing the order for the cache
+        self.work += action_count(schedule)  # hashing the order for the cache
         out = self.simulated(self.plan_of(layout, schedule, {"schedule": "octopipe"}), costs=sc)
-        self._seen[key] = out
+        self._seen[key] = None if out is None else replace(out, plan=None)
         return out
 
     def plan_of(self, layout: Layout, schedule, meta: dict | None = None) -> Plan:
@@ -105,10 +140,10 @@ class Evaluator:
     def simulated(self, plan: Plan, costs=None) -> Outcome | None:
         """Simulate an explicit plan; None when it deadlocks."""
         sc = costs if costs is not None else stage_costs(self.model, plan.stages)
-        self.work += sum(len(row) for row in plan.schedule)
-        self.evaluations += 1
+        self.work += action_count(plan.schedule)
+        self.meter.evaluations += 1
         try:
-            res = simulate(self.model, self.cluster, plan, costs=sc, detail=False)
+            res = simulate(self.model, self.cluster, plan, self.options, costs=sc, detail=False)
         except DeadlockError:
             return None
         peak = tuple(res.peak_memory_bytes)

@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..errors import OutOfMemoryError
-from ..simulator import simulate
+from ..formats import validate_plan
+from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
+from .listsched import Policy
 from .moves import Context, pick_move
+from .periodic import ActionTable, extend_schedule, scale_policy
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
@@ -32,6 +35,9 @@ WORK_RATE = 400_000  # work units per second: about half what the reference mach
 ELITE = 6  # candidates kept as parents
 POLISH_SHARE = 0.15  # share of the budget spent on order moves at the end
 STEP_UNITS = 25  # work charged per search step for the move itself (pruned and cached steps cost too)
+SEARCH_FACTOR = 4  # above this many micro-batches per device, the search runs at this many (periodic steady state)
+FINAL_SHARE = 0.1  # share of the budget kept for taking the search's best to the full count
+RESULT_SHARE = 0.03  # kept for checking the returned plan (simulation, validation)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +77,7 @@ class _Budget:
     units: float
     iterations: int | None
     deadline: float
+    seconds: float = 0.0  # the time budget the deadline ends
     done: int = 0
     stopped_by: str = ""
 
@@ -81,8 +88,12 @@ class _Budget:
         return min(1.0, self.ev.work / self.units)
 
     def left(self, upto: float = 1.0) -> bool:
-        """Whether less than `upto` of the budget is spent and the wall-clock guard has not passed."""
-        if time.monotonic() >= self.deadline:
+        """Whether less than `upto` of the budget is spent and the wall-clock guard has not passed.
+
+        The guard scales with `upto` too, so a slow or loaded machine still leaves each later
+        phase (the full-count plans, polish, the final check) its share of the time.
+        """
+        if time.monotonic() >= self.deadline - (1.0 - upto) * self.seconds:
             self.stopped_by = self.stopped_by or "wall clock"
             return False
         if self.fraction() >= upto:
@@ -91,46 +102,147 @@ class _Budget:
         return True
 
 
+def search_count(num_microbatches: int, num_devices: int) -> int:
+    """Micro-batches the search schedules with: the full count up to SEARCH_FACTOR per device, else that many."""
+    return min(num_microbatches, SEARCH_FACTOR * num_devices)
+
+
+@dataclass(kw_only=True)
+class _InHand:
+    """The best full-count plan found so far (what Ctrl-C returns), and the progress bar's feed."""
+
+    budget: _Budget
+    progress: object
+    t0: float
+    outcome: Outcome | None = None
+    source: str = ""
+    floor_ms: float = float("inf")  # the fastest fitting built-in seen
+    elite: list = field(default_factory=list)  # the search's pool, for Ctrl-C
+    history: list = field(default_factory=list)  # (seconds, step ms) of each plan taken in hand
+
+    def offer(self, out: Outcome | None, source: str, phase: str) -> None:
+        """Keep `out` if it is a fitting full plan faster than the one in hand (own plans win ties); report."""
+        if out is not None and out.plan is not None and out.fits:
+            cur = self.outcome
+            own_tie = source == "octopipe" and self.source != "octopipe"
+            if cur is None or out.step_ms < cur.step_ms - 1e-9 or (own_tie and out.step_ms <= cur.step_ms + 1e-9):
+                self.outcome, self.source = out, source
+                self.history.append((time.monotonic() - self.t0, out.step_ms))
+        self.report(phase)
+
+    def seeded_s(self) -> float:
+        """When a plan at least as fast as every fitting built-in was first in hand."""
+        return next((t for t, ms in self.history if ms <= self.floor_ms + 1e-9), time.monotonic() - self.t0)
+
+    def builtin(self, b) -> None:
+        """A built-in's full outcome has arrived."""
+        o = b.outcome
+        if o is not None and o.fits:
+            self.floor_ms = min(self.floor_ms, o.step_ms)
+        self.offer(o, _label(b), "built-ins")
+
+    def report(self, phase: str) -> None:
+        """One progress line: the plan in hand."""
+        if self.progress is not None and self.outcome is not None:
+            self.progress(Progress(iteration=self.budget.done, best_ms=self.outcome.step_ms,
+                                   bubble=self.outcome.bubble, fraction=self.budget.fraction(), phase=phase))
+
+
 def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
-         iterations: int | None = None, progress=None) -> TuneResult:
-    """Search partition, placement and per-device schedule for the fastest plan that fits memory."""
+         iterations: int | None = None, progress=None, options: SimOptions | None = None) -> TuneResult:
+    """Search partition, placement and per-device schedule for the fastest plan that fits memory.
+
+    `options` are the simulator switches plans are judged by (the list scheduler plans with the same).
+
+    Anytime: the fastest fitting built-in is in hand first and every later plan only replaces
+    it when faster; Ctrl-C (KeyboardInterrupt) ends the search and returns the plan in hand.
+    With more than SEARCH_FACTOR micro-batches per device the search runs at that many and its
+    best candidates are taken to the full count at the end (tuner/periodic.py).
+    """
     t0 = time.monotonic()
-    ev = Evaluator(model, cluster, num_microbatches)
+    nd = cluster.num_devices
+    ev = Evaluator(model, cluster, num_microbatches, options=options)
+    evs = ev.at(search_count(num_microbatches, nd))
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
-                     deadline=t0 + time_budget_s)
+                     deadline=t0 + time_budget_s, seconds=time_budget_s)
+    hand = _InHand(budget=budget, progress=progress, t0=t0)
     rng = random.Random(seed)
-    baselines = builtin_baselines(ev, model, cluster.num_devices, num_microbatches)
-    fitting = [b.outcome for b in baselines if b.outcome is not None and b.outcome.fits]
-    floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
-    seeded_s = time.monotonic() - t0
-    elite = _dedupe(sorted(_own_seeds(ev, model, cluster, num_microbatches, budget, floor)
-                           + _builtin_elite(baselines), key=lambda t: t[0]))[:ELITE]
-    best = _search(ev, rng, elite, budget, Context.of(model, cluster.num_devices, num_microbatches), progress)
-    if best is not None:
-        best = _polish(ev, rng, best, budget, progress)
-    final, source = _choose(best, floor, baselines)
-    if final is None:
+    baselines: list = []
+    try:
+        layouts = [lay for _, lay in seed_layouts(model, nd) if evs.static_fits(lay)]
+        layouts.sort(key=evs.work_floor)
+        first = _first_plan(ev, evs, layouts, hand)
+        baselines = builtin_baselines(ev, model, nd, num_microbatches, search_ev=evs, on_result=hand.builtin,
+                                      deadline=budget.deadline)
+        fitting = [b.search for b in baselines if b.search is not None and b.search.fits]
+        floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
+        hand.elite = _dedupe(sorted(first + _own_seeds(evs, layouts, nd, budget, floor, hand)
+                                    + _builtin_elite(baselines), key=lambda t: t[0]))[:ELITE]
+        _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
+    except KeyboardInterrupt:
+        _interrupted(budget, hand, baselines)
+    try:
+        if evs is not ev and hand.elite:
+            _promote(ev, evs, budget, hand)
+        if hand.outcome is not None and budget.stopped_by != "interrupted":
+            _polish(ev, rng, hand, budget)
+    except KeyboardInterrupt:
+        _interrupted(budget, hand, baselines)
+    if hand.outcome is None:
         raise OutOfMemoryError(_oom_message(ev, model, cluster, num_microbatches, baselines))
     if budget.stopped_by == "wall clock":
         log.warning("tuner stopped by the wall clock before its work budget: the result may vary between runs")
-    return _result(ev, final, source, baselines, budget, t0, seeded_s)
+    return _result(ev, hand.outcome, hand.source, baselines, budget, t0, hand.seeded_s())
 
 
-def _own_seeds(ev, model, cluster, m, budget, floor) -> list[tuple[float, object, object, Outcome]]:
+def _interrupted(budget, hand, baselines) -> None:
+    """Ctrl-C: stop searching and keep the plan in hand; with nothing in hand yet, stop altogether."""
+    budget.stopped_by = "interrupted"
+    if hand.outcome is None:
+        raise KeyboardInterrupt
+    log.warning("tuner interrupted: returning the best plan found so far (%.1f ms)", hand.outcome.step_ms)
+
+
+def _label(b) -> str:
+    """How the result names a built-in it could not beat."""
+    return f"{b.name} ({b.split} split, v={b.stages_per_device})"
+
+
+def _first_plan(ev, evs, layouts, hand) -> list:
+    """An own plan within seconds, before the built-ins: the seed layout with the lowest work floor
+    under its first two seed policies, taken to the full count; returns the fitting search candidates."""
+    if not layouts:
+        return []
+    lay, nd = layouts[0], ev.cluster.num_devices
+    found = []
+    for pol in seed_policies(lay, nd, evs.m)[:2]:
+        out = evs.scheduled(lay, pol)
+        if out is not None and out.fits and out.plan is not None:
+            found.append((out.step_ms, lay, pol, out))
+    if found:
+        best = min(found, key=lambda t: t[0])
+        hand.offer(best[3] if evs is ev else _full_of(ev, evs, best[1], best[2], best[3], ActionTable()),
+                   "octopipe", "first plan")
+    return found
+
+
+def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object, object, Outcome]]:
     """Evaluate own layouts x seed policies, most promising layouts first; the fitting ones, best first."""
-    nd = cluster.num_devices
-    layouts = [lay for _, lay in seed_layouts(model, nd) if ev.static_fits(lay)]
-    layouts.sort(key=ev.work_floor)
     best = floor.step_ms if floor is not None else float("inf")
     found = []
     for i, lay in enumerate(layouts):
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
-        for pol in seed_policies(lay, nd, m):
+        for pol in seed_policies(lay, nd, ev.m):
+            if (found or floor is not None) and time.monotonic() >= budget.deadline:
+                break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
-            if out is not None and out.fits:
+            if out is not None and out.fits and out.plan is not None:
                 found.append((out.step_ms, lay, pol, out))
                 best = min(best, out.step_ms)
+                if ev is budget.ev:
+                    hand.offer(out, "octopipe", "seeds")
+        hand.report("seeds")
     return found
 
 
@@ -138,8 +250,8 @@ def _builtin_elite(baselines) -> list:
     """The fitting built-in plans as explicit-order candidates, so partition and order moves refine them."""
     out = []
     for b in baselines:
-        o = b.outcome
-        if o is not None and o.fits:
+        o = b.search
+        if o is not None and o.fits and o.plan is not None:
             lay = Layout(bounds=tuple((st.start, st.end) for st in o.plan.stages),
                          devices=tuple(st.device for st in o.plan.stages))
             out.append((o.step_ms, lay, o.plan.schedule, o))
@@ -156,25 +268,28 @@ def _dedupe(items):
     return out
 
 
-def _search(ev, rng, elite, budget, ctx, progress):
-    """Hill-climb from an elite pool with the moves of `moves.MOVES`; returns the best outcome."""
+def _search(ev, rng, budget, ctx, hand) -> None:
+    """Hill-climb from the elite pool in `hand` with the moves of `moves.MOVES`, updating it."""
+    elite = hand.elite
     if not elite:
-        return None
-    stop_at = 1.0 - POLISH_SHARE
+        return
+    stop_at = 1.0 - POLISH_SHARE - (FINAL_SHARE if ev is not budget.ev else 0.0)
+    full = ev is budget.ev
     while budget.left(stop_at):
         budget.done += 1
         ev.work += STEP_UNITS
         parent = elite[0] if rng.random() < 0.6 else rng.choice(elite)
         cand = _neighbour(rng, ctx, parent[1], parent[2])
         if cand is None or not ev.static_fits(cand[0]) or ev.work_floor(cand[0]) >= elite[0][0] - 1e-9:
+            hand.report("search")
             continue
         out = ev.run(*cand)
-        if out is not None and out.fits and out.step_ms <= parent[0]:
+        if out is not None and out.plan is not None and out.fits and out.step_ms <= parent[0]:
             elite = _dedupe(sorted(elite + [(out.step_ms, cand[0], cand[1], out)], key=lambda t: t[0]))[:ELITE]
-        if progress is not None:
-            progress(Progress(iteration=budget.done, best_ms=elite[0][0], bubble=elite[0][3].bubble,
-                              fraction=budget.fraction(), phase="search"))
-    return elite[0][3]
+            hand.elite = elite
+            if full:
+                hand.offer(out, "octopipe", "search")
+        hand.report("search")
 
 
 def _neighbour(rng, ctx, layout, spec):
@@ -189,11 +304,35 @@ def _neighbour(rng, ctx, layout, spec):
     return cand
 
 
-def _polish(ev, rng, best: Outcome, budget, progress) -> Outcome:
-    """Order moves on the critical path of the best plan until the budget ends."""
+def _promote(ev, evs, budget, hand) -> None:
+    """Take the search's best candidates to the full count: grown periodically, else list-scheduled afresh.
+
+    The best one always goes (else the search was for nothing); the others while the budget lasts.
+    """
+    table = ActionTable()
+    for i, (_, layout, spec, out) in enumerate(hand.elite):
+        if i > 0 and not budget.left(1.0 - POLISH_SHARE):
+            break
+        hand.offer(_full_of(ev, evs, layout, spec, out, table), "octopipe", "full count")
+
+
+def _full_of(ev, evs, layout, spec, out, table) -> Outcome | None:
+    """A search-count candidate at the full count: its order grown periodically, else its policy rescheduled."""
+    full = None
+    grown = extend_schedule(out.plan.schedule, evs.m, ev.m, table)
+    if grown is not None:
+        full = ev.simulated(ev.plan_of(layout, grown, dict(out.plan.meta)))
+    if full is None and isinstance(spec, Policy):
+        full = ev.schedule_and_simulate(layout, scale_policy(spec, evs.m, ev.m))
+    return full
+
+
+def _polish(ev, rng, hand, budget) -> None:
+    """Order moves on the critical path of the plan in hand until the budget ends."""
+    best = hand.outcome
     slots = critical_slots(ev, best.plan)
     misses = 0
-    while budget.left(1.0) and misses < 200:
+    while budget.left(1.0 - RESULT_SHARE) and misses < 200:
         budget.done += 1
         ev.work += STEP_UNITS
         better = polish_step(ev, rng, best, slots)
@@ -201,25 +340,15 @@ def _polish(ev, rng, best: Outcome, budget, progress) -> Outcome:
             misses += 1
         else:
             best, misses = better, 0
+            hand.offer(best, "octopipe", "polish")
             slots = critical_slots(ev, best.plan)
-        if progress is not None:
-            progress(Progress(iteration=budget.done, best_ms=best.step_ms, bubble=best.bubble,
-                              fraction=budget.fraction(), phase="polish"))
-    return best
-
-
-def _choose(best, floor, baselines):
-    """The tuned plan, or the best fitting built-in when the search did not beat it."""
-    if best is not None and (floor is None or best.step_ms <= floor.step_ms):
-        return best, "octopipe"
-    if floor is None:
-        return None, ""
-    b = next(b for b in baselines if b.outcome is floor)
-    return floor, f"{b.name} ({b.split} split, v={b.stages_per_device})"
+        hand.report("polish")
 
 
 def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> TuneResult:
     plan, res = _without_empty_stages(ev, final.plan)
+    plan = replace(plan, schedule=tuple(tuple(row) for row in plan.schedule))  # materialise an encoded one
+    validate_plan(plan, ev.model.num_layers)  # candidates were built unchecked; the returned plan is not
     meta = dict(plan.meta)
     meta["tuner"] = {"source": source, "iterations": budget.done, "evaluations": ev.evaluations}
     plan = replace(plan, predicted=res.summary(), meta=meta)
@@ -232,11 +361,11 @@ def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> Tune
 
 def _without_empty_stages(ev, plan):
     """Prefer the plan without empty stages when it is no slower and still fits (it never needs more memory)."""
-    res = simulate(ev.model, ev.cluster, plan, detail=False)
+    res = simulate(ev.model, ev.cluster, plan, ev.options, detail=False)
     pruned = drop_empty_stages(plan)
     if pruned is plan:
         return plan, res
-    res_p = simulate(ev.model, ev.cluster, pruned, detail=False)
+    res_p = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
     if res_p.step_time_ms <= res.step_time_ms and max(res_p.peak_memory_bytes) <= ev.cluster.memory_bytes:
         return pruned, res_p
     return plan, res
@@ -247,6 +376,8 @@ def _oom_message(ev, model, cluster, m, baselines) -> str:
     need = [b.outcome.max_peak for b in baselines if b.outcome is not None]
     need.append(minimal_memory_need(ev, model, cluster.num_devices))
     least = min(need)
-    return (f"no plan fits {cluster.memory_bytes} bytes per device for {model.name} on {cluster.num_devices} "
-            f"devices with {m} micro-batches; the smallest per-device memory any plan needed was {least} bytes "
-            f"({least / 2**30:.2f} GiB)")
+    return (f"no plan fits the {cluster.memory_bytes / 2**30:.1f} GiB per device of {cluster.name} for {model.name} "
+            f"on {cluster.num_devices} devices with {m} micro-batches; the smallest per-device memory any plan "
+            f"needed (one micro-batch in flight included) was {least / 2**30:.2f} GiB. Try: more devices (a larger cluster), full activation recompute "
+            f"(`recompute: true` in the architecture, or `octopipe model ... --recompute -o m.json`), tensor "
+            f"parallelism (--tp) or a larger --dp to shard the optimizer, or a GPU with more memory")

@@ -44,8 +44,8 @@ def test_list_names_every_zoo_model(capsys):
     (["model", "no-such-model"], "expected a zoo name"),
     (["model", "llama3-8b", "--gpu", "V100"], "unknown GPU"),
     (["model", "llama3-8b", "--tp", "3"], "$.heads: expected a multiple of tp=3"),
-    (["model", "llama3-8b", "--seq-len", "0"], "--seq-len must be >= 1"),
-    (["model", "llama3-8b", "-o", "/nonexistent-dir/x.json"], "cannot write"),
+    (["model", "llama3-8b", "--seq-len", "0"], "argument --seq-len: expected an integer in 1..16777216, got 0"),
+    (["model", "llama3-8b", "-o", "/nonexistent-dir/x.json"], "folder /nonexistent-dir does not exist"),
     (["model", "missing-file.yaml"], "missing-file.yaml: field $: expected a readable file"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, fragment):

@@ -69,7 +69,9 @@ def test_save_plan_then_simulate_it(capsys, tmp_path):
                                     "--split", "balanced", "--save-plan", str(saved), "--json"))
     plan = read_plan(str(saved))
     assert plan.predicted["step_time_ms"] == pytest.approx(first["step_time_ms"])
-    again = json.loads(simulate_cli(capsys, "--plan", str(saved), "--json"))
+    err = simulate_cli(capsys, "--plan", str(saved), expect=2)  # a 4-device plan, an 8-device cluster
+    assert "is for 4 devices but --cluster" in err and "has 8" in err and "--devices 4" in err
+    again = json.loads(simulate_cli(capsys, "--plan", str(saved), "--devices", "4", "--json"))
     assert again["step_time_ms"] == pytest.approx(first["step_time_ms"]) and again["schedule"] == "zb-h1"
 
 
@@ -89,7 +91,7 @@ def test_trace_and_png(capsys, tmp_path):
     (["--schedule", "zb-v", "--devices", "4", "--microbatches", "8", "--stages-per-device", "1"], "exactly 2"),
     (["--schedule", "dualpipev", "--devices", "4", "--microbatches", "4"], "at least 8 micro-batches"),
     (["--schedule", "1f1b", "--devices", "4"], "needs --microbatches"),
-    (["--schedule", "1f1b", "--devices", "16", "--microbatches", "4"], "cluster flat8 has 8"),
+    (["--schedule", "1f1b", "--devices", "16", "--microbatches", "4"], "cluster flat8 has only 8"),
     (["--schedule", "1f1b", "--microbatches", "4", "--launch-us", "-1"], "--launch-us"),
 ])
 def test_bad_requests_are_one_line_errors(capsys, args, message):
@@ -100,8 +102,8 @@ def test_bad_requests_are_one_line_errors(capsys, args, message):
 def test_plan_flags_do_not_mix(capsys, tmp_path):
     saved = tmp_path / "plan.json"
     simulate_cli(capsys, "--schedule", "1f1b", "--devices", "2", "--microbatches", "2", "--save-plan", str(saved))
-    err = simulate_cli(capsys, "--plan", str(saved), "--devices", "2", expect=2)
-    assert "--devices applies to --schedule" in err
+    err = simulate_cli(capsys, "--plan", str(saved), "--microbatches", "2", expect=2)
+    assert "--microbatches applies to --schedule" in err
 
 
 def test_zoo_model_reports_samples_per_second(capsys):

@@ -33,7 +33,7 @@ def test_json_arch_file_and_model_file_pass_through(tmp_path):
     ({"name": "m", "num_layers": 2, "hiden": 256, "ffn": 512, "heads": 4, "vocab": 10}, "$.hiden", "did you mean 'hidden'"),
     ({"name": "m", "num_layers": 2, "ffn": 512, "heads": 4, "vocab": 10}, "$.hidden", "field is missing"),
     ({"name": "m", "num_layers": "two", "hidden": 256, "ffn": 512, "heads": 4, "vocab": 10}, "$.num_layers", "integer"),
-    ({"name": "m", "num_layers": 2, "hidden": -256, "ffn": 512, "heads": 4, "vocab": 10}, "$.hidden", "> 0"),
+    ({"name": "m", "num_layers": 2, "hidden": -256, "ffn": 512, "heads": 4, "vocab": 10}, "$.hidden", "an integer in 1.."),
     ({"name": "m", "num_layers": 2, "hidden": 256, "ffn": 512, "heads": 4, "vocab": 10, "tp": 3}, "$.heads",
      "a multiple of tp=3"),
     ({"name": "m", "num_layers": 2, "hidden": 256, "ffn": 512, "heads": 4, "vocab": 10, "num_experts": 4,

@@ -14,7 +14,7 @@ from octopipe_plugin.executor.boundary import (
 from octopipe_plugin.executor.data import StepData
 from octopipe_plugin.executor.split_backward import backward_input, backward_weight
 from octopipe_plugin.formats import validate_plan
-from octopipe_plugin.schedules.actions import Kind
+from octopipe_plugin.actions import Kind
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 from octopipe_plugin.executor.plans import make_plan
 
@@ -93,7 +93,7 @@ def test_forward_only_plan_keeps_each_device_order_and_is_accepted():
     check_runnable(fwd)
     with pytest.raises(PlanError, match="0B0"):
         validate_plan(fwd)  # a training plan still needs every backward
-    with pytest.raises(PlanError, match="forward-only plan has no"):
+    with pytest.raises(PlanError, match="runs forwards only, it has"):
         validate_plan(plan, forward_only=True)
 
 

@@ -20,7 +20,7 @@ from octopipe_plugin.executor.plans import make_plan, random_bounds
 from octopipe_plugin.executor.seam_checks import check_cases_worker
 from octopipe_plugin.formats import Layer, Model, plan_to_dict
 from octopipe_plugin.graph import live_outputs
-from octopipe_plugin.schedules.actions import Kind
+from octopipe_plugin.actions import Kind
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 
 P = 3

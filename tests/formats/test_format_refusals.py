@@ -49,8 +49,10 @@ MODEL_CASES = [  # (spoiled path, value, JSON path named, expectation named)
     (["name"], ..., "$.name", "field is missing"),
     (["layers", 0, "state_bytes"], "big", "$.layers[0].state_bytes", "expected an integer"),
     (["layers", 0, "fwd_ms"], "fast", "$.layers[0].fwd_ms", "expected a number"),
-    (["layers", 1, "bwd_ms"], -0.5, "$.layers[1].bwd_ms", ">= 0"),
-    (["layers", 0, "activation_bytes"], -1, "$.layers[0].activation_bytes", ">= 0"),
+    (["layers", 1, "bwd_ms"], -0.5, "$.layers[1].bwd_ms", "a finite number in [0, 1e+07]"),
+    (["layers", 0, "activation_bytes"], -1, "$.layers[0].activation_bytes", "an integer in 0..1.126e+15"),
+    (["layers", 0, "fwd_ms"], float("nan"), "$.layers[0].fwd_ms", "a finite number in [0, 1e+07], got nan"),
+    (["layers", 0, "state_bytes"], 10**400, "$.layers[0].state_bytes", "got an integer of about 400 digits"),
     (["format"], "octopipe-model/2", "$.format", "major version 1"),
     (["layers"], [], "$.layers", "non-empty"),
 ]
@@ -79,7 +81,11 @@ def test_plan_whose_stages_stop_short_of_the_model_is_refused(tmp_path):
 CLUSTER_CASES = [
     (["memory_bytes"], ..., "$.memory_bytes", "field is missing"),
     (["intra_node", "bandwidth_gb_per_s"], "fast", "$.intra_node.bandwidth_gb_per_s", "expected a number"),
-    (["intra_node", "latency_us"], -3, "$.intra_node.latency_us", ">= 0"),
+    (["intra_node", "latency_us"], -3, "$.intra_node.latency_us", "in [0, 1e+06]"),
+    (["intra_node", "bandwidth_gb_per_s"], 0, "$.intra_node.bandwidth_gb_per_s", "in (0, 1e+06]"),
+    (["num_devices"], 10**9, "$.num_devices", "an integer in 1..4096, got 1000000000"),
+    (["memory_bytes"], 2**60, "$.memory_bytes", "an integer in 1048576..1.126e+15"),
+    (["gpu"], "V100", "$.gpu", "a GPU of the cost model"),
     (["format"], "octopipe-cluster/2", "$.format", "major version 1"),
 ]
 
@@ -140,7 +146,7 @@ def test_cli_bad_file_exits_nonzero_without_traceback_in_a_real_process(tmp_path
 def test_plan_built_in_code_with_a_gap_or_overlap_is_refused(ranges, message):
     from octopipe_plugin.errors import PlanError
     from octopipe_plugin.formats import Plan, Stage, validate_plan
-    from octopipe_plugin.schedules.actions import B, F
+    from octopipe_plugin.actions import B, F
 
     stages = tuple(Stage(start=a, end=b, device=i) for i, (a, b) in enumerate(ranges))
     sched = tuple((F(i, 0), B(i, 0)) for i in range(len(ranges)))

@@ -1,37 +1,161 @@
-"""`OctoPipePipelineModule`: a DeepSpeed PipelineModule partitioned at an OctoPipe plan's boundaries."""
+"""`OctoPipePipelineModule`: a DeepSpeed PipelineModule built at an OctoPipe plan's stages.
+
+Two modes. `parts=`: one stage per pipeline rank at the plan's boundaries, trained by DeepSpeed's
+own PipelineEngine. `plan=` (or `config=` with an enabled "octopipe" block): every stage of the
+plan is built on its device, several per rank when the plan says so (looped, V-shape, any map),
+and `OctoPipeEngine` runs the plan's own action order. Tied layers are tied across the ranks that
+really hold them: `stage_owner` answers with the owning pipeline rank, which is what
+PipelineModule's tie-group construction and its checkpoint files rely on.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ...errors import OctoPipeError
+from .partition import layer_starts
+
+log = logging.getLogger(__name__)
 
 
 class OctoPipePipelineModule(PipelineModule):
-    """A PipelineModule whose stage s builds exactly LayerSpecs parts[s]:parts[s+1].
+    """A PipelineModule whose stages are an OctoPipe plan's (or given `parts`, one stage per rank).
 
-    PipelineModule.__init__ partitions (via `_partition_layers`) before it builds any layer,
-    so the boundaries are fixed before that call and every rank builds only its own layers.
+    PipelineModule.__init__ partitions (via `_partition_layers`) before it builds any layer, so the
+    stages are fixed before that call and every rank builds only the layers of its own stages.
     """
 
-    def __init__(self, layers, *, parts: Sequence[int], **kwargs):
+    def __init__(self, layers, *, parts: Sequence[int] | None = None, plan=None, config: dict | None = None,
+                 layer_of_spec: Sequence[int] | None = None, **kwargs):
         if "num_stages" in kwargs or "partition_method" in kwargs:
-            raise OctoPipeError("OctoPipePipelineModule: num_stages and partition_method come from `parts`")
-        # Plain attribute set before nn.Module.__init__: read by _partition_layers during super().__init__.
-        self._octopipe_parts = tuple(int(p) for p in parts)
+            raise OctoPipeError("OctoPipePipelineModule: num_stages and partition_method come from the plan "
+                                "(or `parts`)")
+        if sum(x is not None for x in (parts, plan, config)) != 1:
+            raise OctoPipeError("OctoPipePipelineModule: give exactly one of parts=, plan= or config=")
+        layers = list(layers)
+        # Plain attributes set before nn.Module.__init__: read by _partition_layers during super().__init__.
+        self.octopipe_plan = None
+        self.octopipe_block = None
+        if parts is not None:
+            self._octopipe_parts = tuple(int(p) for p in parts)
+            num_stages = len(self._octopipe_parts) - 1
+        else:
+            from .plan_source import resolve_plan
+
+            self.octopipe_plan, self.octopipe_block, owners = resolve_plan(layers, plan=plan, config=config,
+                                                                            layer_of_spec=layer_of_spec)
+            starts = (layer_starts(owners, self.octopipe_plan.stages[-1].end) if owners is not None
+                      else list(range(len(layers) + 1)))
+            self._octopipe_parts = tuple(starts[st.start] for st in self.octopipe_plan.stages) + (starts[-1],)
+            num_stages = self.octopipe_plan.num_devices
         if kwargs.get("topology") is None:
-            kwargs["num_stages"] = len(self._octopipe_parts) - 1
+            kwargs["num_stages"] = num_stages
         super().__init__(layers=layers, partition_method="octopipe", **kwargs)
 
+    # ---- partition and build -------------------------------------------------------------------------
     def _partition_layers(self, method: str = "octopipe") -> None:
         """Take the plan's boundaries instead of DeepSpeed's uniform/parameters/type split."""
         parts = list(self._octopipe_parts)
-        if len(parts) != self.num_stages + 1:
-            raise OctoPipeError(f"parts {parts} describe {len(parts) - 1} stages, the pipeline has {self.num_stages}")
-        if parts[0] != 0 or parts[-1] != len(self._layer_specs) or parts != sorted(parts):
+        num_specs = len(self._layer_specs)
+        if parts[0] != 0 or parts[-1] != num_specs or parts != sorted(parts):
             raise OctoPipeError(f"parts {parts}: expected non-decreasing indices from 0 to the layer count "
-                                f"{len(self._layer_specs)}")
+                                f"{num_specs} (give layer_of_spec when the list differs from the model's layers)")
         self.parts = parts
-        self._set_bounds(start=parts[self.stage_id], stop=parts[self.stage_id + 1])
+        if self.octopipe_plan is None:
+            if len(parts) != self.num_stages + 1:
+                raise OctoPipeError(f"parts {parts} describe {len(parts) - 1} stages, the pipeline has "
+                                    f"{self.num_stages}")
+            self.stage_devices = tuple(range(self.num_stages))
+        else:
+            plan = self.octopipe_plan
+            if plan.num_devices != self.num_stages:
+                raise OctoPipeError(f"plan has {plan.num_devices} devices, the pipeline has {self.num_stages} "
+                                    "ranks (the topology's pipe dimension)")
+            self.stage_devices = tuple(st.device for st in plan.stages)
+        self.local_stages = tuple(s for s, d in enumerate(self.stage_devices) if d == self.stage_id)
+        self._stage_funcs: dict[int, list] = {}
+        self._stage_checkpointable: dict[int, list] = {}
+        self.active_stage = self.local_stages[0] if self.local_stages else None
+        first = self.active_stage if self.active_stage is not None else 0
+        self._set_bounds(start=parts[first], stop=parts[first + 1] if self.local_stages else parts[first])
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The pipeline rank that holds list entry `layer_idx` (tie groups and checkpoints ask this)."""
+        if not 0 <= layer_idx < self._num_layers:
+            raise OctoPipeError(f"layer {layer_idx}: expected 0..{self._num_layers - 1}")
+        for s, dev in enumerate(self.stage_devices):
+            if self.parts[s] <= layer_idx < self.parts[s + 1]:
+                return dev
+        raise OctoPipeError(f"layer {layer_idx} is in no stage of parts {self.parts}")
+
+    def _build(self) -> None:
+        """Build every local stage's layers (tied modules are built once per rank and shared)."""
+        for s in self.local_stages:
+            self._set_bounds(self.parts[s], self.parts[s + 1])
+            self.forward_funcs = []
+            super()._build()
+            self._stage_funcs[s] = self.forward_funcs
+        if self.local_stages:
+            self.activate_stage(self.local_stages[0])
+
+    def activate_stage(self, stage: int) -> None:
+        """Expose stage `stage`'s layers as this module's forward pass (and its checkpoint file names)."""
+        if stage not in self._stage_funcs:
+            raise OctoPipeError(f"rank {self.stage_id} does not hold stage {stage} (it holds {self.local_stages})")
+        self.active_stage = stage
+        self.forward_funcs = self._stage_funcs[stage]
+        self.is_checkpointable_results = self._stage_checkpointable.get(stage, [])
+        self._local_start, self._local_stop = self.parts[stage], self.parts[stage + 1]
+
+    def run_stage(self, stage: int, inputs):
+        """Stage `stage`'s forward on `inputs` (PipelineModule.forward, with activation checkpointing)."""
+        self.activate_stage(stage)
+        return self.forward(inputs)
+
+    def _each_stage(self):
+        active = self.active_stage
+        try:
+            for s in self.local_stages:
+                self.activate_stage(s)
+                yield s
+        finally:
+            if active is not None and active in self._stage_funcs:
+                self.activate_stage(active)
+
+    def _precompute_checkpointable_values(self) -> None:
+        for s in self._each_stage():
+            self.is_checkpointable_results_interval = None  # the parent caches per interval, not per stage
+            super()._precompute_checkpointable_values()
+            self._stage_checkpointable[s] = self.is_checkpointable_results
+
+    def save_state_dict(self, *args, **kwargs) -> None:
+        """Write every local stage's layers (files named by global layer index, as DeepSpeed does)."""
+        for _ in self._each_stage():
+            super().save_state_dict(*args, **kwargs)
+
+    def load_state_dir(self, *args, **kwargs) -> None:
+        """Load every local stage's layers from global layer files (any partition wrote them)."""
+        for _ in self._each_stage():
+            super().load_state_dir(*args, **kwargs)
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile every local stage's layers."""
+        for s in self._each_stage():
+            super().compile(*args, **kwargs)
+            self._stage_funcs[s] = self.forward_funcs
+
+    def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
+        """Trainable parameters used by stage `stage` (a tied module counts in every stage using it)."""
+        seen, out = set(), []
+        for f in self._stage_funcs[stage]:
+            module = f if isinstance(f, torch.nn.Module) else getattr(f, "args", (None,))[0]
+            if isinstance(module, torch.nn.Module):
+                for p in module.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out

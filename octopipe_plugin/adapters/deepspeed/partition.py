@@ -12,9 +12,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from ...errors import FormatError, OctoPipeError
+from .config import CONFIG_KEY, parse_block
 
-CONFIG_KEY = "octopipe"
-_CONFIG_FIELDS = ("plan", "layer_of_spec")
 
 
 def plan_parts(plan, layer_of_spec: Sequence[int] | None = None) -> list[int]:
@@ -52,26 +51,16 @@ def _check_one_stage_per_rank(plan) -> None:
 
 
 def octopipe_config(ds_config: dict) -> dict:
-    """The `"octopipe": {...}` block of a DeepSpeed config, checked: {"plan": path, "layer_of_spec": list | None}."""
-    src = "ds_config"
-    if not isinstance(ds_config, dict):
-        raise FormatError(src, "$", "a DeepSpeed config dict", type(ds_config).__name__)
-    block = ds_config.get(CONFIG_KEY)
-    if not isinstance(block, dict):
-        raise FormatError(src, f"$.{CONFIG_KEY}", 'an object like {"plan": "plan.json"}', block)
-    unknown = sorted(set(block) - set(_CONFIG_FIELDS))
-    if unknown:
-        raise FormatError(src, f"$.{CONFIG_KEY}.{unknown[0]}", f"one of the known fields {list(_CONFIG_FIELDS)}",
-                          unknown[0])
-    plan = block.get("plan")
-    if not isinstance(plan, str) or not plan:
-        raise FormatError(src, f"$.{CONFIG_KEY}.plan", "the path of an octopipe-plan/1 file (a string)", plan)
-    owners = block.get("layer_of_spec")
-    if owners is not None and (not isinstance(owners, list)
-                               or not all(isinstance(x, int) and not isinstance(x, bool) for x in owners)):
-        raise FormatError(src, f"$.{CONFIG_KEY}.layer_of_spec",
-                          "a list of OctoPipe layer indices, one per PipelineModule layer", owners)
-    return {"plan": plan, "layer_of_spec": owners}
+    """The plan file and layer map of a config's `"octopipe"` block: {"plan": path, "layer_of_spec": list | None}."""
+    block = parse_block(ds_config)
+    if block is None:
+        raise FormatError("ds_config", f"$.{CONFIG_KEY}", 'an object like {"plan": "plan.json"}',
+                          ds_config.get(CONFIG_KEY))
+    if block.plan is None:
+        raise FormatError("ds_config", f"$.{CONFIG_KEY}.plan", "the path of an octopipe-plan/1 file (a string); "
+                          "DeepSpeed's own engine runs a given plan's partition, tuning needs OctoPipeEngine")
+    owners = list(block.layer_of_spec) if block.layer_of_spec is not None else None
+    return {"plan": block.plan, "layer_of_spec": owners}
 
 
 def load_parts(ds_config: dict, num_specs: int | None = None) -> list[int]:

@@ -1,0 +1,146 @@
+"""The `"octopipe"` block of a DeepSpeed config, checked field by field.
+
+    "octopipe": {
+      "enabled": true,                  # false (or no block): DeepSpeed runs as it always does
+      "plan": "plan.json",              # an octopipe-plan/1 file ...
+      "tune": {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60, "seed": 0},  # ... or tune at start-up
+      "save_plan": "run/plan.json",     # where rank 0 writes the plan it tuned (or was given)
+      "model": "model.json",            # optional octopipe-model/1 file: measured costs for tuning
+      "layer_of_spec": [0, 1, 1, 2],    # optional: OctoPipe layer of each PipelineModule list entry
+      "timeout_s": 300                  # optional: bound of every pipeline wait (seconds)
+    }
+
+Exactly one of `plan` and `tune` is given. Every refusal names the field
+(`ds_config: field $.octopipe.tune.gpu: expected ...`). Pure Python: no DeepSpeed import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import FormatError
+
+CONFIG_KEY = "octopipe"
+_SRC = "ds_config"
+_FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s")
+_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneSpec:
+    """Tuning at start-up: the cluster (named or file), the GPU of the cost model, the search budget."""
+
+    cluster: str
+    gpu: str = "H100"
+    time_budget_s: float = 60.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OctoPipeBlock:
+    """The validated block; `plan` xor `tune` is set."""
+
+    enabled: bool = True
+    plan: str | None = None
+    tune: TuneSpec | None = None
+    save_plan: str | None = None
+    model: str | None = None
+    layer_of_spec: tuple[int, ...] | None = None
+    timeout_s: float = 300.0
+
+
+def _path(key: str) -> str:
+    return f"$.{CONFIG_KEY}.{key}"
+
+
+def _unknown(obj: dict, known: tuple[str, ...], where: str) -> None:
+    extra = sorted(set(obj) - set(known))
+    if extra:
+        raise FormatError(_SRC, f"{where}.{extra[0]}", f"one of the known fields {list(known)}", extra[0])
+
+
+def _string(block: dict, key: str, what: str, where: str | None = None) -> str | None:
+    value = block.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise FormatError(_SRC, where or _path(key), what, value)
+    return value
+
+
+def _number(obj: dict, key: str, where: str, default: float) -> float:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise FormatError(_SRC, where, "a positive number of seconds", value)
+    return float(value)
+
+
+def _tune(spec) -> TuneSpec:
+    where = _path("tune")
+    if not isinstance(spec, dict):
+        raise FormatError(_SRC, where, 'an object like {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60}',
+                          spec)
+    _unknown(spec, _TUNE_FIELDS, where)
+    cluster = _string(spec, "cluster", "a named cluster (<gpu>x<count>) or a cluster file", f"{where}.cluster")
+    if cluster is None:
+        raise FormatError(_SRC, f"{where}.cluster", "a named cluster (<gpu>x<count>) or a cluster file")
+    gpu = _string(spec, "gpu", "a GPU name of the cost model (e.g. H100)", f"{where}.gpu") or "H100"
+    _check_gpu(gpu, f"{where}.gpu")
+    seed = spec.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise FormatError(_SRC, f"{where}.seed", "an integer", seed)
+    return TuneSpec(cluster=cluster, gpu=gpu, time_budget_s=_number(spec, "time_budget_s", f"{where}.time_budget_s",
+                                                                    60.0), seed=seed)
+
+
+def _check_gpu(gpu: str, where: str) -> None:
+    from ...costs.gpus import get_gpu
+    from ...errors import OctoPipeError
+
+    try:
+        get_gpu(gpu)
+    except OctoPipeError as exc:
+        raise FormatError(_SRC, where, str(exc).split("expected ", 1)[-1], gpu) from None
+
+
+def parse_block(ds_config) -> OctoPipeBlock | None:
+    """The checked block of a DeepSpeed config dict; None when there is no block or it is disabled."""
+    if not isinstance(ds_config, dict):
+        raise FormatError(_SRC, "$", "a DeepSpeed config dict", type(ds_config).__name__)
+    if CONFIG_KEY not in ds_config:
+        return None
+    block = ds_config[CONFIG_KEY]
+    if not isinstance(block, dict):
+        raise FormatError(_SRC, f"$.{CONFIG_KEY}", 'an object like {"plan": "plan.json"}', block)
+    _unknown(block, _FIELDS, f"$.{CONFIG_KEY}")
+    enabled = block.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise FormatError(_SRC, _path("enabled"), "true or false", enabled)
+    if not enabled:
+        return None
+    plan = _string(block, "plan", "the path of an octopipe-plan/1 file (a string)")
+    tune = _tune(block["tune"]) if "tune" in block else None
+    if (plan is None) == (tune is None):
+        raise FormatError(_SRC, _path("plan"), 'either "plan" (a plan file) or "tune" (tune at start-up), not both'
+                          if plan else 'the path of an octopipe-plan/1 file (a string), or a "tune" object')
+    owners = block.get("layer_of_spec")
+    if owners is not None and (not isinstance(owners, list)
+                               or not all(isinstance(x, int) and not isinstance(x, bool) for x in owners)):
+        raise FormatError(_SRC, _path("layer_of_spec"),
+                          "a list of OctoPipe layer indices, one per PipelineModule layer", owners)
+    return OctoPipeBlock(
+        enabled=True, plan=plan, tune=tune,
+        save_plan=_string(block, "save_plan", "a file path to write the plan to (a string)"),
+        model=_string(block, "model", "the path of an octopipe-model/1 file (a string) or a zoo name"),
+        layer_of_spec=tuple(owners) if owners is not None else None,
+        timeout_s=_number(block, "timeout_s", _path("timeout_s"), 300.0),
+    )
+
+
+def check_microbatches(plan_microbatches: int, gradient_accumulation_steps: int, source: str = _SRC) -> None:
+    """Refuse a plan whose micro-batch count is not DeepSpeed's gradient_accumulation_steps."""
+    if plan_microbatches != gradient_accumulation_steps:
+        raise FormatError(source, "$.gradient_accumulation_steps",
+                          f"the plan's micro-batch count {plan_microbatches} (DeepSpeed runs "
+                          "gradient_accumulation_steps micro-batches per train_batch; tune or pick a plan for "
+                          f"{gradient_accumulation_steps} micro-batches, or set train_batch_size to "
+                          f"micro-batch size x {plan_microbatches} x data-parallel size)",
+                          gradient_accumulation_steps)

@@ -1,0 +1,282 @@
+"""`OctoPipeEngine`: DeepSpeed's PipelineEngine running an OctoPipe plan through the executor.
+
+What is kept from PipelineEngine: topology, data iterator and batch function, `train_batch()`
+and `eval_batch()` return values (mean loss over micro-batches and data-parallel replicas,
+broadcast from the rank holding the last stage), tied-weight and data-parallel gradient
+reduction (incl. ZeRO-1 and bf16), the optimizer step with its LR scheduler, overflow skip and
+`global_steps`, activation checkpointing, checkpoints. What changes: the order of the actions
+(the plan's, with several stages per rank and split backward), the p2p (the executor's), and
+gradient clipping, which counts every pipeline stage's gradients (PipelineEngine's fp32 path
+counts pipeline rank 0's only: deepspeed/runtime/utils.py clip_grad_norm_).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+from dataclasses import replace
+
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
+
+from ...errors import OctoPipeError
+from ...executor import ExecutorOptions, PipelineExecutor, TensorMeta
+from ...formats import plan_to_dict
+from ...actions import Action, Kind
+from .checkpoint import load_checkpoint, save_records
+from .config import check_microbatches
+from .module import OctoPipePipelineModule
+from .stages import DeepSpeedStages, hook_sink
+
+log = logging.getLogger(__name__)
+PLAN_FILE = "octopipe_plan.json"
+
+
+class OctoPipeEngine(PipelineEngine):
+    """PipelineEngine whose train_batch/eval_batch run the module's OctoPipe plan."""
+
+    def __init__(self, *args, **kwargs):
+        self._octopipe_ready = False  # PipelineEngine.__init__ warms p2p up by topological stage ids
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.module, OctoPipePipelineModule) or self.module.octopipe_plan is None:
+            raise OctoPipeError("OctoPipeEngine needs an OctoPipePipelineModule built with plan= or config=")
+        self.plan = self.module.octopipe_plan
+        check_microbatches(self.plan.num_microbatches, self.micro_batches)
+        self._use_torch_checkpoint()
+        block = self.module.octopipe_block
+        immediate = self.using_bf16_optimizer and self._config.bfloat16_config.immediate_grad_update
+        self._runner = DeepSpeedStages(self, sink=hook_sink if immediate else _plain_sink())
+        self._pipe_group = self.grid.get_pipe_parallel_group()
+        options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
+        self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, options=options)
+        self._probed_input = None
+        self._forward_executors: dict[int, PipelineExecutor] = {}
+        self._octopipe_ready = True
+        if self.training_data:
+            self._build_data_iter(self.training_data)  # first/last stage now mean the plan's
+        log.info("octopipe: rank %d runs stages %s of %d", self.global_rank, self.module.local_stages,
+                 self.plan.num_stages)
+
+    # ---- which rank plays which role -----------------------------------------------------------------
+    def is_first_stage(self):
+        """True if this rank holds the plan's first stage (it loads inputs)."""
+        if not self._octopipe_ready:
+            return super().is_first_stage()
+        return 0 in self.module.local_stages
+
+    def is_last_stage(self):
+        """True if this rank holds the plan's last stage (it loads labels and computes the loss)."""
+        if not self._octopipe_ready:
+            return super().is_last_stage()
+        return self.plan.num_stages - 1 in self.module.local_stages
+
+    def _loss_stage_global_rank(self):
+        return self.grid.stage_to_global(self.plan.stages[-1].device)
+
+    def _use_torch_checkpoint(self) -> None:
+        """DeepSpeed's checkpoint functions refuse autograd.grad, which split backward needs: use torch's."""
+        from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+        if self.module.activation_checkpoint_func in (ds_ckpt.checkpoint, ds_ckpt.non_reentrant_checkpoint):
+            self.module.activation_checkpoint_func = _torch_checkpoint
+            if self.module.activation_checkpoint_interval > 0:
+                log.info("octopipe: activation checkpointing with torch.utils.checkpoint (use_reentrant=False); "
+                         "DeepSpeed's raises 'not compatible with .grad()' under split backward")
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """Run one step of the plan, reduce, clip, step; returns the mean loss (as PipelineEngine does)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.total_loss = None
+        self.total_additional_losses = None
+        self._compute_loss = True
+        self.timers(TRAIN_BATCH_TIMER).start()
+        self._run_plan(self.micro_batches, compute_loss=True)
+        self._exec_reduce_tied_grads()
+        self._exec_reduce_grads()
+        self._exec_optimizer_step()
+        with torch.no_grad():
+            self.agg_train_loss = self._aggregate_total_loss()
+        self.timers(TRAIN_BATCH_TIMER).stop()
+        if self.steps_per_print() is not None and self.global_steps % self.steps_per_print() == 0:
+            elapsed = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0
+            if self.global_rank == 0:
+                iter_time = elapsed / self.steps_per_print()
+                log.info("steps: %d loss: %.4f iter time (s): %.3f samples/sec: %.3f", self.global_steps,
+                         float(self.agg_train_loss), iter_time, self.train_batch_size() / iter_time)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        """Forward only through the plan's stages; the mean loss as PipelineEngine.eval_batch returns it."""
+        if return_logits:
+            raise OctoPipeError("OctoPipeEngine.eval_batch: return_logits is not supported (the last stage keeps "
+                                "only the losses)")
+        self.module.eval()
+        self._compute_loss = compute_loss
+        train_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        m = self.micro_batches if num_micro_batches is None else num_micro_batches
+        tdist.barrier()
+        try:
+            with torch.no_grad():
+                self._run_plan(m, compute_loss=compute_loss, executor=self._forward_executor(m))
+            eval_output = None
+            if self.is_last_stage():
+                eval_output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=m)
+            if compute_loss and (bcast_loss or self.monitor.enabled):
+                eval_output = self._bcast_pipe_scalar(eval_output)
+        finally:
+            self.set_dataiterator(train_iterator)
+            self.module.train()
+        return eval_output
+
+    def _forward_executor(self, m: int) -> PipelineExecutor:
+        """An executor running every F of the plan's stages for m micro-batches, in (micro-batch, stage) order.
+
+        That order is a topological order of the forward dependencies, so each device's share of it
+        cannot deadlock, whatever the placement; nothing is kept for a backward.
+        """
+        if m not in self._forward_executors:
+            rows = [[] for _ in range(self.plan.num_devices)]
+            for mb in range(m):
+                for s, st in enumerate(self.plan.stages):
+                    rows[st.device].append(Action(s, Kind.F, mb))
+            plan = replace(self.plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows))
+            opts = replace(self._executor.options, validate=False)  # the plan validator wants a backward per F
+            self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group, options=opts)
+        return self._forward_executors[m]
+
+    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, executor: PipelineExecutor | None = None):
+        """One executor step; leaves the last-stage rank's summed, unscaled loss in `total_loss`."""
+        self._runner.begin_step(num_microbatches, compute_loss=compute_loss)
+        self._probe_metas()
+        result = (executor or self._executor).run_step()
+        if self._runner.pending():
+            raise OctoPipeError(f"rank {self.global_rank}: {self._runner.pending()} (stage, micro-batch) states "
+                                "left after the step")
+        if self.is_last_stage():
+            total = None
+            for mb in sorted(self._runner.losses):
+                loss = self._runner.losses[mb]
+                total = torch.zeros_like(loss) if total is None else total
+                total += loss
+            self.total_loss = total
+            self.fwd_outputs = [self._runner.losses[mb] for mb in sorted(self._runner.losses)]
+        return result
+
+    def _probe_metas(self) -> None:
+        """Shapes and dtypes of every stage boundary for this step's inputs (one broadcast per step).
+
+        The rank holding stage 0 reads micro-batch 0 (it would anyway) and broadcasts its input
+        meta; when that differs from the last step's, each stage's owner runs the stage on fake
+        tensors (no compute) and broadcasts its output meta down the pipeline.
+        """
+        first_dev = self.plan.stages[0].device
+        spec = [None]
+        if self.is_first_stage():
+            x = self._runner.first_input(0)
+            spec[0] = (tuple(x.shape), x.dtype)
+        tdist.broadcast_object_list(spec, group=self._pipe_group, group_src=first_dev)
+        if spec[0] == self._probed_input:
+            return
+        metas = {}
+        current = spec[0]
+        for s, st in enumerate(self.plan.stages[:-1]):
+            out = [None]
+            if st.device == self.grid.get_stage_id():
+                out[0] = self._fake_stage(s, current)
+            tdist.broadcast_object_list(out, group=self._pipe_group, group_src=st.device)
+            metas[s] = TensorMeta(shape=tuple(out[0][0]), dtype=out[0][1])
+            current = out[0]
+        metas[self.plan.num_stages - 1] = TensorMeta(shape=(), dtype=torch.float32)
+        self._runner.metas = metas
+        self._probed_input = spec[0]
+
+    def _fake_stage(self, stage: int, spec) -> tuple[tuple[int, ...], torch.dtype]:
+        """Output shape and dtype of `stage` for an input of `spec`, computed on fake tensors."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        shape, dtype = spec
+        offset = self.module.micro_offset
+        try:
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+                out = self.module.run_stage(stage, torch.zeros(shape, dtype=dtype, device=self.device))
+        except Exception:  # an op without a fake kernel: run it for real once
+            log.debug("octopipe: fake probe of stage %d failed, probing with zeros", stage, exc_info=True)
+            with torch.no_grad():
+                out = self.module.run_stage(stage, torch.zeros(shape, dtype=dtype, device=self.device))
+        self.module.micro_offset = offset
+        if not torch.is_tensor(out):
+            raise OctoPipeError(f"stage {stage} returns a {type(out).__name__}; this executor carries one tensor "
+                                "per stage boundary")
+        return tuple(out.shape), out.dtype
+
+    # ---- gradient clipping over every pipeline stage -------------------------------------------------
+    def clip_fp32_gradients(self):
+        """Clip on the norm of all gradients of the model (every stage, tied weights once)."""
+        own = [p for p in self.module.parameters()
+               if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in own:
+            total += p.grad.detach().float().pow(2).sum()
+        tdist.all_reduce(total, group=self.grid.get_model_parallel_group())
+        norm = float(total.sqrt())
+        self._global_grad_norm = norm
+        coef = self.gradient_clipping() / (norm + 1e-6)
+        if math.isfinite(norm) and coef < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
+    # ---- batch size ----------------------------------------------------------------------------------
+    def set_train_batch_size(self, train_batch_size):
+        """Refuse a batch size whose micro-batch count is not the plan's (the plan fixes M)."""
+        per = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size % per == 0:
+            check_microbatches(self.plan.num_microbatches, train_batch_size // per, "set_train_batch_size")
+        super().set_train_batch_size(train_batch_size)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint plus the plan it was trained under (octopipe_plan.json)."""
+        if tag is None:
+            tag = f"global_step{self.global_steps}"
+        ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                     exclude_frozen_parameters=exclude_frozen_parameters)
+        save_records(self, save_dir, tag)
+        if self.global_rank == 0:
+            with open(os.path.join(save_dir, str(tag), PLAN_FILE), "w", encoding="utf-8") as fh:
+                json.dump(plan_to_dict(self.plan), fh, indent=1)
+        tdist.barrier()
+        return ok
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load; module weights under any partition, optimizer state mapped by name or refused."""
+        stock = functools.partial(DeepSpeedEngine.load_checkpoint, self)
+        return load_checkpoint(self, stock, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
+
+
+def _plain_sink():
+    from ...executor.split_backward import accumulate_grad
+
+    return accumulate_grad
+
+
+def _torch_checkpoint(function, *args):
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)

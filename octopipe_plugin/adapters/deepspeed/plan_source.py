@@ -1,0 +1,96 @@
+"""Where a DeepSpeed run's plan comes from: a given plan, or tuning on rank 0 at start-up.
+
+Every rank ends with the same plan: rank 0 reads or tunes it, broadcasts its document and
+writes it to `save_plan`; the others parse what they receive. The micro-batch count of a
+tuned plan is DeepSpeed's gradient_accumulation_steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from ...errors import FormatError, OctoPipeError
+from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
+from .config import CONFIG_KEY, OctoPipeBlock, check_microbatches, parse_block
+
+log = logging.getLogger(__name__)
+
+
+def gradient_accumulation_steps(ds_config: dict, world_size: int, pipe_size: int) -> int:
+    """gradient_accumulation_steps as DeepSpeed derives it from the batch-size fields of a config."""
+    gas = ds_config.get("gradient_accumulation_steps")
+    if gas is not None:
+        return int(gas)
+    dp = max(1, world_size // pipe_size)
+    total, mbs = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
+    if total is None or mbs is None:
+        return 1
+    return int(total) // (int(mbs) * dp)
+
+
+def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec=None):
+    """(plan, block, layer_of_spec) for the module: the given plan, or the config block's plan or tuning."""
+    if plan is not None:
+        return plan, None, tuple(layer_of_spec) if layer_of_spec is not None else None
+    block = parse_block(config)
+    if block is None:
+        raise FormatError("ds_config", f"$.{CONFIG_KEY}", 'an enabled block like {"plan": "plan.json"}', None)
+    owners = layer_of_spec if layer_of_spec is not None else block.layer_of_spec
+    doc = [None]
+    if dist.get_rank() == 0:
+        doc[0] = plan_to_dict(_rank0_plan(layers, block, config, owners))
+    dist.broadcast_object_list(doc, src=0)
+    result = plan_from_dict(doc[0], "plan broadcast by rank 0")
+    pipe = _pipe_size(result)
+    check_microbatches(result.num_microbatches, gradient_accumulation_steps(config, dist.get_world_size(), pipe))
+    return result, block, tuple(owners) if owners is not None else None
+
+
+def _pipe_size(plan) -> int:
+    return plan.num_devices
+
+
+def _rank0_plan(layers, block: OctoPipeBlock, config: dict, owners):
+    """Read or tune the plan (rank 0 only) and save it where the block asks."""
+    if block.plan is not None:
+        result = read_plan(block.plan)
+    else:
+        result = tune_at_startup(layers, block, config, owners)
+    if block.save_plan:
+        write_plan(result, block.save_plan)
+        log.info("octopipe: plan written to %s", block.save_plan)
+    return result
+
+
+def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners):
+    """Tune a plan for the module's layers on the block's cluster (called on rank 0)."""
+    from ...costs import resolve_cluster, resolve_model
+    from ...tuner import tune
+
+    spec = block.tune
+    cluster = resolve_cluster(spec.cluster)
+    world = dist.get_world_size()
+    pipe = cluster.num_devices
+    if world % pipe:
+        raise FormatError("ds_config", f"$.{CONFIG_KEY}.tune.cluster",
+                          f"a cluster whose device count divides the {world} ranks (one pipeline of it per "
+                          "data-parallel replica)", f"{pipe} devices")
+    m = gradient_accumulation_steps(config, world, pipe)
+    if block.model is not None:
+        model = resolve_model(block.model, gpu=spec.gpu)
+    else:
+        from .graph import model_from_specs
+
+        model = model_from_specs(layers, gpu=spec.gpu,
+                                 micro_batch_size=int(config.get("train_micro_batch_size_per_gpu", 1)))
+    expected = len(layers) if owners is None else max(owners) + 1
+    if model.num_layers != expected:
+        raise OctoPipeError(f"ds_config: $.{CONFIG_KEY}.model has {model.num_layers} layers, the PipelineModule "
+                            f"has {expected} (give layer_of_spec to map list entries onto the model's layers)")
+    log.info("octopipe: tuning %d layers on %s for %d micro-batches (%.0f s budget)", model.num_layers,
+             spec.cluster, m, spec.time_budget_s)
+    result = tune(model, cluster, m, time_budget_s=spec.time_budget_s, seed=spec.seed).plan
+    return replace(result, model=result.model or model.name)

@@ -1,0 +1,177 @@
+"""What every sub-command shares before any work: checked numeric options, writable outputs, and inputs
+(model, cluster, the GPU whose costs are used) resolved with a line saying where the costs came from."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+from .. import limits as L
+from ..errors import FormatError, OctoPipeError
+
+DEFAULT_GPU = "H100-SXM"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `octopipe simulate: error: argument --devices: ... (see -h)`."""
+
+    def error(self, message: str):
+        """Print one line naming the option and what was expected, exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
+
+
+def integer(lo: int, hi: int, hint: str = ""):
+    """argparse type: an integer in lo..hi (`hint` says why the range, or what to do instead)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {value}{hint}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(lo: float, hi: float, *, open_low: bool = False, unit: str = ""):
+    """argparse type: a finite number in [lo, hi] (or (lo, hi] with open_low)."""
+    rng = f"{'(' if open_low else '['}{lo:g}, {hi:g}]{' ' + unit if unit else ''}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {rng}, got {text!r}") from None
+        if not math.isfinite(value) or value > hi or value < lo or (open_low and value == lo):
+            raise argparse.ArgumentTypeError(f"expected a finite number in {rng}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def check_writable(path: str | None, option: str) -> None:
+    """Refuse, before any work, an output path whose folder is missing or read-only, or that is a folder."""
+    if not path:
+        return
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise OctoPipeError(f"{option} {path}: is a folder; expected a file name (e.g. {os.path.join(path, 'out')})")
+    if not os.path.isdir(folder):
+        raise OctoPipeError(f"{option} {path}: folder {folder} does not exist; create it or write elsewhere")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise OctoPipeError(f"{option} {path}: the file is read-only; choose another name")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OctoPipeError(f"{option} {path}: folder {folder} is not writable; write elsewhere")
+
+
+def warn(args, text: str) -> None:
+    """One warning line on stderr, prefixed like the errors."""
+    print(f"octopipe {args.command}: warning: {text}", file=sys.stderr)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Costs:
+    """Which GPU's costs a command uses and where they come from (printed by every command)."""
+
+    gpu: str | None
+    source: str  # "analytic" (zoo or architecture file) or "model file"
+    why: str
+
+    def line(self) -> str:
+        """'analytic, A100-80G (the GPU of cluster a100x8)' and the like."""
+        return f"{self.source}, {self.gpu or 'GPU not recorded'} ({self.why})"
+
+    def as_dict(self) -> dict:
+        """JSON form."""
+        return {"gpu": self.gpu, "source": self.source, "why": self.why}
+
+
+def load_model(args, cluster=None, option: str = "--model"):
+    """The model of `args.model`, costed for --gpu, else the cluster's GPU, else H100; warnings for mismatches."""
+    from ..costs.zoo import load_model as zoo_load
+
+    wanted = gpu_option(args.gpu) if getattr(args, "gpu", None) else None
+    cl_gpu = getattr(cluster, "gpu", None) if cluster is not None else None
+    if wanted:
+        why = "--gpu" + (f"; cluster {cluster.name} has {cl_gpu}" if cl_gpu and cl_gpu != wanted else "")
+    elif cl_gpu:
+        why = f"the GPU of cluster {cluster.name}"
+    elif cluster is not None:
+        why = f"default: cluster {cluster.name} does not name its GPU; pass --gpu or add \"gpu\" to the cluster file"
+    else:
+        why = "default; pass --gpu for another"
+    try:
+        model, from_file = zoo_load(args.model, wanted or cl_gpu or DEFAULT_GPU)
+    except FormatError:
+        raise  # names the file and field already
+    except OctoPipeError as exc:
+        raise OctoPipeError(f"{option} {args.model}: {exc}") from None
+    if not from_file:
+        return model, Costs(gpu=model.meta.get("gpu"), source="analytic", why=why)
+    meta = model.meta if isinstance(model.meta, dict) else {}
+    recorded = meta.get("gpu") if isinstance(meta.get("gpu"), str) else None
+    costs = Costs(gpu=recorded, source="model file", why=f"{option} {args.model}, costs as written")
+    if wanted and wanted != recorded:
+        warn(args, f"--gpu {args.gpu} does not apply to model file {args.model}: its costs are "
+                   f"{recorded or 'for an unrecorded GPU'}'s as written (rebuild it from its architecture with "
+                   f"`octopipe model ARCH --gpu {args.gpu} -o {args.model}`)")
+    elif cl_gpu and recorded and cl_gpu != recorded:
+        warn(args, f"model file {args.model} was costed for {recorded} but cluster {cluster.name} is {cl_gpu}: its "
+                   f"times are {recorded}'s (rebuild it with `octopipe model ARCH --gpu {cl_gpu} -o {args.model}`)")
+    return model, costs
+
+
+def gpu_option(name: str) -> str:
+    """The canonical GPU name of --gpu, refused with the option named."""
+    from ..costs import get_gpu
+
+    try:
+        return get_gpu(name).name
+    except OctoPipeError as exc:
+        raise OctoPipeError(f"--gpu {name}: {exc}") from None
+
+
+def load_cluster(name: str):
+    """The cluster of a name like h100x8 or a cluster file."""
+    from ..costs import resolve_cluster
+
+    try:
+        return resolve_cluster(name)
+    except FormatError:
+        raise
+    except OctoPipeError as exc:  # said once, as the option: "--cluster v100x8: unknown GPU ..."
+        text = str(exc).removeprefix(f"cluster {name.strip().lower()}: ")
+        raise OctoPipeError(f"--cluster {name}: {text}") from None
+
+
+def keep_on_failure(write, path: str, plan=None) -> list[str]:
+    """Run `write`; on an OSError return the message (the caller prints its report first, then fails).
+
+    A plan that cannot be written where asked is kept in a temporary file, named in the message,
+    so a long search is never lost to a full disk or a folder removed meanwhile.
+    """
+    try:
+        write()
+        return []
+    except OSError as exc:
+        msg = f"cannot write {path}: {exc.strerror or exc}"
+    if plan is not None:
+        import tempfile
+
+        from ..formats import write_plan
+
+        try:
+            fd, kept = tempfile.mkstemp(prefix="octopipe-plan-", suffix=".json")
+            os.close(fd)
+            write_plan(plan, kept)
+            msg += f"; the plan was kept in {kept}"
+        except OSError as exc:
+            msg += f"; keeping it in a temporary file failed too ({exc.strerror or exc})"
+    return [msg]

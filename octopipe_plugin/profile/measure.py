@@ -1,0 +1,144 @@
+"""Measure one layer on one device: F, I and W with the executor's split backward, fused B, memory.
+
+I and W are timed with the very functions the executor runs (executor/split_backward.py), on the
+same kind of input (a float input that requires grad, as every stage but an integer-fed first one
+sees), so the figures are those of the actions the plans schedule. Samples of F, I, W and B are
+interleaved repeat by repeat, so a slow spell of a shared machine hits every phase alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..costs.analytic import adam_state_bytes_per_param
+from ..executor.split_backward import accumulate_grad, backward_input, backward_weight
+from .layer import tensor_meta
+from .timing import Timer, Timing, summarise
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerProfile:
+    """What one layer costs for one micro-batch on one device."""
+
+    fwd: Timing
+    bwd: Timing  # I: input gradient
+    wgrad: Timing  # W: weight gradient deferred by I
+    fused: Timing  # B: input and weight gradients in one pass
+    activation_bytes: int  # distinct storages saved for backward, parameters excluded
+    output_bytes: int
+    params: int
+    state_bytes: int
+    input: dict
+    output: dict
+    allocated_bytes: int | None = None  # CUDA allocator growth over the forward (output included), GPU only
+
+    def to_dict(self) -> dict:
+        """JSON form (the cache's record)."""
+        d = {k: getattr(self, k) for k in ("activation_bytes", "output_bytes", "params", "state_bytes", "input",
+                                           "output", "allocated_bytes")}
+        d.update({k: getattr(self, k).to_dict() for k in ("fwd", "bwd", "wgrad", "fused")})
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "LayerProfile":
+        """Inverse of to_dict."""
+        times = {k: Timing.from_dict(d[k]) for k in ("fwd", "bwd", "wgrad", "fused")}
+        return LayerProfile(**times, activation_bytes=int(d["activation_bytes"]), output_bytes=int(d["output_bytes"]),
+                            params=int(d["params"]), state_bytes=int(d["state_bytes"]), input=d["input"],
+                            output=d["output"], allocated_bytes=d.get("allocated_bytes"))
+
+
+def _fused_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None, params: list) -> None:
+    """B as the executor runs it (TorchStages.backward): one autograd pass over parameters and input."""
+    targets = params + ([x] if x is not None else [])
+    if not targets:
+        return
+    grads = torch.autograd.grad([out], targets, [grad], allow_unused=True)
+    for p, g in zip(params, grads):
+        if g is not None:
+            accumulate_grad(p, g)
+
+
+def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages the forward saves for backward (parameters and buffers excluded)."""
+    own = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in own and ptr != 0:
+            seen[ptr] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    return sum(seen.values()), out
+
+
+def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, warmup: int = 2,
+                  repeats: int = 10, dp: int = 1) -> LayerProfile:
+    """Profile `module` on input `x`: medians over `repeats` after `warmup` untimed runs."""
+    module = module.to(device).train()
+    x = x.to(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    float_in = x.is_floating_point()
+    timer = Timer(device)
+
+    def fresh() -> torch.Tensor:
+        return x.detach().requires_grad_(True) if float_in else x
+
+    def split_sample() -> tuple[float, float, float]:
+        xi = fresh()
+        out, tf = timer.timed(lambda: module(xi))
+        g = torch.ones_like(out)
+        if not float_in:
+            # Integer input (token ids): the graph has no input side, the executor runs all of it as W.
+            return tf, 0.0, timer.timed(lambda: _fused_backward(out, g, None, params))[1]
+        (_, work), ti = timer.timed(lambda: backward_input([out], [g], [xi], params))
+        tw = timer.timed(lambda: backward_weight(work))[1] if params else 0.0
+        return tf, ti, tw
+
+    def fused_sample() -> float:
+        xi = fresh()
+        out = module(xi)
+        g = torch.ones_like(out)
+        return timer.timed(lambda: _fused_backward(out, g, xi if float_in else None, params))[1]
+
+    f, i, w, b = [], [], [], []
+    for r in range(warmup + repeats):
+        tf, ti, tw = split_sample()
+        tb = fused_sample()
+        if r >= warmup:
+            f.append(tf), i.append(ti), w.append(tw), b.append(tb)
+    act, out = _activation(module, fresh(), device)
+    allocated = _allocated(module, fresh(), device)
+    for p in params:
+        p.grad = None
+    n = sum(p.numel() for p in params)
+    state = sum(p.numel() * adam_state_bytes_per_param(p.element_size(), dp) for p in params)
+    return LayerProfile(fwd=summarise(f), bwd=summarise(i), wgrad=summarise(w),
+                        fused=summarise(b), activation_bytes=act, output_bytes=out.numel() * out.element_size(),
+                        params=n, state_bytes=int(state), input=tensor_meta(x), output=tensor_meta(out),
+                        allocated_bytes=allocated)
+
+
+def _activation(module: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[int, torch.Tensor]:
+    nbytes, out = saved_bytes(module, x)
+    return nbytes, out.detach()
+
+
+def _allocated(module: nn.Module, x: torch.Tensor, device: torch.device) -> int | None:
+    """CUDA allocator growth across one forward with the graph kept (a cross-check of the saved bytes)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    out = module(x)
+    torch.cuda.synchronize(device)
+    grown = torch.cuda.memory_allocated(device) - before
+    del out
+    return int(grown)

@@ -1,0 +1,132 @@
+"""Profile a sequence of layers into a cost-annotated `octopipe-model/1` Model.
+
+Layer i's input is its own example input or, by default, a tensor shaped like layer i-1's
+output. Layers with the same signature and input are measured once per run; every measurement
+is cached on disk (cache.py), so a second run over the same layers measures nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import OctoPipeError
+from ..formats.model import Layer, Model
+from .cache import ProfileCache, cache_key
+from .device import device_name, library_versions, resolve_device
+from .layer import ProfileLayer, module_signature, tensor_from_meta, tensor_meta
+from .measure import LayerProfile, measure_layer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileStats:
+    """How a profile run got its figures."""
+
+    layers: int
+    distinct: int  # distinct (signature, input) pairs
+    measured: int  # of those, measured in this run
+    cache_hits: int  # of those, read from the disk cache
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileResult:
+    """The cost-annotated model, each layer's profile, and where the figures came from."""
+
+    model: Model
+    profiles: tuple[LayerProfile, ...]
+    stats: ProfileStats
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileSettings:
+    """How to measure: device, samples, parallel sizes (part of the cache key) and the cache."""
+
+    device: str | torch.device | None = None
+    warmup: int = 2
+    repeats: int = 10
+    parallel: tuple[tuple[str, int], ...] = (("tp", 1), ("pp", 1), ("dp", 1), ("ep", 1))
+    versions_extra: tuple[str, ...] = ()  # distributions whose version joins the key (e.g. megatron-core)
+    cache_dir: str | None = None
+    use_cache: bool = True
+    progress: bool | None = None  # None: a bar when stderr is a terminal
+
+
+def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
+                   settings: ProfileSettings | None = None, meta: dict | None = None) -> ProfileResult:
+    """Measure every distinct layer once (or read it from the cache) and build the Model."""
+    s = settings or ProfileSettings()
+    if s.repeats < 1 or s.warmup < 0:
+        raise OctoPipeError(f"profile: repeats must be >= 1 and warmup >= 0, got {s.repeats} and {s.warmup}")
+    if not layers:
+        raise OctoPipeError("profile: no layers to profile")
+    device = resolve_device(s.device)
+    dev_name = device_name(device)
+    versions = library_versions(s.versions_extra)
+    parallel = dict(s.parallel)
+    cache = ProfileCache(s.cache_dir) if s.use_cache else None
+    memo: dict[str, LayerProfile] = {}
+    profiles: list[LayerProfile] = []
+    records: list[dict] = []
+    measured = hits = 0
+    prev_out: dict | None = None
+    # tqdm's disable=None: a bar only when stderr is a terminal
+    bar = tqdm(total=len(layers), desc="profile", unit="layer", leave=False,
+               disable=None if s.progress is None else not s.progress)
+    try:
+        for i, layer in enumerate(layers):
+            module = None
+            x = layer.example_input(device) if layer.example_input is not None else None
+            if x is None and prev_out is None:
+                raise OctoPipeError(f"profile: layer {i} ({layer.name}) has no example input and no previous layer")
+            in_meta = tensor_meta(x) if x is not None else prev_out
+            signature = layer.signature
+            if signature is None:
+                module = layer.build()
+                signature = module_signature(module)
+            fields = {"signature": signature, "kind": layer.kind, "input": in_meta, "parallel": parallel,
+                      "device": dev_name, "versions": versions}
+            key = cache_key(fields)
+            how = "repeat"
+            prof = memo.get(key)
+            if prof is None and cache is not None:
+                rec = cache.get(key)
+                if rec is not None:
+                    prof, how = LayerProfile.from_dict(rec), "hit"
+                    hits += 1
+            if prof is None:
+                module = module if module is not None else layer.build()
+                x = x if x is not None else tensor_from_meta(in_meta, device, seed=i)
+                bar.set_postfix_str(f"measuring {layer.name}")
+                log.info("profile: measuring %s (%s) on %s", layer.name, layer.kind, dev_name)
+                prof = measure_layer(module, x, device, warmup=s.warmup, repeats=s.repeats, dp=parallel.get("dp", 1))
+                how = "miss"
+                measured += 1
+                if cache is not None:
+                    cache.put(key, prof.to_dict(), fields)
+            memo[key] = prof
+            del module, x
+            profiles.append(prof)
+            records.append({"signature": signature, "key": key[:16], "cache": how,
+                            "fused_bwd_ms": prof.fused.median_ms, "input": prof.input, "params": prof.params,
+                            "spread": {"fwd": round(prof.fwd.spread, 4), "bwd": round(prof.bwd.spread, 4),
+                                       "wgrad": round(prof.wgrad.spread, 4)}})
+            prev_out = prof.output
+            bar.update(1)
+    finally:
+        bar.close()
+    model_layers = tuple(
+        Layer(name=l.name, kind=l.kind, fwd_ms=p.fwd.median_ms, bwd_ms=p.bwd.median_ms, wgrad_ms=p.wgrad.median_ms,
+              state_bytes=p.state_bytes, activation_bytes=p.activation_bytes, output_bytes=p.output_bytes,
+              source="measured")
+        for l, p in zip(layers, profiles))
+    info = {"device": dev_name, "device_type": device.type, "warmup": s.warmup, "repeats": s.repeats,
+            "parallel": parallel, "versions": versions, "layers": records}
+    model = Model(name=name, layers=model_layers, meta={"cost_model": "measured", **(meta or {}), "profile": info})
+    stats = ProfileStats(layers=len(layers), distinct=len(memo), measured=measured, cache_hits=hits)
+    return ProfileResult(model=model, profiles=tuple(profiles), stats=stats)

@@ -1,0 +1,46 @@
+"""The "octopipe" block of a DeepSpeed config: every refusal names the field."""
+
+import pytest
+
+from octopipe_plugin.adapters.deepspeed.config import OctoPipeBlock, TuneSpec, check_microbatches, parse_block
+from octopipe_plugin.errors import FormatError
+
+
+def test_absent_or_disabled_block_changes_nothing():
+    assert parse_block({"train_batch_size": 8}) is None
+    assert parse_block({"octopipe": {"enabled": False, "plan": 3}}) is None
+
+
+def test_valid_blocks():
+    assert parse_block({"octopipe": {"plan": "p.json"}}) == OctoPipeBlock(plan="p.json")
+    block = parse_block({"octopipe": {"tune": {"cluster": "h100x4", "gpu": "h200", "time_budget_s": 5},
+                                      "save_plan": "out/plan.json", "timeout_s": 30}})
+    assert block.tune == TuneSpec(cluster="h100x4", gpu="h200", time_budget_s=5.0)
+    assert block.plan is None and block.save_plan == "out/plan.json" and block.timeout_s == 30.0
+
+
+@pytest.mark.parametrize("block, field", [
+    ([], r"\$\.octopipe: expected an object"),
+    ({"plan": "p.json", "plans": 1}, r"\$\.octopipe\.plans: expected one of the known fields"),
+    ({"enabled": "yes", "plan": "p.json"}, r"\$\.octopipe\.enabled: expected true or false"),
+    ({}, r"\$\.octopipe\.plan: expected the path of an octopipe-plan/1 file .*or a \"tune\" object"),
+    ({"plan": "p.json", "tune": {"cluster": "h100x4"}}, r"\$\.octopipe\.plan: expected either"),
+    ({"plan": 7}, r"\$\.octopipe\.plan: expected the path"),
+    ({"tune": "h100x4"}, r"\$\.octopipe\.tune: expected an object"),
+    ({"tune": {"gpu": "H100"}}, r"\$\.octopipe\.tune\.cluster: expected a named cluster"),
+    ({"tune": {"cluster": "h100x4", "gpu": "Z9"}}, r"\$\.octopipe\.tune\.gpu: expected .*H100"),
+    ({"tune": {"cluster": "h100x4", "time_budget_s": -1}}, r"\$\.octopipe\.tune\.time_budget_s: expected a positive"),
+    ({"tune": {"cluster": "h100x4", "budget": 1}}, r"\$\.octopipe\.tune\.budget: expected one of the known fields"),
+    ({"plan": "p.json", "layer_of_spec": "0,1"}, r"\$\.octopipe\.layer_of_spec: expected a list"),
+    ({"plan": "p.json", "timeout_s": 0}, r"\$\.octopipe\.timeout_s: expected a positive"),
+    ({"plan": "p.json", "save_plan": ""}, r"\$\.octopipe\.save_plan: expected a file path"),
+])
+def test_bad_block_refused_naming_the_key(block, field):
+    with pytest.raises(FormatError, match=r"ds_config: field " + field):
+        parse_block({"octopipe": block})
+
+
+def test_microbatch_count_must_be_gradient_accumulation_steps():
+    check_microbatches(8, 8)
+    with pytest.raises(FormatError, match=r"gradient_accumulation_steps: expected the plan's micro-batch count 8.*got 4"):
+        check_microbatches(8, 4)

@@ -1,0 +1,127 @@
+"""--pipeline-schedule octopipe at start-up: Megatron's parser takes the plan's stages; mismatches stop it."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from octopipe_plugin.adapters.megatron.graph import model_from_megatron
+from octopipe_plugin.adapters.megatron.arguments import PLAN_FILE
+from octopipe_plugin.errors import OctoPipeError
+from octopipe_plugin.formats import read_plan, write_plan
+from octopipe_plugin.schedules.registry import build_plan
+
+from launch_helpers import TINY_GPT, parse
+
+pytestmark = [pytest.mark.framework, pytest.mark.timeout(120)]
+
+
+def tiny_model():
+    return model_from_megatron(parse(TINY_GPT, octopipe=False, validate=False))
+
+
+def plan_file(tmp_path, schedule="zb-v", devices=2, microbatches=4, name="plan.json", **kw):
+    path = tmp_path / name
+    write_plan(build_plan(tiny_model(), schedule, devices, microbatches, **kw), path)
+    return str(path)
+
+
+def test_plan_stages_become_megatrons_layout_and_virtual_stages(tmp_path):
+    path = plan_file(tmp_path)  # ZB-V: stages 0..3 on ranks 0,1,1,0
+    args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+                             "--pipeline-schedule", "octopipe", "--octopipe-plan", path, "--save", str(tmp_path / "ck"), "--save-interval", "1"],
+                 world=2)
+    stages = [(st.start, st.end) for st in read_plan(path).stages]
+    assert stages == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # Megatron's validate_args accepted the layout and derived VP = 4 stages / 2 ranks from it
+    assert args.pipeline_model_parallel_layout == "Et|tt|tt|tL"
+    assert args.virtual_pipeline_model_parallel_size == 2 and args.num_layers == 6
+    assert args.octopipe_plan["stages"][3] == {"layers": [6, 8], "device": 0}
+    assert json.loads((tmp_path / "ck" / PLAN_FILE).read_text())["stages"] == args.octopipe_plan["stages"]
+
+
+def test_the_plan_saved_with_the_checkpoint_is_used_on_load(tmp_path):
+    os.makedirs(tmp_path / "ck")
+    write_plan(build_plan(tiny_model(), "interleaved-1f1b", 2, 4, stages_per_device=2, split="balanced"),
+               tmp_path / "ck" / PLAN_FILE)
+    args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+                             "--pipeline-schedule", "octopipe", "--load", str(tmp_path / "ck")], world=2)
+    assert args.octopipe_plan == json.loads((tmp_path / "ck" / PLAN_FILE).read_text())
+    assert args.virtual_pipeline_model_parallel_size == 2
+
+
+def test_default_schedule_leaves_megatron_alone():
+    args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], world=2)
+    assert args.pipeline_schedule == "default" and args.pipeline_model_parallel_layout is None
+    assert getattr(args, "octopipe_plan", None) is None
+
+
+def test_a_plan_that_does_not_match_the_run_stops_startup_with_one_message(tmp_path):
+    path = plan_file(tmp_path, devices=2, microbatches=4)
+    run = ["--pipeline-schedule", "octopipe", "--octopipe-plan", path]
+    # pipeline size, micro-batch count (gbs 16 / (mbs 1 x dp 1)), ramp-up and model size, all in one message
+    with pytest.raises(OctoPipeError) as exc:
+        parse([*TINY_GPT[:1], "8", *TINY_GPT[2:], "--pipeline-model-parallel-size", "4", "--global-batch-size", "16",
+               "--rampup-batch-size", "4", "4", "64", *run], world=4, validate=False)
+    msg = str(exc.value)
+    assert msg.startswith(f"--pipeline-schedule octopipe: plan {path} does not match this run: ")
+    for part in ("covers 8 layers but this run's model has 10", "2 devices but --pipeline-model-parallel-size is 4",
+                 "4 micro-batches per step but this run has 16", "--rampup-batch-size"):
+        assert part in msg
+    # the micro-batch count includes data parallelism: 8 ranks = PP 2 x DP 4, gbs 16 -> 4 per step matches
+    args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16", *run], world=8)
+    assert args.virtual_pipeline_model_parallel_size == 2
+
+
+def test_stage_arguments_next_to_a_plan_are_refused(tmp_path):
+    path = plan_file(tmp_path)
+    with pytest.raises(OctoPipeError, match="the plan sets the pipeline stages; drop --pipeline-model-parallel-layout"):
+        parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule",
+                          "octopipe", "--octopipe-plan", path, "--pipeline-model-parallel-layout", "Ettt|tttL"],
+              world=2, validate=False)
+    with pytest.raises(OctoPipeError, match="needs --octopipe-plan PATH, or --octopipe-cluster"):
+        parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "octopipe"], world=2,
+              validate=False)
+
+
+def test_hybrid_plan_becomes_a_piped_hybrid_pattern(tmp_path):
+    argv = ["--hybrid-layer-pattern", "M*-M*-/*-", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
+            "--position-embedding-type", "rope", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    model = model_from_megatron(parse(argv, octopipe=False, validate=False))
+    write_plan(build_plan(model, "interleaved-1f1b", 2, 4, stages_per_device=2, boundaries=[(0, 3), (3, 5), (5, 7), (7, 9)]),
+               tmp_path / "h.json")
+    args = parse(argv + ["--pipeline-schedule", "octopipe", "--octopipe-plan", str(tmp_path / "h.json")], world=2)
+    assert args.hybrid_layer_pattern == "M*|-M|*-|/*-"
+    assert args.virtual_pipeline_model_parallel_size == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_tuned_on_rank0_and_broadcast(tmp_path):
+    from octopipe_plugin.executor.launch import spawn
+
+    spawn(_tune_worker, 2, str(tmp_path))
+    plans = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert plans[0] == plans[1] and plans[0]["num_devices"] == 2 and plans[0]["num_microbatches"] == 4
+    assert plans[0]["meta"]["tuned_for"] == {"cluster": "h100x2", "gpu": "h100"}
+    assert json.loads((tmp_path / "ck" / PLAN_FILE).read_text()) == plans[0]  # rank 0 saved it for --load
+
+
+def _tune_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    sys.path.insert(0, os.path.dirname(__file__))
+    from launch_helpers import parse as parse_in_child
+
+    import torch.distributed as dist
+
+    args = parse_in_child(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+                                      "--pipeline-schedule", "octopipe", "--octopipe-cluster", "h100x2",
+                                      "--octopipe-tune-iterations", "20", "--distributed-backend", "gloo",
+                                      "--save", os.path.join(out, "ck"), "--save-interval", "1"],
+                          world=world, rank=rank, validate=False)
+    assert dist.is_initialized()  # opened here; Megatron's initialize skips its own init_process_group then
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(args.octopipe_plan, fh)
+    dist.destroy_process_group()
