@@ -93,6 +93,8 @@ class _Scheduler:
         # what each kind costs and does to live memory, from the kind table
         self.dur = kind_durations(job)
         self.change = activation_changes(job.activation)
+        self.f_grow = self.change[Kind.F]  # what admitting a forward adds (read in the candidate loop)
+        self.w_dur = self.dur[Kind.W]  # what filling a gap with a deferred W costs
         held = per_microbatch(job.activation)
         # room kept free when a new micro-batch enters a device, so its later chunks can still run there
         self.headroom = [sum(held[s] for s in st[1:]) for st in self.stages_of]
@@ -102,9 +104,15 @@ class _Scheduler:
         for mb in range(m):
             self.act_arr[mb] = 0.0
             self.grad_arr[(ns - 1) * m + mb] = 0.0
-        # where each kind's end time and output land (the table's `after` and `sends`)
-        self.ends = {Kind.F: self.f_end}
-        self.arrivals = {Flow.ACT: self.act_arr, Flow.GRAD: self.grad_arr}
+        # per kind, from the table: duration and memory change per stage, where its end time is kept
+        # (kinds another kind waits `after`; F here) and where its output lands and in which direction
+        arrivals = {Flow.ACT: self.act_arr, Flow.GRAD: self.grad_arr}
+        ends = {Kind.F: self.f_end}
+        self.effects = {
+            kind: (self.dur[kind], self.change[kind], ends.get(kind),
+                   None if rule.sends is None else arrivals[rule.sends], 0 if rule.sends is None else rule.sends.step)
+            for kind, rule in RULES.items()
+        }
         self.next_f = [0] * ns
         self.next_b = [0] * ns
         self.free = [0.0] * nd
@@ -160,7 +168,7 @@ class _Scheduler:
                 entry = s == self.low[d]
                 if entry and self.inflight[d] >= self.pol.depth[d]:
                     continue
-                if self.live[d] + self.change[Kind.F][s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
+                if self.live[d] + self.f_grow[s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
                     blocked = True
                     continue
                 out.append((a, s))
@@ -176,7 +184,7 @@ class _Scheduler:
             return (t0, Kind.W, -1)
         nxt = min([r for r, _ in bw] + [r for r, _ in fw], default=INF)
         if nxt > t0 and wq:
-            w_dur = self.dur[Kind.W][wq[0][0]]
+            w_dur = self.w_dur[wq[0][0]]
             if self.pol.w_fill is WFill.ALWAYS or nxt == INF or nxt - t0 >= w_dur:
                 return (t0, Kind.W, -1)
         if nxt == INF:
@@ -214,18 +222,18 @@ class _Scheduler:
                 self.wq[d].append((s, mb))  # its W (which runs after it) is placed later on this device
             if s == self.low[d]:
                 self.inflight[d] -= 1
-        end = t + self.dur[kind][s]
-        self.live[d] += self.change[kind][s]
+        dur, change, ends, arrival, step = self.effects[kind]
+        end = t + dur[s]
+        self.live[d] += change[s]
         idx = s * m + mb
-        ends = self.ends.get(kind)
         if ends is not None:
             ends[idx] = end
         touched = {d}
-        flow = RULES[kind].sends
-        if flow is not None and 0 <= s + flow.step < self.ns:
-            h = job.hop[min(s, s + flow.step)]
-            self.arrivals[flow][idx + flow.step * m] = end if h is None else end + h
-            touched.add(job.devices[s + flow.step])
+        dst = s + step
+        if arrival is not None and 0 <= dst < self.ns:
+            h = job.hop[s if step > 0 else dst]
+            arrival[idx + step * m] = end if h is None else end + h
+            touched.add(job.devices[dst])
         self.out[d].append(Action(s, kind, mb))
         self.free[d] = end
         for e in touched:
