@@ -37,6 +37,7 @@ def _scenarios(tmp):
     return [
         dict(name="v_fp32", config=cfg(v), eval=True, save=dict(dir=ck, tag="v3")),
         dict(name="v_ckpt", config=cfg(v), ckpt_interval=2),
+        dict(name="v_mask", config=cfg(v), masked=True, ckpt_interval=2),
         dict(name="flat_octopipe", config=cfg(flat, clip=0.0)),
         dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
         dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
@@ -61,8 +62,8 @@ def runs(tmp_path_factory):
     return tmp
 
 
-def _check_against_reference(reports, clip, atol=1e-5):
-    ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=clip)
+def _check_against_reference(reports, clip, atol=1e-5, masked=False):
+    ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=clip, masked=masked)
     for rep in reports:  # every rank returns the same mean loss
         assert rep["losses"] == pytest.approx(ref_losses, abs=atol, rel=atol)
     weights = H.merged_weights(reports)
@@ -92,6 +93,12 @@ def test_eval_batch_equals_training_forward_loss(runs):
 @pytest.mark.timeout(60)
 def test_activation_checkpointing_with_split_backward(runs):
     _check_against_reference(H.load(runs, "v_ckpt", 2), CLIP)
+
+
+@pytest.mark.timeout(60)
+def test_hidden_and_mask_boundary(runs):
+    # every stage hands on (hidden states, integer mask): the mask crosses ranks without a gradient
+    _check_against_reference(H.load(runs, "v_mask", 2), CLIP, masked=True)
 
 
 @pytest.mark.timeout(60)
