@@ -95,8 +95,8 @@ def _legend(ax, result: SimResult) -> None:
     from matplotlib.patches import Patch
 
     used = sorted({a.kind for row in result.timeline for a, _, _ in row}, key=KINDS.index)
-    handles = [Patch(facecolor=KIND_COLOURS.get(k.value, _OTHER), label=f"{k.value} {KIND_NAMES.get(k.value, RULES[k].noun)}")
-               for k in used]
+    handles = [Patch(facecolor=KIND_COLOURS.get(k.value, _OTHER),
+                     label=f"{k.value} {KIND_NAMES.get(k.value, RULES[k].noun)}") for k in used]
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", hatch="////", label="idle"))
     handles.append(Patch(facecolor="#8172B3", alpha=0.35, label="memory (strip top = device memory)"))
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=7,
