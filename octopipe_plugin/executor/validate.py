@@ -6,14 +6,15 @@ from ..formats import Cluster, Link, validate_plan
 from ..simulator import StageCosts, simulate
 
 
-def check_runnable(plan) -> None:
+def check_runnable(plan, phases=None) -> None:
     """Raise PlanError / DeadlockError unless every device of `plan` can run its whole list.
 
     The simulator's dependency semantics are exactly the executor's (a device blocks only on
     inputs, sends never block), so a plan it finishes cannot deadlock the executor; unit
-    costs suffice because deadlock does not depend on durations.
+    costs suffice because deadlock does not depend on durations. `phases` as in validate_plan
+    (("forward",) for a forward-only plan).
     """
-    validate_plan(plan)
+    validate_plan(plan, phases=phases)
     ns, nd = plan.num_stages, plan.num_devices
     ones = tuple(1.0 for _ in range(ns))
     zeros = tuple(0 for _ in range(ns))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field as dc_field
 
 from ._fields import check_format, check_value, field, load_json, objects, write_json
@@ -114,11 +115,12 @@ def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action
     return tuple(out)
 
 
-def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
+def validate_plan(plan: Plan, num_layers: int | None = None, phases: Collection[str] | None = None) -> None:
     """Check coverage and ownership: each (stage, mb) runs every phase once in one form, on the stage's device.
 
-    The phases and their forms come from the kind table (`actions.RULES`): today one F, and
-    either B or both I and W.
+    The phases and their forms come from the kind table (`actions.RULES`): today one F
+    ("forward"), and either B or both I and W ("backward"). `phases` limits the check to
+    those phases and refuses actions of any other (("forward",) for an evaluation step).
     """
     problem = stage_range_problem([(st.start, st.end) for st in plan.stages], num_layers)
     if problem is not None:
@@ -126,6 +128,11 @@ def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
     if len(plan.schedule) != plan.num_devices:
         raise PlanError(f"schedule has {len(plan.schedule)} device lists, plan has {plan.num_devices} devices")
     ns, m = plan.num_stages, plan.num_microbatches
+    table = forms()
+    unknown = set(phases or ()) - set(table)
+    if unknown:
+        raise PlanError(f"unknown phase(s) {sorted(unknown)}: expected some of {sorted(table)}")
+    wanted = table if phases is None else {p: table[p] for p in table if p in phases}
     seen: set[Action] = set()
     for d, row in enumerate(plan.schedule):
         for a in row:
@@ -138,11 +145,13 @@ def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
                 raise PlanError(f"device {d}: action {a} belongs to stage {a.stage} on device {owner}")
             if a in seen:
                 raise PlanError(f"device {d}: action {a} appears twice")
+            if a.rule.phase not in wanted:
+                raise PlanError(f"device {d}: action {a} is a {a.rule.phase} action; this plan runs only "
+                                f"{' and '.join(wanted)}")
             seen.add(a)
-    phases = forms()
     for s in range(ns):
         for mb in range(m):
-            for phase, options in phases.items():
+            for phase, options in wanted.items():
                 _check_phase(seen, s, mb, phase, options)
 
 
