@@ -164,10 +164,10 @@ def _as_json(result, rows) -> dict:
 
 
 class _progress_bar:
-    """tqdm bar on stderr showing best step time, bubble and iteration; a no-op when disabled."""
+    """tqdm bar on stderr showing the best step time so far, bubble, phase and iteration; a no-op when disabled."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, None
+        self.enabled, self.bar, self.shown = enabled, None, None
 
     def __enter__(self):
         if self.enabled:
@@ -182,8 +182,11 @@ class _progress_bar:
         target = int(p.fraction * 1000)
         if target > bar.n:
             bar.update(target - bar.n)
-        if p.iteration % 50 == 0:
-            bar.set_postfix_str(f"best {p.best_ms:.1f} ms, bubble {p.bubble:.1%}, iter {p.iteration}", refresh=False)
+        # the best plan in hand so far (Ctrl-C returns it), refreshed whenever it or the phase changes
+        if (p.best_ms, p.phase) != self.shown or p.iteration % 50 == 0:
+            self.shown = (p.best_ms, p.phase)
+            bar.set_postfix_str(f"best so far {p.best_ms:.1f} ms, bubble {p.bubble:.1%}, {p.phase}, "
+                                f"iter {p.iteration} (Ctrl-C keeps it)", refresh=False)
 
     def __exit__(self, *exc):
         if self.bar is not None:

@@ -11,12 +11,17 @@ semantics of docs/formats.md -- so the simulator replays the order to the same t
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from ..actions import RULES, Action, Flow, Kind
+import numpy as np
+
+from ..actions import KINDS, RULES, Action, Flow, Kind
 from ..simulator.costs import kind_durations
 from ..simulator.memory import activation_changes, per_microbatch
+from . import listsched_kernel as kernel
+from .encoded import EncodedSchedule
 
 INF = float("inf")
 
@@ -76,9 +81,54 @@ class Job:
     act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
 
 
-def build_schedule(job: Job, policy: Policy) -> tuple[tuple[Action, ...], ...] | None:
-    """Per-device action lists for `job` under `policy`; None when the policy starves (memory or depth)."""
+# Below this many actions the Python scheduler takes milliseconds; above it the compiled one pays for its load.
+KERNEL_MIN_ACTIONS = 20_000
+
+
+def build_schedule(job: Job, policy: Policy, compiled: bool | None = None):
+    """Per-device action lists for `job` under `policy`; None when the policy starves (memory or depth).
+
+    Large jobs run the numba-compiled event loop (listsched_kernel) when numba is installed; it
+    takes the same decisions and returns the rows encoded (tuner/encoded.py). `compiled` forces
+    one or the other (tests compare them).
+    """
+    if compiled is None:
+        compiled = kernel.AVAILABLE and 3 * len(job.devices) * job.num_microbatches >= KERNEL_MIN_ACTIONS
+    if compiled:
+        return _compiled(job, policy)
     return _Scheduler(job, policy).run()
+
+
+def schedule_units(job: Job) -> float:
+    """Work units charged for scheduling `job` (a simulated action is one unit).
+
+    By size alone, never by which implementation ran, so a seed and a work budget give the same
+    plan with or without numba (a machine without it just needs longer for the same work).
+    """
+    actions = 3 * len(job.devices) * job.num_microbatches
+    return actions * (6.0 if actions < KERNEL_MIN_ACTIONS else 0.5)
+
+
+def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
+    """The compiled scheduler's rows as an EncodedSchedule."""
+    f64, i64 = np.float64, np.int64
+    kinds = KINDS  # row i of each table is kind code i
+    dur, change = kind_durations(job), activation_changes(job.activation)
+    send = [0 if RULES[k].sends is None else RULES[k].sends.step for k in kinds]
+    split_code = {Split.FUSED: kernel.FUSED, Split.SPLIT: kernel.SPLIT, Split.AUTO: kernel.AUTO}
+    hop = np.array([0.0 if h is None else h for h in job.hop], f64)
+    out, lengths, ok, free, peak = kernel.schedule_kernel(
+        job.num_microbatches, np.array(job.devices, i64), np.array([dur[k] for k in kinds], f64),
+        np.array([change[k] for k in kinds], i64), np.array(per_microbatch(job.activation), i64),
+        np.array(send, i64), hop, np.array(job.act_cap, f64),
+        np.array(policy.depth, i64), np.array([split_code[s] for s in policy.split], i64),
+        np.array(policy.w_limit, i64), policy.w_fill is WFill.ALWAYS, policy.f_order is Order.DEEP,
+        policy.b_order is Order.DEEP)
+    if not ok:
+        return None
+    rows = EncodedSchedule([out[d, :lengths[d]].copy() for d in range(job.num_devices)])
+    rows.clock = (float(free.max()) if len(free) else 0.0, tuple(int(x) for x in peak))
+    return rows
 
 
 class _Scheduler:
@@ -121,28 +171,35 @@ class _Scheduler:
         self.wq = [deque() for _ in range(nd)]
         self.out = [[] for _ in range(nd)]
         self.decision = [None] * nd
+        self.version = [0] * nd
+        self.heap: list[tuple[float, int, int]] = []
 
     def run(self):
         """Commit decisions in time order until every action is placed; None if stuck."""
         total = sum(2 * self.m * len(st) for st in self.stages_of)
         done_main = 0
         for d in range(self.nd):
-            self.decision[d] = self._decide(d)
-        while True:
-            best, bd = INF, -1
-            for d in range(self.nd):
-                t = self.decision[d][0]
-                if t < best:
-                    best, bd = t, d
-            if bd < 0:
-                break
-            kind = self.decision[bd][1]
-            self._commit(bd, best, kind, self.decision[bd][2])
+            self._redecide(d)
+        heap, version, decision = self.heap, self.version, self.decision
+        while heap:
+            # the earliest decision, lowest device first on ties; entries superseded by a newer decision are skipped
+            t, d, ver = heapq.heappop(heap)
+            if ver != version[d]:
+                continue
+            kind = decision[d][1]
+            self._commit(d, t, kind, decision[d][2])
             if kind is not Kind.W:
                 done_main += 1
         if done_main < total or any(self.wq):
             return None
         return tuple(tuple(row) for row in self.out)
+
+    def _redecide(self, d) -> None:
+        """Recompute device d's next decision and queue it (a device waiting for news is not queued)."""
+        dec = self.decision[d] = self._decide(d)
+        self.version[d] += 1
+        if dec[0] < INF:
+            heapq.heappush(self.heap, (dec[0], d, self.version[d]))
 
     def _bwd_candidates(self, d):
         """(ready time, stage) of each stage's next backward whose inputs are known."""
@@ -237,4 +294,4 @@ class _Scheduler:
         self.out[d].append(Action(s, kind, mb))
         self.free[d] = end
         for e in touched:
-            self.decision[e] = self._decide(e)
+            self._redecide(e)
