@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field as dc_field
 
 from ._fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError, PlanError
-from ..actions import Action, Kind, format_schedule, forms
+from ..actions import RULES, Action, Kind, format_schedule, forms
 from .ranges import stage_range_problem
 
 PLAN_FORMAT = "octopipe-plan/1"
@@ -115,12 +114,11 @@ def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action
     return tuple(out)
 
 
-def validate_plan(plan: Plan, num_layers: int | None = None, phases: Collection[str] | None = None) -> None:
+def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bool = False) -> None:
     """Check coverage and ownership: each (stage, mb) runs every phase once in one form, on the stage's device.
 
-    The phases and their forms come from the kind table (`actions.RULES`): today one F
-    ("forward"), and either B or both I and W ("backward"). `phases` limits the check to
-    those phases and refuses actions of any other (("forward",) for an evaluation step).
+    The phases and their forms come from the kind table (`actions.RULES`): today one F, and
+    either B or both I and W. A `forward_only` plan (evaluation) runs the forward phase only.
     """
     problem = stage_range_problem([(st.start, st.end) for st in plan.stages], num_layers)
     if problem is not None:
@@ -128,11 +126,6 @@ def validate_plan(plan: Plan, num_layers: int | None = None, phases: Collection[
     if len(plan.schedule) != plan.num_devices:
         raise PlanError(f"schedule has {len(plan.schedule)} device lists, plan has {plan.num_devices} devices")
     ns, m = plan.num_stages, plan.num_microbatches
-    table = forms()
-    unknown = set(phases or ()) - set(table)
-    if unknown:
-        raise PlanError(f"unknown phase(s) {sorted(unknown)}: expected some of {sorted(table)}")
-    wanted = table if phases is None else {p: table[p] for p in table if p in phases}
     seen: set[Action] = set()
     for d, row in enumerate(plan.schedule):
         for a in row:
@@ -145,13 +138,16 @@ def validate_plan(plan: Plan, num_layers: int | None = None, phases: Collection[
                 raise PlanError(f"device {d}: action {a} belongs to stage {a.stage} on device {owner}")
             if a in seen:
                 raise PlanError(f"device {d}: action {a} appears twice")
-            if a.rule.phase not in wanted:
-                raise PlanError(f"device {d}: action {a} is a {a.rule.phase} action; this plan runs only "
-                                f"{' and '.join(wanted)}")
             seen.add(a)
+    phases = forms()
+    if forward_only:
+        phases = {"forward": phases["forward"]}
+        extra = next((a for a in sorted(seen) if RULES[a.kind].phase not in phases), None)
+        if extra is not None:
+            raise PlanError(f"a forward-only plan runs forwards only, it has {extra}")
     for s in range(ns):
         for mb in range(m):
-            for phase, options in wanted.items():
+            for phase, options in phases.items():
                 _check_phase(seen, s, mb, phase, options)
 
 
