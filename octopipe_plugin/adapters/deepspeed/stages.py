@@ -75,8 +75,9 @@ class DeepSpeedStages:
         return type(y)(t.to(self.engine.device) for t in y)
 
     # ---- forward -------------------------------------------------------------------------------------
-    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
-        """Run the stage's layers; the last stage applies loss_fn to the labels."""
+    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None, *, batch=None,
+                forward_only: bool = False) -> torch.Tensor:
+        """Run the stage's layers; the last stage applies loss_fn to the labels (the engine's own data, not `batch`)."""
         if stage == 0:
             x = self.first_input(mb)
             if x.is_floating_point() and torch.is_grad_enabled():
