@@ -8,7 +8,7 @@ class OctoPipeError(Exception):
 
 
 class FormatError(OctoPipeError, ValueError):
-    """A document (model, cluster, plan) does not follow FORMATS.md."""
+    """A document (model, cluster, plan) does not follow docs/formats.md."""
 
     def __init__(self, source: str, path: str, expected: str, got: object = None):
         self.source = source

@@ -27,3 +27,42 @@ def test_ci_runs_the_readme_test_command_verbatim():
 def test_torch_pin_in_setup_and_install_script():
     assert "torch==2.13.0" in (ROOT / "setup.py").read_text()
     assert "torch==2.13.0" in (ROOT / "scripts" / "install.sh").read_text()
+
+
+def _octopipe_commands() -> list[list[str]]:
+    """Every `octopipe ...` command of the README's bash blocks, continuation lines joined, comments dropped."""
+    import shlex
+
+    cmds = []
+    for block in _bash_blocks():
+        text = block.replace("\\\n", " ")
+        for line in text.splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                if words and words[0] in ("octopipe", ".venv/bin/octopipe"):
+                    cmds.append(words[1:])
+    return cmds
+
+
+def test_readme_commands_parse_and_read_only_files_written_before(tmp_path, monkeypatch):
+    """In a fresh shell after install: the venv is activated first, each command parses as written,
+    every file one reads was written by an earlier one; the quick ones run (exit 0)."""
+    from octopipe_plugin.cli import build_parser, main
+
+    block = next(b for b in _bash_blocks() if "octopipe model --list" in b)
+    assert block.splitlines()[0].startswith("source .venv/bin/activate")
+    cmds = _octopipe_commands()
+    assert len(cmds) >= 9
+    parser = build_parser()
+    written: set[str] = set()
+    monkeypatch.chdir(tmp_path)
+    for argv in cmds:
+        args = parser.parse_args(argv)  # exits (fails the test) on any option not as the parser knows it
+        reads = [getattr(args, "plan", None)] if args.command in ("simulate", "dryrun") else []
+        for path in filter(None, reads):
+            assert path in written, f"`octopipe {' '.join(argv)}` reads {path} before any command writes it"
+        for key in ("output", "png", "trace", "save_plan"):
+            if getattr(args, key, None):
+                written.add(getattr(args, key))
+        if args.command in ("model", "schedules"):
+            assert main(argv) == 0, argv

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from .. import limits as L
-from ..errors import OctoPipeError
+from ..errors import FormatError, OctoPipeError
 
 DEFAULT_GPU = "H100-SXM"
 
@@ -95,10 +95,9 @@ class Costs:
 
 def load_model(args, cluster=None, option: str = "--model"):
     """The model of `args.model`, costed for --gpu, else the cluster's GPU, else H100; warnings for mismatches."""
-    from ..costs import get_gpu
     from ..costs.zoo import load_model as zoo_load
 
-    wanted = get_gpu(args.gpu).name if getattr(args, "gpu", None) else None
+    wanted = gpu_option(args.gpu) if getattr(args, "gpu", None) else None
     cl_gpu = getattr(cluster, "gpu", None) if cluster is not None else None
     if wanted:
         why = "--gpu" + (f"; cluster {cluster.name} has {cl_gpu}" if cl_gpu and cl_gpu != wanted else "")
@@ -108,7 +107,12 @@ def load_model(args, cluster=None, option: str = "--model"):
         why = f"default: cluster {cluster.name} does not name its GPU; pass --gpu or add \"gpu\" to the cluster file"
     else:
         why = "default; pass --gpu for another"
-    model, from_file = zoo_load(args.model, wanted or cl_gpu or DEFAULT_GPU)
+    try:
+        model, from_file = zoo_load(args.model, wanted or cl_gpu or DEFAULT_GPU)
+    except FormatError:
+        raise  # names the file and field already
+    except OctoPipeError as exc:
+        raise OctoPipeError(f"{option} {args.model}: {exc}") from None
     if not from_file:
         return model, Costs(gpu=model.meta.get("gpu"), source="analytic", why=why)
     meta = model.meta if isinstance(model.meta, dict) else {}
@@ -124,11 +128,27 @@ def load_model(args, cluster=None, option: str = "--model"):
     return model, costs
 
 
+def gpu_option(name: str) -> str:
+    """The canonical GPU name of --gpu, refused with the option named."""
+    from ..costs import get_gpu
+
+    try:
+        return get_gpu(name).name
+    except OctoPipeError as exc:
+        raise OctoPipeError(f"--gpu {name}: {exc}") from None
+
+
 def load_cluster(name: str):
     """The cluster of a name like h100x8 or a cluster file."""
     from ..costs import resolve_cluster
 
-    return resolve_cluster(name)
+    try:
+        return resolve_cluster(name)
+    except FormatError:
+        raise
+    except OctoPipeError as exc:  # said once, as the option: "--cluster v100x8: unknown GPU ..."
+        text = str(exc).removeprefix(f"cluster {name.strip().lower()}: ")
+        raise OctoPipeError(f"--cluster {name}: {text}") from None
 
 
 def keep_on_failure(write, path: str, plan=None) -> list[str]:

@@ -43,10 +43,11 @@ def run(args) -> int:
     cluster = load_cluster(args.cluster) if args.cluster is not None else None
     model, costs = load_model(args, cluster)
     plan = read_plan(args.plan, num_layers=model.num_layers)
-    for line in check_plan_binding(plan, model, cluster, source=f"plan {args.plan}",
-                                   model_source=f"--model {args.model}", cluster_source=f"--cluster {args.cluster}"):
-        warn(args, line)
+    lines = check_plan_binding(plan, model, cluster, source=f"plan {args.plan}", model_source=f"--model {args.model}",
+                               cluster_source=f"--cluster {args.cluster}")
     _check_size(plan)
+    for line in lines:
+        warn(args, line)
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
                   timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")

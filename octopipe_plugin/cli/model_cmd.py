@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import logging
 
-from ..costs import ZOO, get_gpu, resolve_model, zoo_description
+from ..costs import ZOO, resolve_model, zoo_description
 from ..errors import OctoPipeError
 from ..formats.model import Model, model_to_dict, write_model
 from ..graph import ModelGraph
 from .. import limits as L
 from . import write_output
-from ._options import check_writable, integer
+from ._options import check_writable, gpu_option, integer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def run(args) -> int:
     if not args.name:
         raise OctoPipeError("give a zoo model name or an architecture/model file (or --list to see the zoo)")
     check_writable(args.output, "-o")
-    model = resolve_model(args.name, get_gpu(args.gpu).name, seq_len=args.seq_len,
+    model = resolve_model(args.name, gpu_option(args.gpu), seq_len=args.seq_len,
                           micro_batch_size=args.micro_batch_size, tp=args.tp, dp=args.dp, recompute=args.recompute)
     if args.output:
         write_output(lambda: write_model(model, args.output), args.output)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from .. import limits as L
@@ -12,6 +13,9 @@ from ..formats.fingerprint import describe_devices, idle_devices
 from ..tuner import tune
 from ..tuner.compare import baseline_ms, comparison_rows, format_table, per_device
 from ._options import check_writable, integer, keep_on_failure, load_cluster, load_model, number
+
+SPLIT_S_PER_UNIT = 1e-6  # measured: balanced_split of 1100 layers into 1000 stages, 8.7 s on 2 busy cores
+SHOWN = 24  # stages or devices listed one by one in the summary; larger plans are abridged
 
 
 def add_parser(subparsers) -> None:
@@ -37,13 +41,20 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def check_size(model, cluster, num_microbatches: int) -> None:
+def check_size(model, cluster, num_microbatches: int, time_budget_s: float = L.MAX_TIME_BUDGET_S) -> None:
     """Refuse, before the search, a cluster with more devices than layers or a size the tuner cannot handle."""
     nd = cluster.num_devices
     if nd > model.num_layers:
         raise OctoPipeError(f"--cluster {cluster.name}: {nd} devices but {model.name} has {model.num_layers} layers, "
                             f"so {nd - model.num_layers} devices would hold no layers; use a cluster of at most "
                             f"{model.num_layers} devices")
+    # The exact balanced split (a DP over layers x stages, ~1 us per layer x stage x log2(layers) on 2 cores) is
+    # the setup's largest fixed cost; the search needs at least two (a built-in baseline and the seeds).
+    setup_s = 2 * SPLIT_S_PER_UNIT * model.num_layers * nd * math.log2(max(2, model.num_layers))
+    if setup_s > time_budget_s:
+        raise OctoPipeError(f"--time-budget {time_budget_s:g} s: setting up the search for {model.num_layers} layers "
+                            f"on {nd} devices takes about {setup_s:.0f} s (balanced splits alone); raise "
+                            f"--time-budget to at least {math.ceil(setup_s * 1.5)} or use fewer devices")
     size = nd * num_microbatches
     if size > L.MAX_TUNE_DEVICE_MICROBATCHES:
         raise OctoPipeError(f"--microbatches {num_microbatches} on {nd} devices: {size:,} device micro-batches, more "
@@ -57,7 +68,7 @@ def run(args) -> int:
     check_writable(args.png, "--png")
     cluster = load_cluster(args.cluster)
     model, costs = load_model(args, cluster)
-    check_size(model, cluster, args.microbatches)
+    check_size(model, cluster, args.microbatches, args.time_budget)
     with _progress_bar(not args.no_progress) as bar:
         result = tune(model, cluster, args.microbatches, time_budget_s=args.time_budget, seed=args.seed,
                       iterations=args.iterations, progress=bar)
@@ -89,8 +100,11 @@ def summary(result, model, cluster, costs: str = "") -> str:
     base = baseline_ms(result.baselines)
     gain = f"{base / result.step_ms:.2f}x faster than Megatron interleaved 1F1B ({base:.1f} ms)" if base else \
         "no fitting Megatron interleaved 1F1B plan to compare with"
-    stages = " | ".join(f"[{st.start},{st.end})@{st.device}" for st in plan.stages)
-    peaks = ", ".join(f"{p / 2**30:.1f}" for p in result.peak)
+    stages = _abridged([f"[{st.start},{st.end})@{st.device}" for st in plan.stages], " | ")
+    peaks = _abridged([f"{p / 2**30:.1f}" for p in result.peak], ", ")
+    if len(result.peak) > SHOWN:
+        top = max(range(len(result.peak)), key=lambda d: result.peak[d])
+        peaks += f" (largest {result.peak[top] / 2**30:.1f} on device {top})"
     return "\n".join([
         f"OctoPipe plan for {model.name} on {cluster.name} ({cluster.num_devices} devices), "
         f"{plan.num_microbatches} micro-batches",
@@ -104,6 +118,14 @@ def summary(result, model, cluster, costs: str = "") -> str:
         f"  search         {result.iterations} steps, {result.evaluations} simulations, "
         f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",
     ])
+
+
+def _abridged(items: list[str], sep: str) -> str:
+    """All items when few, else the first and last ones around a count of those left out."""
+    if len(items) <= SHOWN:
+        return sep.join(items)
+    head, tail = items[:SHOWN - 6], items[-4:]
+    return sep.join(head) + f"{sep}... {len(items) - len(head) - len(tail)} more ...{sep}" + sep.join(tail)
 
 
 def _as_json(result, rows) -> dict:

@@ -7,7 +7,9 @@ import logging
 
 from ..errors import OctoPipeError
 from ..formats.model import model_to_dict, write_model
+from .. import limits as L
 from . import write_output
+from ._options import check_writable, integer
 
 log = logging.getLogger(__name__)
 
@@ -26,18 +28,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("name", help="zoo name or .json/.yaml architecture file")
     p.add_argument("--impl", choices=("torch", "megatron"), default="torch",
                    help="layers to measure: plain torch reference layers, or Megatron-core's (local spec)")
+    p.add_argument("--megatron-spec", choices=("auto", "local", "te"), default="auto",
+                   help="Megatron layer spec: local (plain torch modules), te (Transformer Engine), auto (te on a GPU "
+                        "where it imports)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="parameter and activation dtype (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--seq-len", type=int, help="override the sequence length")
-    p.add_argument("--micro-batch-size", type=int, help="override the micro-batch size")
-    p.add_argument("--tp", type=int, help="override the tensor-parallel size")
-    p.add_argument("--dp", type=int, help="data-parallel size sharding the optimizer state")
+    p.add_argument("--seq-len", type=integer(1, L.MAX_SEQ_LEN), help="override the sequence length")
+    p.add_argument("--micro-batch-size", type=integer(1, L.MAX_MICRO_BATCH_SIZE), help="override the micro-batch size")
+    p.add_argument("--tp", type=integer(1, L.MAX_TP), help="override the tensor-parallel size")
+    p.add_argument("--dp", type=integer(1, L.MAX_DP), help="data-parallel size sharding the optimizer state")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any architecture field, e.g. --set hidden=512 --set num_experts=4")
-    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's; part of the cache "
+    p.add_argument("--threads", type=integer(1, 1024), help="torch intra-op threads on CPU (default: torch's; part of the cache "
                                                "key, as it changes the timings)")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs per layer (the median is kept)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer first")
+    p.add_argument("--repeats", type=integer(1, 10_000), default=10, help="timed runs per layer (the median is kept)")
+    p.add_argument("--warmup", type=integer(0, 1000), default=2, help="untimed runs per layer first")
     p.add_argument("--cache-dir", help="profile cache directory (default: $OCTOPIPE_PROFILE_CACHE or "
                                        "~/.cache/octopipe/profiles)")
     p.add_argument("--no-cache", action="store_true", help="measure everything, read and write no cache")
@@ -77,6 +82,7 @@ def run(args) -> int:
     from ..profile.device import resolve_device
     from .model_cmd import format_table
 
+    check_writable(args.output, "-o")
     for flag in ("seq_len", "micro_batch_size", "tp", "dp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -97,16 +103,19 @@ def run(args) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.impl == "megatron":
-        from ..adapters.megatron.profile import megatron_builders, megatron_inputs
+        from ..adapters.megatron.profile import megatron_builders, megatron_inputs, use_transformer_engine
 
-        builders, inputs, extra = megatron_builders(arch, device), megatron_inputs(arch, dtype), ("megatron-core",)
+        builders = megatron_builders(arch, device, dtype, spec=args.megatron_spec)
+        te = use_transformer_engine(args.megatron_spec, device)
+        impl = "megatron-te" if te else "megatron-local"  # part of each layer's signature, hence the cache key
+        inputs, extra = megatron_inputs(arch, dtype), ("megatron-core",) + (("transformer-engine",) if te else ())
     else:
         from ..profile.torch_layers import builders as torch_builders
 
-        builders, inputs, extra = torch_builders(arch), None, ()
+        builders, inputs, extra, impl = torch_builders(arch), None, (), "torch"
     settings = ProfileSettings(device=device, warmup=args.warmup, repeats=args.repeats, cache_dir=args.cache_dir,
                                use_cache=not args.no_cache, progress=args.progress, versions_extra=extra)
-    result = profile_arch(arch, builders, impl=args.impl, dtype=dtype, settings=settings, inputs=inputs)
+    result = profile_arch(arch, builders, impl=impl, dtype=dtype, settings=settings, inputs=inputs)
     model = result.model
     if args.output:
         write_output(lambda: write_model(model, args.output), args.output)
@@ -115,7 +124,7 @@ def run(args) -> int:
         print(json.dumps(model_to_dict(model), indent=1))
         return 0
     info = model.meta["profile"]
-    print(f"profiled on {info['device']} ({args.impl} layers, {model.meta['dtype']}), median of {info['repeats']} "
+    print(f"profiled on {info['device']} ({impl} layers, {model.meta['dtype']}), median of {info['repeats']} "
           f"runs after {info['warmup']} warm-up")
     print(format_table(model))
     st = result.stats
@@ -124,4 +133,6 @@ def run(args) -> int:
     print(f"measured kinds: {', '.join(measured)}")
     if info["analytic_kinds"]:
         print(f"analytic kinds: {', '.join(info['analytic_kinds'])} (x {info['analytic_scale']:.3g})")
+    for kind, why in info["failed_kinds"].items():
+        print(f"  {kind}: {why}")
     return 0

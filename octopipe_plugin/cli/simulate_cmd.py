@@ -66,9 +66,9 @@ def _plan(args, model, cluster) -> tuple[Plan, object]:
                 raise OctoPipeError(f"{exc}; or pass --devices {plan.num_devices} to run it on the first "
                                     f"{plan.num_devices} devices of {cluster.name}") from None
             raise
+        check_size(plan.num_stages, plan.num_microbatches, f"--plan {args.plan}")
         for line in lines:
             warn(args, line)
-        check_size(plan.num_stages, plan.num_microbatches, f"--plan {args.plan}")
         return plan, used
     if args.microbatches is None:
         raise OctoPipeError("--schedule needs --microbatches (e.g. --microbatches 16)")

@@ -35,7 +35,7 @@ class GpuSpec:
 
 
 # Sources: NVIDIA A100 / H100 / H200 / DGX B200 datasheets (dense bf16, SXM parts).
-# Memory: 80 GiB for the 80 GB parts (what the FORMATS.md example uses), 141 GB and
+# Memory: 80 GiB for the 80 GB parts (what the docs/formats.md example uses), 141 GB and
 # 180 GB (DGX B200: 1,440 GB / 8) for H200 and B200 in decimal units as quoted.
 # Efficiency: large-GEMM bf16 throughput seen in practice (~70% of peak on A100/H100/H200,
 # lower on the young B200 software stack); this workplace's device notes report ~790 TFLOP/s

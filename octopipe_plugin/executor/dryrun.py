@@ -100,7 +100,7 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     if step_s > timeout_s:
         raise OctoPipeError(f"the scaled step lasts {step_s:.4g} s, longer than the {timeout_s:g} s timeout a rank "
                             f"waits for one message: raise --timeout above {step_s:.4g} or lower the time scale")
-    costs = standin_costs(sc, [st.device for st in plan.stages], fast.transfer_ms)
+    costs = standin_costs(sc, [st.device for st in plan.stages], fast)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
         spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, clock, out)
         ranks = [_read_json(os.path.join(out, f"rank{r}.json")) for r in range(plan.num_devices)]

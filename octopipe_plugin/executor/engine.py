@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..schedules.actions import Action, Kind
+from ..actions import Action, Kind
 from .comm import Transport, direction_groups
 from .errors import ExecutorError
 from .program import RankProgram, build_program, local_input_key, local_output_key

@@ -1,7 +1,8 @@
 """Placements and random valid plans (for tests, the benchmark and dry runs of irregular schedules).
 
 A random plan is built by sampling a topological order of the plan's dependency graph
-(F(s) after F(s-1); the backward of s after F(s) and the backward of s+1; W after I) and
+(the kind table of `actions.RULES`: F(s) after F(s-1); the backward of s after F(s) and the
+backward of s+1; W after I) and
 giving each device the sub-sequence of its own actions: the sampled order is itself an
 execution, so every plan made this way is valid and deadlock-free by construction.
 """
@@ -12,7 +13,7 @@ import random
 from typing import Sequence
 
 from ..formats import Plan, Stage
-from ..schedules.actions import Action, Kind
+from ..actions import RULES, Action, Kind, forms
 from ..schedules.placement import Placement, place_stages
 
 
@@ -38,8 +39,10 @@ def random_bounds(num_layers: int, num_stages: int, rng: random.Random) -> list[
     return [(edges[i], edges[i + 1]) for i in range(num_stages)]
 
 
-def _phase(a: Action) -> str:
-    return "f" if a.kind is Kind.F else "b" if a.kind in (Kind.B, Kind.I) else "w"
+def _lane(kind: Kind) -> str:
+    """Actions that make the same output share a lane (B and I both make the input gradient); W has its own."""
+    rule = RULES[kind]
+    return rule.sends.value if rule.sends is not None else kind.value
 
 
 def sample_schedule(stage_devices: Sequence[int], num_devices: int, num_microbatches: int,
@@ -47,57 +50,64 @@ def sample_schedule(stage_devices: Sequence[int], num_devices: int, num_microbat
                     in_order: bool = False) -> tuple[tuple[Action, ...], ...]:
     """Per-device lists from a random topological order; each backward is B or I+W at random.
 
-    `in_order` also keeps every stage's forwards, backwards and weight passes in micro-batch
-    order (what runtimes that store per-stage results positionally need).
+    The dependencies are the kind table's (`after` and `receives`). `in_order` also keeps every
+    stage's forwards, backwards and weight passes in micro-batch order (what runtimes that
+    store per-stage results positionally need).
     """
     ns, m = len(stage_devices), num_microbatches
-    split = {(s, mb): rng.random() < split_prob for s in range(ns) for mb in range(m)}
-    done: set[tuple[int, int, str]] = set()
-    ready = [Action(0, Kind.F, mb) for mb in range(m)]
+    phases = forms()
+    forward, backward = phases["forward"]["forward"], phases["backward"]
+    chosen = {}
+    for s in range(ns):
+        for mb in range(m):
+            chosen[(s, mb)] = forward + (backward["split"] if rng.random() < split_prob else backward["fused"])
+    deps = {Action(s, k, mb): _deps(Action(s, k, mb), chosen, ns) for (s, mb), kinds in chosen.items() for k in kinds}
+    waiting_on = {a: len(d) for a, d in deps.items()}
+    unblocks: dict[Action, list[Action]] = {}
+    for a, d in deps.items():
+        for q in d:
+            unblocks.setdefault(q, []).append(a)
+    for lst in unblocks.values():
+        lst.sort(key=lambda a: -a.stage)  # the stage after first: F(s+1) before B(s), W(s) before B(s-1)
+    prev = _previous_in_order(chosen, ns, m)
+    ready = [a for a in deps if waiting_on[a] == 0]
+    done: set[Action] = set()
     rows: list[list[Action]] = [[] for _ in range(num_devices)]
-    prev = _previous_in_order(ns, m, split)
     while ready:
-        eligible = [i for i, a in enumerate(ready)
-                    if not in_order or (q := prev[(a.stage, a.microbatch, _phase(a))]) is None or q in done]
+        eligible = [i for i, a in enumerate(ready) if not in_order or (q := prev[a]) is None or q in done]
         a = ready.pop(eligible[rng.randrange(len(eligible))])
         rows[stage_devices[a.stage]].append(a)
-        done.add((a.stage, a.microbatch, _phase(a)))
-        ready.extend(_newly_ready(a, ns, split, done))
+        done.add(a)
+        for nxt in unblocks.get(a, ()):
+            waiting_on[nxt] -= 1
+            if waiting_on[nxt] == 0:
+                ready.append(nxt)
     return tuple(tuple(r) for r in rows)
 
 
-def _previous_in_order(ns: int, m: int, split: dict) -> dict:
-    """(stage, mb, phase) -> the same stage's previous micro-batch in that phase (W only where split), or None."""
+def _deps(a: Action, chosen: dict, ns: int) -> list[Action]:
+    """What `a` waits for: its own `after` action and the neighbour's action that sends its input."""
+    rule, out = a.rule, []
+    if rule.after is not None:
+        out.append(Action(a.stage, rule.after, a.microbatch))
+    src = a.input_stage(ns)
+    if src is not None:
+        out += [Action(src, k, a.microbatch) for k in chosen[(src, a.microbatch)] if RULES[k].sends is rule.receives]
+    return out
+
+
+def _previous_in_order(chosen: dict, ns: int, m: int) -> dict:
+    """Each action -> its stage's action of the same lane on the latest earlier micro-batch that has one, or None."""
     prev = {}
     for s in range(ns):
-        last_w = None
+        last: dict[str, Action] = {}
         for mb in range(m):
-            prev[(s, mb, "f")] = (s, mb - 1, "f") if mb else None
-            prev[(s, mb, "b")] = (s, mb - 1, "b") if mb else None
-            prev[(s, mb, "w")] = last_w
-            if split[(s, mb)]:
-                last_w = (s, mb, "w")
+            for k in chosen[(s, mb)]:
+                a = Action(s, k, mb)
+                prev[a] = last.get(_lane(k))
+            for k in chosen[(s, mb)]:
+                last[_lane(k)] = Action(s, k, mb)
     return prev
-
-
-def _newly_ready(a: Action, ns: int, split: dict, done: set) -> list[Action]:
-    s, mb = a.stage, a.microbatch
-
-    def backward(stage: int) -> Action:
-        return Action(stage, Kind.I if split[(stage, mb)] else Kind.B, mb)
-
-    out = []
-    if a.kind is Kind.F:
-        if s + 1 < ns:
-            out.append(Action(s + 1, Kind.F, mb))
-        if s == ns - 1 or (s + 1, mb, "b") in done:
-            out.append(backward(s))
-    elif a.kind in (Kind.B, Kind.I):
-        if a.kind is Kind.I:
-            out.append(Action(s, Kind.W, mb))
-        if s > 0 and (s - 1, mb, "f") in done:
-            out.append(backward(s - 1))
-    return out
 
 
 def make_plan(*, stage_devices: Sequence[int], bounds: Sequence[tuple[int, int]], num_devices: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules.actions import Action, Kind
+from ..actions import Action
 from ..schedules.messages import Message, messages_by_action, plan_messages
 
 
@@ -63,19 +63,14 @@ def build_program(plan, rank: int, prefetch: int = 2) -> RankProgram:
 
 def local_input_key(action: Action, num_stages: int) -> tuple[str, int, int] | None:
     """Key of the same-device hand-off an action consumes: ('act', stage, mb) or ('grad', stage, mb)."""
-    s, mb = action.stage, action.microbatch
-    if action.kind is Kind.F:
-        return ("act", s, mb) if s > 0 else None
-    if action.kind in (Kind.B, Kind.I):
-        return ("grad", s, mb) if s < num_stages - 1 else None
-    return None
+    if action.input_stage(num_stages) is None:
+        return None
+    return (action.rule.receives.value, action.stage, action.microbatch)
 
 
 def local_output_key(action: Action, num_stages: int) -> tuple[str, int, int] | None:
     """Key under which an action's result is handed to the next consumer on the same device."""
-    s, mb = action.stage, action.microbatch
-    if action.kind is Kind.F:
-        return ("act", s + 1, mb) if s < num_stages - 1 else None
-    if action.kind in (Kind.B, Kind.I):
-        return ("grad", s - 1, mb) if s > 0 else None
-    return None
+    dst = action.output_stage(num_stages)
+    if dst is None:
+        return None
+    return (action.rule.sends.value, dst, action.microbatch)

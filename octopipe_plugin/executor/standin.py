@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ..simulator.costs import hop_times
 from .errors import ExecutorError
 from .interface import TensorMeta
 
@@ -126,12 +127,8 @@ class SleepStages:
         return self._backward(stage, mb, grad_output, self.costs.bwd[stage] + self.costs.wgrad[stage], "B")
 
 
-def standin_costs(stage_costs, stage_devices: Sequence[int], transfer_ms) -> StandInCosts:
-    """Stand-in costs from simulator StageCosts; `transfer_ms(src, dst, nbytes)` prices a hop."""
-    ns = len(stage_devices)
-    hop = tuple(
-        transfer_ms(stage_devices[s], stage_devices[s + 1], stage_costs.output[s]) if s + 1 < ns else 0.0
-        for s in range(ns)
-    )
+def standin_costs(stage_costs, stage_devices: Sequence[int], cluster) -> StandInCosts:
+    """Stand-in costs from simulator StageCosts; hops priced by the simulator's own `hop_times` (0 on one device)."""
+    hop = tuple(0.0 if h is None else h for h in hop_times(cluster, stage_devices, stage_costs.output)) + (0.0,)
     return StandInCosts(fwd=tuple(stage_costs.fwd), bwd=tuple(stage_costs.bwd), wgrad=tuple(stage_costs.wgrad),
                         hop=hop)

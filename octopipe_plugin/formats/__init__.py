@@ -1,4 +1,4 @@
-"""Readers and writers of the three interchange documents of FORMATS.md."""
+"""Readers and writers of the three interchange documents of docs/formats.md."""
 
 from .cluster import CLUSTER_FORMAT, Cluster, Link, cluster_from_dict, cluster_to_dict, read_cluster, write_cluster
 from .fingerprint import bind_plan, check_plan_binding, cluster_fingerprint, idle_devices, model_fingerprint

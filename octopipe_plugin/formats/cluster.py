@@ -19,7 +19,7 @@ class Link:
     latency_us: float
 
     def transfer_ms(self, nbytes: float) -> float:
-        """Time to move `nbytes` over this link (FORMATS.md)."""
+        """Time to move `nbytes` over this link (docs/formats.md)."""
         return self.latency_us / 1000.0 + nbytes / (self.bandwidth_gb_per_s * 1e9) * 1000.0
 
 

@@ -18,7 +18,7 @@ SOURCES = ("measured", "analytic")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layer:
-    """One partitioning unit: its kind and its costs for one micro-batch (FORMATS.md)."""
+    """One partitioning unit: its kind and its costs for one micro-batch (docs/formats.md)."""
 
     name: str
     kind: str

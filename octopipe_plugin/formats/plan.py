@@ -7,7 +7,8 @@ from dataclasses import dataclass, field as dc_field
 from ._fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError, PlanError
-from ..schedules.actions import Action, Kind, format_schedule
+from ..actions import Action, Kind, format_schedule, forms
+from .ranges import stage_range_problem
 
 PLAN_FORMAT = "octopipe-plan/1"
 
@@ -28,7 +29,7 @@ class Stage:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """What the tuner decides and the executor runs (FORMATS.md)."""
+    """What the tuner decides and the executor runs (docs/formats.md)."""
 
     model: str
     num_devices: int
@@ -91,18 +92,9 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
 
 
 def _check_coverage(stages: list[Stage], src: str, num_layers: int | None) -> None:
-    if stages[0].start != 0:
-        raise FormatError(src, "$.stages[0].layers[0]", "0 (stages must cover the layers from the first)", stages[0].start)
-    for i in range(1, len(stages)):
-        if stages[i].start != stages[i - 1].end:
-            raise FormatError(
-                src, f"$.stages[{i}].layers[0]", f"{stages[i - 1].end} (the end of stage {i - 1}: ranges are consecutive)",
-                stages[i].start,
-            )
-    if num_layers is not None and stages[-1].end != num_layers:
-        raise FormatError(
-            src, f"$.stages[{len(stages) - 1}].layers[1]", f"{num_layers} (the model's layer count)", stages[-1].end
-        )
+    problem = stage_range_problem([(st.start, st.end) for st in stages], num_layers)
+    if problem is not None:
+        raise FormatError(src, problem.path, problem.expected, problem.got)
 
 
 def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action, ...], ...]:
@@ -123,22 +115,18 @@ def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action
 
 
 def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
-    """Check coverage and ownership: each (stage, mb) has F once and B or I+W once, on the stage's device."""
-    if plan.stages[0].start != 0:
-        raise PlanError(f"stage 0 starts at layer {plan.stages[0].start}: stages must cover the layers from 0")
-    for s in range(1, plan.num_stages):
-        if plan.stages[s].start != plan.stages[s - 1].end:
-            raise PlanError(f"stage {s} starts at layer {plan.stages[s].start}, stage {s - 1} ends at "
-                            f"{plan.stages[s - 1].end}: stage ranges must be consecutive")
-    for s, st in enumerate(plan.stages):
-        if st.end < st.start:
-            raise PlanError(f"stage {s} ends at layer {st.end} before it starts at {st.start}: expected end >= start")
-    if num_layers is not None and plan.stages[-1].end != num_layers:
-        raise PlanError(f"stages cover layers [0, {plan.stages[-1].end}) but the model has {num_layers}")
+    """Check coverage and ownership: each (stage, mb) runs every phase once in one form, on the stage's device.
+
+    The phases and their forms come from the kind table (`actions.RULES`): today one F, and
+    either B or both I and W.
+    """
+    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], num_layers)
+    if problem is not None:
+        raise PlanError(problem.message)
     if len(plan.schedule) != plan.num_devices:
         raise PlanError(f"schedule has {len(plan.schedule)} device lists, plan has {plan.num_devices} devices")
     ns, m = plan.num_stages, plan.num_microbatches
-    seen: dict[tuple[int, Kind, int], int] = {}
+    seen: set[Action] = set()
     for d, row in enumerate(plan.schedule):
         for a in row:
             if not 0 <= a.stage < ns:
@@ -148,20 +136,32 @@ def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
             owner = plan.stages[a.stage].device
             if owner != d:
                 raise PlanError(f"device {d}: action {a} belongs to stage {a.stage} on device {owner}")
-            key = (a.stage, a.kind, a.microbatch)
-            if key in seen:
+            if a in seen:
                 raise PlanError(f"device {d}: action {a} appears twice")
-            seen[key] = d
+            seen.add(a)
+    phases = forms()
     for s in range(ns):
         for mb in range(m):
-            if (s, Kind.F, mb) not in seen:
-                raise PlanError(f"stage {s} micro-batch {mb}: no forward {s}F{mb}")
-            has_b = (s, Kind.B, mb) in seen
-            has_i, has_w = (s, Kind.I, mb) in seen, (s, Kind.W, mb) in seen
-            if has_b and (has_i or has_w):
-                raise PlanError(f"stage {s} micro-batch {mb}: both {s}B{mb} and a split backward")
-            if not has_b and not (has_i and has_w):
-                raise PlanError(f"stage {s} micro-batch {mb}: needs {s}B{mb} or both {s}I{mb} and {s}W{mb}")
+            for phase, options in phases.items():
+                _check_phase(seen, s, mb, phase, options)
+
+
+def _check_phase(seen: set[Action], s: int, mb: int, phase: str, options: dict[str, tuple[Kind, ...]]) -> None:
+    """Exactly one form of `phase` runs, completely, for (s, mb)."""
+    def named(kinds) -> str:
+        acts = [str(Action(s, k, mb)) for k in kinds]
+        return acts[0] if len(acts) == 1 else "both " + " and ".join(acts)
+
+    started = [form for form, kinds in options.items() if any(Action(s, k, mb) in seen for k in kinds)]
+    if len(started) > 1:
+        ran = ", ".join(str(Action(s, k, mb)) for k in options[started[0]] if Action(s, k, mb) in seen)
+        raise PlanError(f"stage {s} micro-batch {mb}: both {ran} and a {started[1]} {phase}")
+    if started and all(Action(s, k, mb) in seen for k in options[started[0]]):
+        return
+    if len(options) == 1:
+        (kinds,) = options.values()
+        raise PlanError(f"stage {s} micro-batch {mb}: no {phase} {named(kinds)}")
+    raise PlanError(f"stage {s} micro-batch {mb}: needs " + " or ".join(named(k) for k in options.values()))
 
 
 def plan_to_dict(plan: Plan) -> dict:

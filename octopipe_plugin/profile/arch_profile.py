@@ -8,7 +8,6 @@ measured / analytic ratio of the kinds that were measured, and are marked `"sour
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -17,6 +16,7 @@ from typing import Callable, Mapping
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..costs.analytic import layer_cost
 from ..costs.arch import Arch, layer_plan
@@ -60,44 +60,71 @@ def arch_layers(arch: Arch, builders: Mapping[str, Callable[[], nn.Module]], *, 
 def profile_arch(arch: Arch, builders: Mapping[str, Callable[[], nn.Module]], *, impl: str = "torch",
                  dtype: torch.dtype = torch.float32, settings: ProfileSettings | None = None,
                  inputs: Mapping[str, Callable] | None = None) -> ProfileResult:
-    """Profile every buildable kind of `arch` once and assemble the full cost-annotated Model."""
+    """Profile every buildable kind of `arch` once and assemble the full cost-annotated Model.
+
+    Every layer of a kind is the same module on the same input, so one representative per kind is
+    measured. A kind whose layer fails to build or run (a missing kernel, an unsupported option)
+    is logged and falls back to the analytic model, like a kind without a builder.
+    """
     s = settings or ProfileSettings()
     s = replace(s, parallel=(("tp", arch.tp), ("pp", 1), ("dp", arch.dp), ("ep", arch.ep)))
+    plan = layer_plan(arch)
     planned = arch_layers(arch, builders, impl=impl, dtype=dtype, inputs=inputs)
-    todo = [p for p in planned if p is not None]
-    if not todo:
-        raise OctoPipeError(f"profile {arch.name}: no layer kind of this model can be built by '{impl}'")
-    measured = profile_layers(todo, name=arch.name, settings=s)
-    info = measured.model.meta["profile"]
+    reps: dict[str, ProfileLayer] = {}
+    for p in planned:
+        if p is not None:
+            reps.setdefault(p.kind, p)
+    measured: dict[str, tuple[Layer, object, dict]] = {}
+    failed: dict[str, str] = {}
+    info = None
+    for kind, rep in tqdm(reps.items(), desc=f"profile {arch.name}", unit="kind", leave=False,
+                          disable=None if s.progress is None else not s.progress):
+        try:
+            r = profile_layers([rep], name=arch.name, settings=replace(s, progress=False))
+        except (RuntimeError, ValueError, TypeError, ImportError, AssertionError, NotImplementedError) as exc:
+            failed[kind] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            log.warning("profile %s: %s layer of kind %s failed (%s): using the analytic model", arch.name, impl,
+                        kind, failed[kind])
+            continue
+        info = r.model.meta["profile"]
+        measured[kind] = (r.model.layers[0], r.profiles[0], r.model.meta["profile"]["layers"][0])
+    if not measured:
+        reasons = "; ".join(f"{k}: {v}" for k, v in failed.items())
+        raise OctoPipeError(f"profile {arch.name}: no layer kind of this model could be measured with '{impl}' "
+                            f"layers{' (' + reasons + ')' if reasons else ''}")
     spec = gpu_spec_for(info["device"]) if info["device_type"] == "cuda" else None
-    by_name = {l.name: l for l in measured.model.layers}
-    missing = sorted({k for p, (_, k) in zip(planned, layer_plan(arch)) if p is None})
-    scale = 1.0 if spec is not None else _cpu_scale(arch, measured.model.layers) if missing else 1.0
+    missing = sorted({k for _, k in plan} - set(measured))
+    scale = 1.0 if spec is not None or not missing else _cpu_scale(arch, [m[0] for m in measured.values()])
     analytic = {k: layer_cost(arch, k, spec or REFERENCE_GPU) for k in missing}
     if missing:
-        log.warning("profile %s: no %s layer for kind(s) %s: using the analytic model%s", arch.name, impl,
-                    ", ".join(missing), "" if spec else f" ({REFERENCE_GPU} times x {scale:.3g}, the measured ratio)")
-    layers, profiles = [], []
-    it = iter(measured.profiles)
-    for p, (name, kind) in zip(planned, layer_plan(arch)):
-        if p is not None:
-            layers.append(by_name[name])
-            profiles.append(next(it))
+        log.warning("profile %s: kind(s) %s not measured with %s layers: analytic model%s", arch.name,
+                    ", ".join(missing), impl, "" if spec else f" ({REFERENCE_GPU} times x {scale:.3g}, the measured ratio)")
+    layers, profiles, records = [], [], []
+    for name, kind in plan:
+        if kind in measured:
+            layer, prof, rec = measured[kind]
+            layers.append(replace(layer, name=name))
+            profiles.append(prof)
+            records.append(rec)
             continue
         c = analytic[kind]
         layers.append(Layer(name=name, kind=kind, fwd_ms=c.fwd_ms * scale, bwd_ms=c.bwd_ms * scale,
                             wgrad_ms=c.wgrad_ms * scale, state_bytes=c.state_bytes,
                             activation_bytes=c.activation_bytes, output_bytes=c.output_bytes, source="analytic"))
         profiles.append(None)
+        records.append(None)
     meta = {"cost_model": "measured", "impl": impl, "dtype": str(dtype).removeprefix("torch."),
             "arch": asdict(arch), "gpu": spec.name if spec else info["device"],
-            "profile": {**info, "analytic_kinds": missing, "analytic_scale": scale}}
+            "profile": {**info, "layers": records, "analytic_kinds": missing, "analytic_scale": scale,
+                        "failed_kinds": failed}}
     model = Model(name=arch.name, layers=tuple(layers), inputs=_branches(arch), meta=meta)
-    stats = dataclasses.replace(measured.stats, layers=len(layers))
+    cached = sum(1 for _, _, rec in measured.values() if rec["cache"] == "hit")
+    stats = ProfileStats(layers=len(layers), distinct=len(measured), measured=len(measured) - cached,
+                         cache_hits=cached)
     return ProfileResult(model=model, profiles=tuple(profiles), stats=stats)
 
 
-def _cpu_scale(arch: Arch, measured: tuple[Layer, ...]) -> float:
+def _cpu_scale(arch: Arch, measured: list[Layer]) -> float:
     """Measured / analytic time of the measured layers (analytic on the reference GPU)."""
     ana = sum(layer_cost(arch, l.kind, REFERENCE_GPU).fwd_ms + layer_cost(arch, l.kind, REFERENCE_GPU).bwd_ms
               + layer_cost(arch, l.kind, REFERENCE_GPU).wgrad_ms for l in measured)

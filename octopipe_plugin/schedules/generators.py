@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from ..errors import PlanError
-from .actions import Action, B, F, I, W
+from ..actions import Action, B, F, I, W
 from .placement import looped, v_shape
 
 Schedule = tuple[tuple[Action, ...], ...]

@@ -9,17 +9,14 @@ tests/simulator/test_sim_message_order.py holds the two to each other.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from .actions import Action, Kind
+from ..actions import Action, Flow, receivers
 
 
-class MsgKind(str, enum.Enum):
-    """ACT: stage s output to stage s+1's F; GRAD: stage s+1 input-gradient to stage s's B/I."""
-
-    ACT = "act"
-    GRAD = "grad"
+# A message carries one boundary flow: ACT (stage s output to stage s+1's F) or GRAD (stage s+1's
+# input-gradient to stage s's B or I). The name stays for the executor and the tests that read it.
+MsgKind = Flow
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +40,14 @@ class Message:
         return f"{self.kind.value}[{self.producer}->{self.consumer}] dev{self.src}->dev{self.dst}"
 
 
-def backward_action(schedule_index: dict, stage: int, mb: int) -> Action:
-    """The action that makes stage `stage`'s input gradient for `mb`: its B or its I."""
-    b = Action(stage, Kind.B, mb)
-    return b if b in schedule_index else Action(stage, Kind.I, mb)
+def consumer_action(schedule_index: dict, flow: Flow, stage: int, mb: int) -> Action:
+    """The action of `stage` that consumes `flow` for `mb`: the first kind receiving it that the plan runs."""
+    kinds = receivers(flow)
+    for kind in kinds:
+        a = Action(stage, kind, mb)
+        if a in schedule_index:
+            return a
+    return Action(stage, kinds[-1], mb)
 
 
 def action_index(plan) -> dict[Action, tuple[int, int]]:
@@ -60,27 +61,25 @@ def plan_messages(plan) -> dict[tuple[int, int], list[Message]]:
     Same-device hand-offs (consecutive stages on one device) are not messages.
     """
     index = action_index(plan)
-    last = plan.num_stages - 1
     by_pair: dict[tuple[int, int], list[tuple[int, Message]]] = {}
     for d, row in enumerate(plan.schedule):
         for pos, a in enumerate(row):
-            msg = _message_of(plan, index, a, last)
+            msg = _message_of(plan, index, a, plan.num_stages)
             if msg is not None:
                 by_pair.setdefault((msg.src, msg.dst), []).append((pos, msg))
     return {pair: [m for _, m in sorted(msgs, key=lambda t: t[0])] for pair, msgs in by_pair.items()}
 
 
-def _message_of(plan, index, a: Action, last: int) -> Message | None:
-    s, mb = a.stage, a.microbatch
-    if a.kind is Kind.F and s < last:
-        src, dst = plan.stages[s].device, plan.stages[s + 1].device
-        if src != dst:
-            return Message(MsgKind.ACT, mb, s, s + 1, src, dst, a, Action(s + 1, Kind.F, mb))
-    elif a.kind in (Kind.B, Kind.I) and s > 0:
-        src, dst = plan.stages[s].device, plan.stages[s - 1].device
-        if src != dst:
-            return Message(MsgKind.GRAD, mb, s, s - 1, src, dst, a, backward_action(index, s - 1, mb))
-    return None
+def _message_of(plan, index, a: Action, num_stages: int) -> Message | None:
+    dst_stage = a.output_stage(num_stages)
+    if dst_stage is None:
+        return None
+    src, dst = plan.stages[a.stage].device, plan.stages[dst_stage].device
+    if src == dst:
+        return None
+    flow = a.rule.sends
+    consumer = consumer_action(index, flow, dst_stage, a.microbatch)
+    return Message(flow, a.microbatch, a.stage, dst_stage, src, dst, a, consumer)
 
 
 def messages_by_action(plan) -> tuple[dict[Action, Message], dict[Action, Message]]:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import OctoPipeError, PlanError
+from ..formats import Plan, Stage, validate_plan
+from ..formats.ranges import stage_range_problem
+from ..partition import balanced_split, megatron_split
 from . import generators as gen
 from .placement import Placement, place
 
@@ -116,9 +119,6 @@ def build_plan(model, name: str, num_devices: int, num_microbatches: int, stages
     None means the schedule's own (2 for the V schedules, else 1). `validate=False` skips the
     plan check for callers that simulate the plan anyway (the tuner, on long schedules).
     """
-    from ..formats import Plan, Stage, validate_plan
-    from ..partition import balanced_split, megatron_split
-
     spec = get_schedule(name)
     v = spec.stages_for(stages_per_device)
     spec.check(num_devices, num_microbatches, v)
@@ -151,11 +151,7 @@ def _ranges(boundaries, num_layers: int, n_stages: int) -> list[tuple[int, int]]
         ranges = [(int(a), int(b)) for a, b in items]
     if len(ranges) != n_stages:
         raise PlanError(f"boundaries give {len(ranges)} stages, the schedule needs {n_stages}")
-    pos = 0
-    for i, (a, b) in enumerate(ranges):
-        if a != pos or b < a:
-            raise PlanError(f"boundaries: stage {i} is [{a}, {b}), expected to start at {pos} and not end before")
-        pos = b
-    if pos != num_layers:
-        raise PlanError(f"boundaries end at layer {pos}, the model has {num_layers} layers")
+    problem = stage_range_problem(ranges, num_layers)
+    if problem is not None:
+        raise PlanError(f"boundaries: {problem.message}")
     return ranges

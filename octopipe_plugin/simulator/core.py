@@ -1,11 +1,11 @@
-"""Event-driven simulation of a plan under the reference semantics of FORMATS.md, plus switches.
+"""Event-driven simulation of a plan under the reference semantics of docs/formats.md, plus switches.
 
 Each device runs its list in order; a device blocked on a missing input parks on that
 input's key and is woken when the producer ends, so every action is visited a bounded
 number of times (the tuner calls this thousands of times). The schedule is first compiled
 into plain integer tuples so the hot loop touches no enums, dataclasses or dicts of objects.
 
-Switches (all off = FORMATS.md exactly):
+Switches (all off = docs/formats.md exactly):
 - contention: one transfer at a time per (src, dst) link direction, in the sender's production
   order (the per-pair message order of schedules/messages.py).
 - overlap=False: a device cannot compute while it moves data. The sender is busy for the
@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..errors import DeadlockError
-from ..schedules.actions import Action, Kind, render_grid
-from .costs import StageCosts, stage_costs
+from ..actions import CODE, KINDS, RULES, Action, Flow, render_grid, senders
+from .costs import StageCosts, hop_times, kind_durations, stage_costs
+from .memory import activation_changes, memory_curve, peak_live
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimOptions:
-    """Refinements over the reference semantics; all off reproduces FORMATS.md exactly."""
+    """Refinements over the reference semantics; all off reproduces docs/formats.md exactly."""
 
     contention: bool = False  # one transfer at a time per (src, dst) link direction
     overlap: bool = True  # False: each device spends every send and receive on its own timeline
@@ -49,7 +50,7 @@ class Transfer(NamedTuple):
     @property
     def label(self) -> str:
         """'act 3F12' for an activation, 'grad 4I7' for a gradient."""
-        return f"{'act' if self.producer.kind is Kind.F else 'grad'} {self.producer}"
+        return f"{RULES[self.producer.kind].sends.value} {self.producer}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,16 +83,7 @@ class SimResult:
     def memory_curve(self, device: int, activation: tuple[int, ...] | None = None) -> list[tuple[float, int]]:
         """(time, bytes) steps of one device's memory: static plus live activations."""
         act = self.stage_activation if activation is None else activation
-        cur = self.static_bytes[device]
-        pts = [(0.0, cur)]
-        for a, start, end in self.timeline[device]:
-            if a.kind is Kind.F:
-                cur += act[a.stage]
-                pts.append((start, cur))
-            elif a.kind in (Kind.B, Kind.W):
-                cur -= act[a.stage]
-                pts.append((end, cur))
-        return pts
+        return memory_curve(self.timeline[device], act, self.static_bytes[device])
 
     def summary(self) -> dict:
         """The `predicted` block of a plan file."""
@@ -102,44 +94,60 @@ class SimResult:
         }
 
 
-_CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
-# What a parked device waits for: slot of the key `index * 4 + slot`.
-_ACT, _OWN_F, _OWN_I, _GRAD = 0, 1, 2, 3
+# The kind table compiled for the hot loop, by kind code (actions.CODE).
+_NK = len(KINDS)
+# What a parked device waits for, as a slot of the key `index * _SLOTS + slot`: slot c < _NK is the
+# device's own action of kind code c (the table's `after`); then the activation and the gradient.
+_ACT, _GRAD = _NK, _NK + 1
+_SLOTS = _NK + 2
+_IN_SLOT = {None: -1, Flow.ACT: _ACT, Flow.GRAD: _GRAD}
+_AFTER = tuple(-1 if RULES[k].after is None else CODE[RULES[k].after] for k in KINDS)
+_RECV = tuple(_IN_SLOT[RULES[k].receives] for k in KINDS)
+# kinds some other kind waits for: only their end times are kept
+_TRACK = tuple(any(r.after is k for r in RULES.values()) for k in KINDS)
 
 
-def _compile(schedule, nm: int, sc: StageCosts) -> list[list[tuple[int, int, int, float]]]:
-    """Each device's actions as (kind code, stage * m + micro-batch, stage, duration)."""
-    dur = (sc.fwd, tuple(b + w for b, w in zip(sc.bwd, sc.wgrad)), sc.bwd, sc.wgrad)
-    code = _CODE
-    out = []
-    for row in schedule:
-        rows = []
-        for a in row:
-            k, s = code[a.kind], a.stage
-            rows.append((k, s * nm + a.microbatch, s, dur[k][s]))
-        out.append(rows)
-    return out
+def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop):
+    """Each device's actions as two parallel lists: stage * m + mb, and what the table says of its (kind, stage).
+
+    The second is one shared tuple per (kind, stage): (kind code, duration, after, input slot,
+    tracked, device its output goes to or -1, index step to that output, hop time, output slot).
+    Also each device's activation changes in its own order (for the peak). A schedule kept
+    as (stage, kind code, micro-batch) integer arrays (`schedule.encoded`) is read as such.
+    """
+    dur = kind_durations(sc)
+    change = activation_changes(sc.activation)
+    ns = len(dev_of)
+    pre = {}
+    for k in KINDS:
+        c, flow = CODE[k], RULES[k].sends
+        per_stage = []
+        for s in range(ns):
+            t = s + flow.step if flow is not None else -1
+            if 0 <= t < ns:
+                out = (dev_of[t], flow.step * nm, hop[min(s, t)], _IN_SLOT[flow])
+            else:
+                out = (-1, 0, None, -1)
+            per_stage.append((c, dur[k][s], _AFTER[c], _RECV[c], _TRACK[c]) + out)
+        pre[k] = per_stage
+    encoded = getattr(schedule, "encoded", None)
+    if encoded is not None:
+        return _compile_encoded(encoded, nm, [pre[k] for k in KINDS], [change[k] for k in KINDS])
+    idxs = [[a.stage * nm + a.microbatch for a in row] for row in schedule]
+    rules = [[pre[a.kind][a.stage] for a in row] for row in schedule]
+    deltas = [[change[a.kind][a.stage] for a in row] for row in schedule]
+    return idxs, rules, deltas
 
 
-def _compile_encoded(encoded, nm: int, sc: StageCosts) -> list[list[tuple[int, int, int, float]]]:
-    """`_compile` for rows kept as (stage, kind code, micro-batch) integer arrays (kind codes as in _CODE)."""
-    import numpy as np  # only long, tuner-grown schedules come encoded
-
-    dur = np.array([sc.fwd, [b + w for b, w in zip(sc.bwd, sc.wgrad)], sc.bwd, sc.wgrad], dtype=float)
-    out = []
+def _compile_encoded(encoded, nm: int, pre: list, change: list):
+    """`_compile` for rows kept as (n, 3) integer arrays of stage, kind code (actions.CODE) and micro-batch."""
+    idxs, rules, deltas = [], [], []
     for e in encoded:
-        s, k = e[:, 0], e[:, 1]
-        out.append(list(zip(k.tolist(), (s * nm + e[:, 2]).tolist(), s.tolist(), dur[k, s].tolist())))
-    return out
-
-
-def _hops(cluster, dev_of: list[int], output: tuple[int, ...], launch_ms: float) -> list[float]:
-    """Transfer time across each stage boundary s -> s+1; -1 where both stages share a device."""
-    out = []
-    for s in range(len(dev_of) - 1):
-        a, b = dev_of[s], dev_of[s + 1]
-        out.append(-1.0 if a == b else cluster.transfer_ms(a, b, output[s]) + launch_ms)
-    return out
+        stages, codes, mbs = e[:, 0].tolist(), e[:, 1].tolist(), e[:, 2].tolist()
+        idxs.append([s * nm + mb for s, mb in zip(stages, mbs)])
+        rules.append([pre[c][s] for c, s in zip(codes, stages)])
+        deltas.append([change[c][s] for c, s in zip(codes, stages)])
+    return idxs, rules, deltas
 
 
 def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: StageCosts | None = None,
@@ -152,15 +160,15 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     sc = costs if costs is not None else stage_costs(model, plan.stages)
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]
-    encoded = getattr(plan.schedule, "encoded", None)
-    rows = _compile(plan.schedule, nm, sc) if encoded is None else _compile_encoded(encoded, nm, sc)
-    hop = _hops(cluster, dev_of, sc.output, opts.launch_ms)
+    hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms)
+    idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop)
     run = _Run(nd, len(dev_of) * nm, nm, opts, detail)
     # the action objects are read only to record transfers (detail); an encoded schedule stays encoded
-    run.execute(rows, dev_of, hop, plan.schedule if detail or encoded is None else rows)
-    if any(run.pos[d] < len(rows[d]) for d in range(nd)):
+    encoded = getattr(plan.schedule, "encoded", None) is not None
+    run.execute(idxs, rules, plan.schedule if detail or not encoded else idxs)
+    if any(run.pos[d] < len(idxs[d]) for d in range(nd)):
         _raise_deadlock(plan, run.pos, run.waiting)
-    return _finish(plan, sc, run, _peak_activation(rows, sc.activation))
+    return _finish(plan, sc, run, [peak_live(dl) for dl in deltas])
 
 
 def detailed(model, cluster, plan, options: SimOptions | None = None, result: SimResult | None = None) -> SimResult:
@@ -186,9 +194,10 @@ class _Run:
         self.timeline = [[] for _ in range(nd)] if detail else None
         self.bound = [[] for _ in range(nd)] if detail else None
         self.transfers: list[Transfer] | None = [] if detail else None
-        # detail: position in its device's list of each F, and of each B or I, by stage * m + mb
-        self.f_at = [0] * n if detail else None
-        self.b_at = [0] * n if detail else None
+        # detail: position in its device's list of each action, per kind code, by stage * m + mb;
+        # and of the action that sent each activation / gradient (F; B or I)
+        self.at = [[0] * n for _ in range(_NK)] if detail else None
+        self.sent_at = {Flow.ACT: [0] * n, Flow.GRAD: [0] * n} if detail else None
         self.n = n
 
     def send(self, t_end: float, src: int, dst: int, cost: float, producer: Action) -> float:
@@ -210,44 +219,49 @@ class _Run:
         self.timeline[d].append((a, start, end))
         self.bound[d].append(slot)
         idx = a.stage * self.nm + a.microbatch
-        if a.kind is Kind.F:
-            self.f_at[idx] = p
-        elif a.kind is not Kind.W:
-            self.b_at[idx] = p
+        self.at[CODE[a.kind]][idx] = p
+        flow = RULES[a.kind].sends
+        if flow is not None:
+            self.sent_at[flow][idx] = p
 
-    def execute(self, rows, dev_of: list[int], hop: list[float], schedule) -> None:
-        """Run every device as far as its inputs allow; parked devices wake when their input lands."""
-        nm, n, ns = self.nm, self.n, len(dev_of)
+    def execute(self, idxs, rules, schedule) -> None:
+        """Run every device as far as its inputs allow; parked devices wake when their input lands.
+
+        An action starts once its own prerequisite (the table's `after`) has ended and its input
+        (`receives`) has arrived; its end releases what waits on it and sends its output.
+        """
+        nm, n = self.nm, self.n
         act_arr = [0.0] * nm + [-1.0] * (n - nm)  # stage 0 has its inputs at t = 0
         grad_arr = [-1.0] * (n - nm) + [0.0] * nm  # the last stage makes its own gradient
-        f_end, i_end = [-1.0] * n, [-1.0] * n
+        arrival = [None] * _NK + [act_arr, grad_arr]  # by slot
+        done = [[-1.0] * n if track else None for track in _TRACK]  # end time of each tracked action
         recv = None if self.opts.overlap else [0.0] * (2 * n)
         free, busy, pos, waiting, timeline = self.free, self.busy, self.pos, self.waiting, self.timeline
-        ready = list(range(len(rows)))
+        ready = list(range(len(idxs)))
         while ready:
             d = ready.pop()
-            row, acts, p, t_free, end_p = rows[d], schedule[d], pos[d], free[d], len(rows[d])
+            ids, row, acts, p, t_free = idxs[d], rules[d], schedule[d], pos[d], free[d]
+            end_p = len(row)
             while p < end_p:
-                code, idx, s, dur = row[p]
-                if code == 0:
-                    dep, slot = act_arr[idx], _ACT
+                idx = ids[p]
+                code, dur, after, rin, track, dst, step, h, key = row[p]
+                slot = -1
+                dep = rc = 0.0
+                if after >= 0:
+                    dep = done[after][idx]
                     if dep < 0:
-                        waiting[idx * 4] = d
+                        waiting[idx * _SLOTS + after] = d
                         break
-                    rc = recv[idx] if recv is not None else 0.0
-                elif code == 3:
-                    dep, slot = i_end[idx], _OWN_I
-                    if dep < 0:
-                        waiting[idx * 4 + 2] = d
+                    slot = after
+                if rin >= 0:
+                    t_in = arrival[rin][idx]
+                    if t_in < 0:
+                        waiting[idx * _SLOTS + rin] = d
                         break
-                    rc = 0.0
-                else:
-                    t_f, t_g = f_end[idx], grad_arr[idx]
-                    if t_f < 0 or t_g < 0:
-                        waiting[idx * 4 + (_OWN_F if t_f < 0 else _GRAD)] = d
-                        break
-                    dep, slot = (t_f, _OWN_F) if t_f >= t_g else (t_g, _GRAD)
-                    rc = recv[n + idx] if recv is not None else 0.0
+                    if slot < 0 or t_in > dep:
+                        dep, slot = t_in, rin
+                    if recv is not None:
+                        rc = recv[idx if rin == _ACT else n + idx]
                 ready_at = t_free + rc
                 start = ready_at if ready_at >= dep else dep
                 end = start + dur
@@ -255,41 +269,23 @@ class _Run:
                 if timeline is not None:
                     self.record(d, p, acts[p], start, end, -1 if ready_at >= dep and p > 0 else slot)
                 t_free = free[d] = end
-                if code == 0:
-                    f_end[idx] = end
-                    w = waiting.pop(idx * 4 + 1, None)
+                if track:
+                    done[code][idx] = end
+                    w = waiting.pop(idx * _SLOTS + code, None)
                     if w is not None:
                         ready.append(w)
-                    if s + 1 < ns:
-                        nxt, h = idx + nm, hop[s]
-                        if h < 0:
-                            act_arr[nxt] = end
-                        else:
-                            act_arr[nxt] = self.send(end, d, dev_of[s + 1], h, acts[p])
-                            if recv is not None:
-                                recv[nxt] = h
-                            t_free = free[d]
-                        w = waiting.pop(nxt * 4, None)
-                        if w is not None:
-                            ready.append(w)
-                elif code != 3:
-                    if code == 2:
-                        i_end[idx] = end
-                        w = waiting.pop(idx * 4 + 2, None)
-                        if w is not None:
-                            ready.append(w)
-                    if s > 0:
-                        prv, h = idx - nm, hop[s - 1]
-                        if h < 0:
-                            grad_arr[prv] = end
-                        else:
-                            grad_arr[prv] = self.send(end, d, dev_of[s - 1], h, acts[p])
-                            if recv is not None:
-                                recv[n + prv] = h
-                            t_free = free[d]
-                        w = waiting.pop(prv * 4 + 3, None)
-                        if w is not None:
-                            ready.append(w)
+                if dst >= 0:
+                    nxt = idx + step
+                    if h is None:
+                        arrival[key][nxt] = end
+                    else:
+                        arrival[key][nxt] = self.send(end, d, dst, h, acts[p])
+                        if recv is not None:
+                            recv[nxt if key == _ACT else n + nxt] = h
+                        t_free = free[d]
+                    w = waiting.pop(nxt * _SLOTS + key, None)
+                    if w is not None:
+                        ready.append(w)
                 p += 1
             pos[d] = p
 
@@ -314,22 +310,6 @@ def _finish(plan, sc: StageCosts, run: _Run, peak_act: list[int]) -> SimResult:
     )
 
 
-def _peak_activation(rows, activation: tuple[int, ...]) -> list[int]:
-    """Peak live activation bytes per device; a device's own order already sorts its events in time."""
-    out = []
-    for row in rows:
-        cur = peak = 0
-        for code, _, s, _ in row:
-            if code == 0:
-                cur += activation[s]
-                if cur > peak:
-                    peak = cur
-            elif code & 1:  # B, or W (which ends a split backward); I keeps the activation
-                cur -= activation[s]
-        out.append(peak)
-    return out
-
-
 def _critical_path(plan, run: _Run) -> list[tuple[int, Action]]:
     """Walk back from the last action to t = 0 through whichever input or device bound each start."""
     sched, times, nm, ns = plan.schedule, run.timeline, plan.num_microbatches, plan.num_stages
@@ -350,29 +330,28 @@ def _critical_path(plan, run: _Run) -> list[tuple[int, Action]]:
             i -= 1
             continue
         s, idx = a.stage, a.stage * nm + a.microbatch
-        if slot == _ACT:
-            if s == 0:
-                break
-            d, i = dev_of[s - 1], run.f_at[idx - nm]
-        elif slot == _OWN_F:
-            i = run.f_at[idx]
-        elif slot == _OWN_I:
-            i = run.b_at[idx]
-        elif s + 1 < ns:
-            d, i = dev_of[s + 1], run.b_at[idx + nm]
-        else:
+        if slot < _NK:  # its own earlier action, on this device
+            i = run.at[slot][idx]
+            continue
+        flow = Flow.ACT if slot == _ACT else Flow.GRAD
+        src = s - flow.step
+        if not 0 <= src < ns:
             break
+        d, i = dev_of[src], run.sent_at[flow][idx - flow.step * nm]
     path.reverse()
     return path
 
 
-_WAIT_TEXT = {_ACT: "the activation for {a} (from {p}F{m})", _OWN_F: "its own forward {s}F{m}",
-              _OWN_I: "its own input-gradient {s}I{m}", _GRAD: "the output gradient for {a} (from stage {q})"}
+_WAIT_TEXT = {
+    **{CODE[k]: f"its own {RULES[k].noun} {{s}}{k.value}{{m}}" for k in KINDS},
+    _ACT: "the activation for {a} (from {p}" + "/".join(k.value for k in senders(Flow.ACT)) + "{m})",
+    _GRAD: "the output gradient for {a} (from stage {q})",
+}
 
 
 def _raise_deadlock(plan, pos, waiting) -> None:
     """Name every stuck device, its action and what it waits for, and draw the grid marked."""
-    waits = {d: key % 4 for key, d in waiting.items()}
+    waits = {d: key % _SLOTS for key, d in waiting.items()}
     stuck = {}
     for d, row in enumerate(plan.schedule):
         if pos[d] >= len(row):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..actions import RULES, Kind
+
 
 @dataclass(frozen=True, slots=True)
 class StageCosts:
@@ -22,6 +24,31 @@ class StageCosts:
         for s, st in enumerate(stages):
             out[st.device] += self.state[s]
         return out
+
+
+def kind_durations(costs) -> dict[Kind, tuple[float, ...]]:
+    """Per kind, each stage's action time: the table's cost fields summed (B = bwd + wgrad, I = bwd...).
+
+    `costs` is anything with per-stage `fwd`, `bwd` and `wgrad` tuples (StageCosts, the tuner's Job).
+    """
+    out = {}
+    for kind, rule in RULES.items():
+        fields = [getattr(costs, name) for name in rule.cost]
+        out[kind] = tuple(sum(vals) for vals in zip(*fields))
+    return out
+
+
+def hop_times(cluster, devices, output, launch_ms: float = 0.0) -> tuple[float | None, ...]:
+    """Time to move stage s's output to stage s+1 (and its gradient back), for every boundary s.
+
+    The one transfer-time rule: the cluster's link time for the boundary's bytes plus the
+    fixed per-message launch cost; None where both stages share a device (nothing is sent,
+    the tensor is handed over in memory). The tuner plans and the simulator judges with it.
+    """
+    return tuple(
+        None if devices[s] == devices[s + 1] else cluster.transfer_ms(devices[s], devices[s + 1], output[s]) + launch_ms
+        for s in range(len(devices) - 1)
+    )
 
 
 def stage_costs(model, stages) -> StageCosts:

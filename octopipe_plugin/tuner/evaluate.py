@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError
 from ..formats import Plan
-from ..simulator import simulate, stage_costs
+from ..simulator import SimOptions, simulate, stage_costs
+from ..simulator.memory import least_live
 from .layout import Layout, device_work, make_job
 from .listsched import Policy, build_schedule
 from .periodic import action_count
@@ -45,9 +46,11 @@ class Meter:
 class Evaluator:
     """Simulates candidates of one tuning problem, with caches and a work counter."""
 
-    def __init__(self, model, cluster, num_microbatches: int, meter: Meter | None = None):
+    def __init__(self, model, cluster, num_microbatches: int, meter: Meter | None = None,
+                 options: SimOptions | None = None):
         self.model, self.cluster, self.m = model, cluster, num_microbatches
         self.meter = meter or Meter()
+        self.options = options or SimOptions()  # the judge's switches; the list scheduler prices hops alike
         self._jobs: dict[Layout, tuple] = {}
         # judged candidates; outcomes are kept without their plans, so long runs hold no schedules here
         self._seen: dict[tuple, Outcome | None] = {}
@@ -70,13 +73,13 @@ class Evaluator:
         """An evaluator of the same problem at another micro-batch count, sharing the work meter."""
         if num_microbatches == self.m:
             return self
-        return Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter)
+        return Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter, options=self.options)
 
     def job(self, layout: Layout):
         """(Job, StageCosts, static bytes) of a layout, cached."""
         got = self._jobs.get(layout)
         if got is None:
-            got = make_job(self.model, self.cluster, self.m, layout)
+            got = make_job(self.model, self.cluster, self.m, layout, self.options.launch_ms)
             self._jobs[layout] = got
         return got
 
@@ -88,11 +91,9 @@ class Evaluator:
     def static_fits(self, layout: Layout) -> bool:
         """Whether every device can hold its stages' state and one activation of each."""
         job, _, static = self.job(layout)
-        mem = self.cluster.memory_bytes
-        need = [static[d] for d in range(self.cluster.num_devices)]
-        for s, d in enumerate(layout.devices):
-            need[d] += job.activation[s]
-        return max(need) <= mem
+        nd = self.cluster.num_devices
+        live = least_live(layout.devices, job.activation, nd)
+        return max(static[d] + live[d] for d in range(nd)) <= self.cluster.memory_bytes
 
     def scheduled(self, layout: Layout, policy: Policy) -> Outcome | None:
         """List-schedule a layout under a policy and simulate it; None when the policy starves."""
@@ -142,7 +143,7 @@ class Evaluator:
         self.work += action_count(plan.schedule)
         self.meter.evaluations += 1
         try:
-            res = simulate(self.model, self.cluster, plan, costs=sc, detail=False)
+            res = simulate(self.model, self.cluster, plan, self.options, costs=sc, detail=False)
         except DeadlockError:
             return None
         peak = tuple(res.peak_memory_bytes)

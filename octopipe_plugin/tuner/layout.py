@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..formats import Stage
 from ..simulator import StageCosts, stage_costs
+from ..simulator.costs import hop_times
 from .listsched import Job
 
 
@@ -36,17 +37,18 @@ class Layout:
         return Layout(bounds=tuple(zip(edges[:-1], edges[1:])), devices=tuple(devices))
 
 
-def make_job(model, cluster, num_microbatches: int, layout: Layout) -> tuple[Job, StageCosts, list[int]]:
-    """The list scheduler's view of a layout, its stage costs and each device's static bytes."""
+def make_job(model, cluster, num_microbatches: int, layout: Layout,
+             launch_ms: float = 0.0) -> tuple[Job, StageCosts, list[int]]:
+    """The list scheduler's view of a layout, its stage costs and each device's static bytes.
+
+    Transfers are priced by the simulator's own `hop_times`, so plans are made with the costs they are judged by.
+    """
     stages = layout.stages()
     sc = stage_costs(model, stages)
     nd = cluster.num_devices
     static = sc.device_state(stages, nd)
     devs = layout.devices
-    hop = tuple(
-        cluster.transfer_ms(devs[s], devs[s + 1], sc.output[s]) if s + 1 < len(devs) else 0.0
-        for s in range(len(devs))
-    )
+    hop = hop_times(cluster, devs, sc.output, launch_ms)
     cap = tuple(float(cluster.memory_bytes - static[d]) for d in range(nd))
     job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
               wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap)

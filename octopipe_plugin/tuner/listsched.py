@@ -5,7 +5,7 @@ picks among the actions whose inputs have arrived, following its own policy (war
 depth, fused B or split I/W, when to run deferred W work, which chunk first). Because a
 decision is taken only once every action that could deliver an input earlier has been
 committed, each action starts at max(device free, inputs ready) -- exactly the reference
-semantics of FORMATS.md -- so the simulator replays the order to the same times.
+semantics of docs/formats.md -- so the simulator replays the order to the same times.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-from ..schedules.actions import Action, Kind
+from ..actions import RULES, Action, Flow, Kind
+from ..simulator.costs import kind_durations
+from ..simulator.memory import activation_changes, per_microbatch
 
 INF = float("inf")
 
@@ -70,7 +72,7 @@ class Job:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     activation: tuple[int, ...]
-    hop: tuple[float, ...]  # transfer time over the boundary s -> s+1 (0 on one device)
+    hop: tuple[float | None, ...]  # transfer time over the boundary s -> s+1 (None on one device): hop_times
     act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
 
 
@@ -88,14 +90,21 @@ class _Scheduler:
         self.ns, self.m, self.nd = ns, m, nd
         self.stages_of = [[s for s in range(ns) if job.devices[s] == d] for d in range(nd)]
         self.low = [st[0] if st else -1 for st in self.stages_of]
+        # what each kind costs and does to live memory, from the kind table
+        self.dur = kind_durations(job)
+        self.change = activation_changes(job.activation)
+        held = per_microbatch(job.activation)
         # room kept free when a new micro-batch enters a device, so its later chunks can still run there
-        self.headroom = [sum(job.activation[s] for s in st[1:]) for st in self.stages_of]
+        self.headroom = [sum(held[s] for s in st[1:]) for st in self.stages_of]
         self.f_end = [-1.0] * (ns * m)
         self.act_arr = [-1.0] * (ns * m)
         self.grad_arr = [-1.0] * (ns * m)
         for mb in range(m):
             self.act_arr[mb] = 0.0
             self.grad_arr[(ns - 1) * m + mb] = 0.0
+        # where each kind's end time and output land (the table's `after` and `sends`)
+        self.ends = {Kind.F: self.f_end}
+        self.arrivals = {Flow.ACT: self.act_arr, Flow.GRAD: self.grad_arr}
         self.next_f = [0] * ns
         self.next_b = [0] * ns
         self.free = [0.0] * nd
@@ -151,7 +160,7 @@ class _Scheduler:
                 entry = s == self.low[d]
                 if entry and self.inflight[d] >= self.pol.depth[d]:
                     continue
-                if self.live[d] + job.activation[s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
+                if self.live[d] + self.change[Kind.F][s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
                     blocked = True
                     continue
                 out.append((a, s))
@@ -167,7 +176,7 @@ class _Scheduler:
             return (t0, Kind.W, -1)
         nxt = min([r for r, _ in bw] + [r for r, _ in fw], default=INF)
         if nxt > t0 and wq:
-            w_dur = self.job.wgrad[wq[0][0]]
+            w_dur = self.dur[Kind.W][wq[0][0]]
             if self.pol.w_fill is WFill.ALWAYS or nxt == INF or nxt - t0 >= w_dur:
                 return (t0, Kind.W, -1)
         if nxt == INF:
@@ -190,38 +199,33 @@ class _Scheduler:
 
     def _commit(self, d, t, kind, s):
         job, m = self.job, self.m
-        touched = {d}
         if kind is Kind.W:
             s, mb = self.wq[d].popleft()
-            end = t + job.wgrad[s]
-            self.live[d] -= job.activation[s]
         elif kind is Kind.F:
             mb = self.next_f[s]
             self.next_f[s] += 1
-            end = t + job.fwd[s]
-            idx = s * m + mb
-            self.f_end[idx] = end
-            self.live[d] += job.activation[s]
             if s == self.low[d]:
                 self.inflight[d] += 1
-            if s + 1 < self.ns:
-                self.act_arr[idx + m] = end + job.hop[s]
-                touched.add(job.devices[s + 1])
         else:
             mb = self.next_b[s]
             self.next_b[s] += 1
             kind = self._backward_kind(d, s)
-            if kind is Kind.B:
-                end = t + job.bwd[s] + job.wgrad[s]
-                self.live[d] -= job.activation[s]
-            else:
-                end = t + job.bwd[s]
-                self.wq[d].append((s, mb))
+            if kind is Kind.I:
+                self.wq[d].append((s, mb))  # its W (which runs after it) is placed later on this device
             if s == self.low[d]:
                 self.inflight[d] -= 1
-            if s > 0:
-                self.grad_arr[(s - 1) * m + mb] = end + job.hop[s - 1]
-                touched.add(job.devices[s - 1])
+        end = t + self.dur[kind][s]
+        self.live[d] += self.change[kind][s]
+        idx = s * m + mb
+        ends = self.ends.get(kind)
+        if ends is not None:
+            ends[idx] = end
+        touched = {d}
+        flow = RULES[kind].sends
+        if flow is not None and 0 <= s + flow.step < self.ns:
+            h = job.hop[min(s, s + flow.step)]
+            self.arrivals[flow][idx + flow.step * m] = end if h is None else end + h
+            touched.add(job.devices[s + flow.step])
         self.out[d].append(Action(s, kind, mb))
         self.free[d] = end
         for e in touched:

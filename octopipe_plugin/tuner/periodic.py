@@ -19,16 +19,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..schedules.actions import Action, Kind
+from ..actions import CODE, KINDS, Action
 from .listsched import Policy
-
-KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
-_CODE = {k: i for i, k in enumerate(KINDS)}
 
 
 def encode(row) -> np.ndarray:
     """A device's actions as an (n, 3) int64 array of stage, kind code and micro-batch."""
-    code = _CODE
+    code = CODE
     flat = [x for a in row for x in (a.stage, code[a.kind], a.microbatch)]
     return np.asarray(flat, dtype=np.int32).reshape(-1, 3)
 

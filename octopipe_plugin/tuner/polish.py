@@ -16,7 +16,7 @@ from .evaluate import Evaluator, Outcome
 
 def critical_slots(ev: Evaluator, plan) -> list[tuple[int, int]]:
     """(device, position) of critical-path actions that their device's previous action held back."""
-    res = simulate(ev.model, ev.cluster, plan, detail=True)
+    res = simulate(ev.model, ev.cluster, plan, ev.options, detail=True)
     ev.work += 3 * sum(len(r) for r in plan.schedule)
     pos = {a: (d, i) for d, row in enumerate(plan.schedule) for i, a in enumerate(row)}
     out = []

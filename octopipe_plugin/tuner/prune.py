@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..formats.plan import Plan
-from ..schedules.actions import Action
+from ..actions import Action
 
 
 def drop_empty_stages(plan: Plan) -> Plan:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import OutOfMemoryError
 from ..formats import validate_plan
-from ..simulator import simulate
+from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
@@ -149,8 +149,10 @@ class _InHand:
 
 
 def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
-         iterations: int | None = None, progress=None) -> TuneResult:
+         iterations: int | None = None, progress=None, options: SimOptions | None = None) -> TuneResult:
     """Search partition, placement and per-device schedule for the fastest plan that fits memory.
+
+    `options` are the simulator switches plans are judged by (the list scheduler plans with the same).
 
     Anytime: the fastest fitting built-in is in hand first and every later plan only replaces
     it when faster; Ctrl-C (KeyboardInterrupt) ends the search and returns the plan in hand.
@@ -159,7 +161,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     """
     t0 = time.monotonic()
     nd = cluster.num_devices
-    ev = Evaluator(model, cluster, num_microbatches)
+    ev = Evaluator(model, cluster, num_microbatches, options=options)
     evs = ev.at(search_count(num_microbatches, nd))
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
                      deadline=t0 + time_budget_s, seconds=time_budget_s)
@@ -359,11 +361,11 @@ def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> Tune
 
 def _without_empty_stages(ev, plan):
     """Prefer the plan without empty stages when it is no slower and still fits (it never needs more memory)."""
-    res = simulate(ev.model, ev.cluster, plan, detail=False)
+    res = simulate(ev.model, ev.cluster, plan, ev.options, detail=False)
     pruned = drop_empty_stages(plan)
     if pruned is plan:
         return plan, res
-    res_p = simulate(ev.model, ev.cluster, pruned, detail=False)
+    res_p = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
     if res_p.step_time_ms <= res.step_time_ms and max(res_p.peak_memory_bytes) <= ev.cluster.memory_bytes:
         return pruned, res_p
     return plan, res

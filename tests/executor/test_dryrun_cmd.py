@@ -10,7 +10,7 @@ from octopipe_plugin.executor import ExecutorError
 from octopipe_plugin.executor.plans import make_plan
 from octopipe_plugin.executor.standin import SleepStages, StandInCosts
 from octopipe_plugin.formats import Layer, Model, write_model, write_plan
-from octopipe_plugin.schedules.actions import parse_schedule
+from octopipe_plugin.actions import parse_schedule
 from octopipe_plugin.schedules.registry import build_plan
 
 

@@ -14,7 +14,7 @@ from octopipe_plugin.executor.plans import make_plan, placement, random_plan, sa
 from octopipe_plugin.executor.toy import (
     ToySpec, boundary_metas, build_layers, loss_fn, microbatch, reference_step, stage_modules,
 )
-from octopipe_plugin.schedules.actions import parse_schedule
+from octopipe_plugin.actions import parse_schedule
 from octopipe_plugin.schedules.messages import MsgKind
 
 

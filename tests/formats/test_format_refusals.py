@@ -146,7 +146,7 @@ def test_cli_bad_file_exits_nonzero_without_traceback_in_a_real_process(tmp_path
 def test_plan_built_in_code_with_a_gap_or_overlap_is_refused(ranges, message):
     from octopipe_plugin.errors import PlanError
     from octopipe_plugin.formats import Plan, Stage, validate_plan
-    from octopipe_plugin.schedules.actions import B, F
+    from octopipe_plugin.actions import B, F
 
     stages = tuple(Stage(start=a, end=b, device=i) for i, (a, b) in enumerate(ranges))
     sched = tuple((F(i, 0), B(i, 0)) for i in range(len(ranges)))

@@ -11,7 +11,7 @@ from octopipe_plugin.formats import (
     Layer, Model, Plan, Stage, model_from_dict, model_to_dict, plan_to_dict, read_cluster, read_model, read_plan,
     write_cluster, write_model, write_plan,
 )
-from octopipe_plugin.schedules.actions import parse_schedule
+from octopipe_plugin.actions import parse_schedule
 
 
 def test_zoo_model_round_trips_with_branches_and_meta(tmp_path):

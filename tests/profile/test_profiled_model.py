@@ -25,8 +25,11 @@ FAST = ProfileSettings(device="cpu", warmup=0, repeats=2)
 def profiled(tmp_path_factory):
     """llama3-8b shrunk to a few small layers, profiled with plain-torch layers."""
     arch = load_arch("llama3-8b", **SMALL)
-    result = profile_arch(arch, builders(arch), settings=FAST)
-    path = tmp_path_factory.mktemp("prof") / "llama.json"
+    tmp = tmp_path_factory.mktemp("prof")
+    # module-scoped: set up before the per-test private cache, so name its own
+    settings = ProfileSettings(device="cpu", warmup=0, repeats=2, cache_dir=str(tmp / "cache"))
+    result = profile_arch(arch, builders(arch), settings=settings)
+    path = tmp / "llama.json"
     write_model(result.model, path)
     return result, path
 
@@ -95,3 +98,18 @@ def test_source_field_is_checked():
     assert model_to_dict(model_from_dict(doc))["layers"][0]["source"] == "measured"
     del doc["layers"][0]["source"]
     assert "source" not in model_to_dict(model_from_dict(doc))["layers"][0]
+
+
+def test_a_kind_that_fails_to_build_falls_back_with_its_reason():
+    arch = load_arch("llama3-8b", **SMALL)
+    make = dict(builders(arch))
+
+    def broken():
+        raise RuntimeError("kernel not installed")
+
+    make["lm_head"] = broken
+    result = profile_arch(arch, make, settings=FAST)
+    head = result.model.layers[-1]
+    assert head.source == "analytic" and head.fwd_ms > 0
+    assert result.model.meta["profile"]["failed_kinds"] == {"lm_head": "RuntimeError: kernel not installed"}
+    assert result.model.meta["profile"]["analytic_kinds"] == ["lm_head"]

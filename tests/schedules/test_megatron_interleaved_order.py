@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from octopipe_plugin.schedules.actions import B, F
+from octopipe_plugin.actions import B, F
 from octopipe_plugin.schedules.generators import interleaved_1f1b, megatron_group_size, one_f_one_b
 from octopipe_plugin.schedules.placement import looped
 

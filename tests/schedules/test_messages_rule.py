@@ -1,7 +1,7 @@
 """The per-peer message rule: which messages a plan implies and their order."""
 
 from octopipe_plugin.formats import Plan, Stage
-from octopipe_plugin.schedules.actions import B, F, I, W
+from octopipe_plugin.actions import B, F, I, W
 from octopipe_plugin.schedules.messages import MsgKind, messages_by_action, plan_messages
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from octopipe_plugin.errors import OctoPipeError, PlanError
 from octopipe_plugin.formats import Cluster, Layer, Link, Model, validate_plan
-from octopipe_plugin.schedules.actions import Kind
+from octopipe_plugin.actions import Kind
 from octopipe_plugin.schedules.generators import megatron_group_size
 from octopipe_plugin.schedules.placement import looped, v_shape
 from octopipe_plugin.schedules.registry import SCHEDULES, build_plan, get_schedule

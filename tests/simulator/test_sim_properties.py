@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from octopipe_plugin.errors import DeadlockError
 from octopipe_plugin.formats import Cluster, Layer, Link, Model, Plan, Stage, validate_plan
-from octopipe_plugin.schedules.actions import Action, Kind
+from octopipe_plugin.actions import Action, Kind
 from octopipe_plugin.schedules.messages import plan_messages
 from octopipe_plugin.simulator import SimOptions, simulate
 

@@ -11,7 +11,7 @@ import pytest
 
 from octopipe_plugin.errors import DeadlockError
 from octopipe_plugin.formats import Cluster, Layer, Link, Model, Plan, Stage
-from octopipe_plugin.schedules.actions import parse_schedule
+from octopipe_plugin.actions import parse_schedule
 from octopipe_plugin.schedules.registry import build_plan
 from octopipe_plugin.simulator import SimOptions, simulate
 

@@ -18,7 +18,7 @@ import pytest
 
 from octopipe_plugin.errors import DeadlockError
 from octopipe_plugin.formats import Model, Plan, Stage
-from octopipe_plugin.schedules.actions import Action, Kind
+from octopipe_plugin.actions import Action, Kind
 from octopipe_plugin.simulator import simulate
 from octopipe_plugin.tuner import tune
 

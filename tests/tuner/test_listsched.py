@@ -28,7 +28,7 @@ def _plan(model, cl, m, layout, policy):
 
 
 def test_fused_depth_p_minus_r_is_1f1b():
-    """With fused backwards and warm-up depth p-r the greedy order is 1F1B: (m+p-1)(F+B) = 33 ms (FORMATS.md)."""
+    """With fused backwards and warm-up depth p-r the greedy order is 1F1B: (m+p-1)(F+B) = 33 ms (docs/formats.md)."""
     model = Model(name="w", layers=tuple(
         Layer(name=f"l{i}", kind="dense", fwd_ms=1.0, bwd_ms=1.5, wgrad_ms=0.5, state_bytes=0, activation_bytes=1,
               output_bytes=0) for i in range(4)))

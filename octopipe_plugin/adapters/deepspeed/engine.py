@@ -27,7 +27,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor, TensorMeta
 from ...formats import plan_to_dict
-from ...schedules.actions import Action, Kind
+from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
 from .config import check_microbatches
 from .module import OctoPipePipelineModule

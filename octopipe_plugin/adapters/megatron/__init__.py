@@ -1,4 +1,14 @@
-"""Megatron-LM adapter: express an OctoPipe plan's stages in Megatron's own layout arguments."""
+"""Megatron-LM adapter: layout strings, plan -> chunks for any placement, the OctoPipe schedule.
+
+Submodules import megatron lazily (inside functions), so the layout conversions work where
+Megatron is not installed:
+- `layout`: a plan's stages as Megatron's own layout arguments (round-robin plans only);
+- `placement`: which layers each (rank, virtual stage) builds under any plan (`chunk_specs`,
+  `mapped_layout`, `plan_model_provider`, `plan_pipeline_view`);
+- `embeddings`: tied word embeddings and MTP copies under any placement;
+- `schedule`: `make_forward_backward_func(plan)` / `get_forward_backward_func_for(plan)`;
+- `stages`: the executor's StageRunner over Megatron chunks; `wgrad`: real I/W split of Megatron's linears.
+"""
 
 from .layout import (
     hybrid_pattern_to_boundaries,
@@ -7,6 +17,8 @@ from .layout import (
     plan_to_hybrid_pattern,
     plan_to_layout,
 )
+from .placement import ChunkSpec, chunk_specs, mapped_layout, plan_model_provider, plan_pipeline_view
 
-__all__ = ["hybrid_pattern_to_boundaries", "layout_to_boundaries", "megatron_launch_args",
-           "plan_to_hybrid_pattern", "plan_to_layout"]
+__all__ = ["ChunkSpec", "chunk_specs", "hybrid_pattern_to_boundaries", "layout_to_boundaries", "mapped_layout",
+           "megatron_launch_args", "plan_model_provider", "plan_pipeline_view", "plan_to_hybrid_pattern",
+           "plan_to_layout"]

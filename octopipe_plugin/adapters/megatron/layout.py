@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ...errors import OctoPipeError, PlanError
+from ...formats.ranges import stage_range_problem
 
 GPT_SYMBOLS = MappingProxyType(
     {"embedding": "E", "dense": "t", "dense_local": "t", "moe": "t", "mtp": "m", "lm_head": "L"})
@@ -155,9 +156,9 @@ def _hybrid_symbols(model) -> list[str]:
 
 def _check_ends(plan, model) -> None:
     """Embedding in stage 0 and LM head in the last stage: where pre/post_process build them."""
-    if plan.stages[-1].end != model.num_layers:
-        raise PlanError(f"plan covers layers [0, {plan.stages[-1].end}) but model {model.name!r} has "
-                        f"{model.num_layers}")
+    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
+    if problem is not None:
+        raise PlanError(f"model {model.name!r}: {problem.message}")
     last = plan.num_stages - 1
     for i, layer in enumerate(model.layers):
         where = _ENDS.get(layer.kind)

@@ -1,0 +1,242 @@
+"""How far the simulator is from reality: real small models through the executor against its prediction.
+
+Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10] [--models dense,moe,heavy-head]
+
+Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
+a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
+shared one), and one with a heavy LM head (large vocabulary). Each distinct layer is profiled on
+this machine with one thread (octopipe_plugin.profile: F, I and W with the executor's split
+backward); the link between the two local ranks is measured by a gloo ping-pong. Then each plan
+(1F1B, interleaved 1F1B with two stages per device, ZB-V, and the tuner's plan for the profiled
+model) runs through the executor on 2 local processes, one thread each (this machine has 2
+cores), and its median step time is printed next to the simulator's prediction from the profiled
+costs, with the ranking of the plans by each. Last line:
+`worst deviation X.X% over N plans, ranking kept: yes|no`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from octopipe_plugin.costs import load_arch  # noqa: E402
+from octopipe_plugin.costs.arch import layer_plan  # noqa: E402
+from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor  # noqa: E402
+from octopipe_plugin.executor.interface import TensorMeta  # noqa: E402
+from octopipe_plugin.executor.launch import init_gloo, spawn  # noqa: E402
+from octopipe_plugin.executor.torch_stage import TorchStages  # noqa: E402
+from octopipe_plugin.formats import Cluster, Link, plan_from_dict, plan_to_dict  # noqa: E402
+from octopipe_plugin.formats.model import model_from_dict, model_to_dict  # noqa: E402
+from octopipe_plugin.profile import ProfileSettings  # noqa: E402
+from octopipe_plugin.profile.arch_profile import profile_arch  # noqa: E402
+from octopipe_plugin.profile.device import device_name  # noqa: E402
+from octopipe_plugin.profile.torch_layers import builders, token_input  # noqa: E402
+from octopipe_plugin.schedules.registry import build_plan  # noqa: E402
+from octopipe_plugin.simulator import simulate  # noqa: E402
+from octopipe_plugin.tuner.search import tune  # noqa: E402
+
+DEVICES = 2  # no more processes than cores
+COMMON = dict(hidden=256, ffn=704, heads=8, kv_heads=2, head_dim=0, seq_len=256, micro_batch_size=1, tp=1, dp=1,
+              num_layers=8, vocab=4096, dtype_bytes=4)
+MODELS = {
+    "dense": ("llama3-8b", COMMON),
+    "moe": ("deepseek-v3-mini", {**COMMON, "num_experts": 8, "top_k": 2, "shared_experts": 1, "moe_ffn": 352,
+                                 "first_dense_layers": 1, "moe_layer_freq": 1, "mtp_depth": 0}),
+    "heavy-head": ("llama3-8b", {**COMMON, "vocab": 16384}),
+}
+
+
+def arch_of(label: str):
+    """The small architecture of one benchmark model."""
+    base, fields = MODELS[label]
+    return dataclasses.replace(load_arch(base, **fields), name=label)
+
+
+def build_layers(arch) -> list[torch.nn.Module]:
+    """Every layer of the model in order, seeded so every rank builds the same weights."""
+    make = builders(arch)
+    torch.manual_seed(0)
+    return [make[kind]() for _, kind in layer_plan(arch)]
+
+
+# ---------------------------------------------------------------- everything inside the two ranks
+
+def _ping_pong(rank: int, nbytes: int, rounds: int = 25) -> float:
+    """Median round-trip seconds of an `nbytes` message between ranks 0 and 1."""
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    samples = []
+    for i in range(rounds):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        if i >= 5:
+            samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def measure_link(rank: int, nbytes: int) -> Link:
+    """Latency and bandwidth of one transfer between the two local gloo ranks (ping-pong medians)."""
+    small = 4
+    rtt_small, rtt_big = _ping_pong(rank, small), _ping_pong(rank, nbytes)
+    per_byte = max((rtt_big - rtt_small) / 2 / nbytes, 1e-12)
+    return Link(bandwidth_gb_per_s=1.0 / per_byte / 1e9, latency_us=rtt_small / 2 * 1e6)
+
+
+def plans_for(model, cluster: Cluster, m: int, tune_s: float) -> list[tuple[str, object]]:
+    """1F1B, interleaved 1F1B (2 stages per device), ZB-V on the balanced split, 1F1B on Megatron's, the tuned plan."""
+    out = [("1f1b", build_plan(model, "1f1b", DEVICES, m, split="balanced")),
+           ("interleaved-1f1b", build_plan(model, "interleaved-1f1b", DEVICES, m, stages_per_device=2,
+                                           split="balanced")),
+           ("zb-v", build_plan(model, "zb-v", DEVICES, m, split="balanced")),
+           ("1f1b megatron-split", build_plan(model, "1f1b", DEVICES, m, split="megatron"))]
+    tuned = tune(model, cluster, m, time_budget_s=tune_s, seed=0)
+    out.append((f"tuned ({tuned.source})", tuned.plan))
+    return out
+
+
+def _runner(arch, layers, plan, rank: int) -> TorchStages:
+    ns = plan.num_stages
+    mods = {s: torch.nn.Sequential(*layers[plan.stages[s].start:plan.stages[s].end]) for s in plan.stages_of(rank)}
+    act = TensorMeta(shape=(arch.micro_batch_size, arch.seq_len, arch.hidden), dtype=torch.float32)
+    metas = tuple(act if s < ns - 1 else TensorMeta(shape=(), dtype=torch.float32) for s in range(ns))
+    tokens = token_input(arch)
+    return TorchStages(modules=mods, num_stages=ns, num_microbatches=plan.num_microbatches, metas=metas,
+                       load_input=lambda mb: tokens(torch.device("cpu")),
+                       loss_fn=lambda out, mb: out)  # the LM head already returns the mean token loss
+
+
+def _mean_model(models):
+    """The ranks' profiles averaged layer by layer (both ranks profiled at once, as both compute in a step)."""
+    first = models[0]
+    layers = tuple(dataclasses.replace(
+        ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")})
+        for ls in zip(*(m.layers for m in models)))
+    return dataclasses.replace(first, layers=layers)
+
+
+def _profile_and_plan(rank: int, label: str, cluster: Cluster, args) -> tuple[object, list]:
+    """Both ranks profile the model at once; rank 0 averages, tunes and builds the plans; all ranks get them."""
+    arch = arch_of(label)
+    settings = ProfileSettings(device="cpu", warmup=2, repeats=args.repeats, use_cache=args.cache, progress=False)
+    mine = profile_arch(arch, builders(arch), settings=settings).model
+    gathered = [None] * DEVICES
+    dist.all_gather_object(gathered, model_to_dict(mine))
+    box = [None]
+    if rank == 0:
+        model = _mean_model([model_from_dict(d) for d in gathered])
+        plans = plans_for(model, cluster, args.microbatches, args.tune_s)
+        box[0] = (model_to_dict(model), [(name, plan_to_dict(p)) for name, p in plans])
+    dist.broadcast_object_list(box, src=0)  # rank 1 waits here while rank 0 tunes
+    doc, plans = box[0]
+    return model_from_dict(doc), [(name, plan_from_dict(p)) for name, p in plans]
+
+
+def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    init_gloo(rank, world, port, timeout_s=900)
+    link = measure_link(rank, COMMON["seq_len"] * COMMON["hidden"] * 4)
+    cluster = Cluster(num_devices=DEVICES, devices_per_node=DEVICES, memory_bytes=16 << 30, intra_node=link,
+                      inter_node=link, name="local-gloo")
+    report = {"link": [link.latency_us, link.bandwidth_gb_per_s], "models": []}
+    for label in [m for m in args.models.split(",") if m]:
+        model, plans = _profile_and_plan(rank, label, cluster, args)
+        arch = arch_of(label)
+        layers = build_layers(arch)
+        runs = []
+        for _, plan in plans:
+            runner = _runner(arch, layers, plan, rank)
+            runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900))))
+        times: list[list[float]] = [[] for _ in plans]
+        # round-robin over the plans, so a busy spell of the shared machine hits every plan alike
+        for i in range(args.warmup + args.steps):
+            for k, (runner, ex) in enumerate(runs):
+                for p in (q for mod in runner.modules.values() for q in mod.parameters()):
+                    p.grad = None
+                dist.barrier()
+                t = time.perf_counter()
+                ex.run_step()
+                dist.barrier()
+                if i >= args.warmup:
+                    times[k].append(1000 * (time.perf_counter() - t))
+        report["models"].append({
+            "model": model_to_dict(model),
+            "rows": [{"plan": name, "stages": plan.num_stages, "steps_ms": ts,
+                      "measured_ms": statistics.median(ts),
+                      "predicted_ms": simulate(model, cluster, plan, detail=False).step_time_ms}
+                     for (name, plan), ts in zip(plans, times)]})
+    if rank == 0:
+        with open(os.path.join(out, "report.json"), "w") as fh:
+            json.dump(report, fh)
+    dist.destroy_process_group()
+
+
+def ranking(rows: list[dict], key: str) -> list[str]:
+    """Plan labels, fastest first."""
+    return [r["plan"] for r in sorted(rows, key=lambda r: r[key])]
+
+
+def main() -> None:
+    """Profile, plan, run, and print measured against predicted step time per model and plan."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per plan (the median is kept)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per plan first")
+    ap.add_argument("--repeats", type=int, default=10, help="profiler repeats per distinct layer")
+    ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
+    ap.add_argument("--cache", action="store_true", help="reuse cached profiles (default: measure under today's load)")
+    args = ap.parse_args()
+    load0, t0 = os.getloadavg(), time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_worker, DEVICES, args, tmp)
+        with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
+            report = json.load(fh)
+    load1 = os.getloadavg()
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each, {args.microbatches} micro-batches, median of "
+          f"{args.steps} steps after {args.warmup} (plans interleaved step by step); profile: both ranks at once, "
+          f"median of {args.repeats} per distinct layer")
+    torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
+    print(f"machine: {device_name(torch.device('cpu'))} per rank, {os.cpu_count()} cores; load average "
+          f"{load0[0]:.2f} before, {load1[0]:.2f} after ({time.time() - t0:.0f} s)")
+    lat, bw = report["link"]
+    print(f"link (gloo ping-pong): latency {lat:.0f} us, bandwidth {bw:.2f} GB/s")
+    worst, n, kept = 0.0, 0, True
+    for entry in report["models"]:
+        model, rows = model_from_dict(entry["model"]), entry["rows"]
+        kinds = {}
+        for l in model.layers:
+            kinds.setdefault(l.kind, l)
+        desc = ", ".join(f"{k} {l.fwd_ms:.1f}/{l.bwd_ms:.1f}/{l.wgrad_ms:.1f}" for k, l in kinds.items())
+        print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W ms: {desc}")
+        print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'measured ms':>13}{'deviation':>11}{'step spread':>13}")
+        for r in rows:
+            dev = (r["measured_ms"] - r["predicted_ms"]) / r["predicted_ms"]
+            worst, n = max(worst, abs(dev)), n + 1
+            spread = (max(r["steps_ms"]) - min(r["steps_ms"])) / r["measured_ms"]
+            print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['measured_ms']:>13.1f}"
+                  f"{100 * dev:>+10.1f}%{100 * spread:>12.1f}%")
+        by_meas, by_pred = ranking(rows, "measured_ms"), ranking(rows, "predicted_ms")
+        same = by_meas == by_pred
+        kept = kept and same
+        print(f"  ranking by measured : {' < '.join(by_meas)}")
+        print(f"  ranking by predicted: {' < '.join(by_pred)}  ({'same' if same else 'differs'})")
+    print(f"\nworst deviation {100 * worst:.1f}% over {n} plans, ranking kept: {'yes' if kept else 'no'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The plan IR: `Action(stage, kind, microbatch)`, written `3F12`, and the one table of action kinds.
+
+`RULES` says, for every kind, what it waits for, what it hands on and what it does to the
+stage's live activation. The simulator, the tuner's list scheduler, the message lowering,
+the executor's program and the plan validator all read it, so adding a kind means one new
+`Kind` member and one `RULES` entry (see docs/formats.md, "Reference execution semantics").
+
+A leaf module: it imports nothing from the package, so formats and schedules both build on
+it without importing each other.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+class Kind(str, enum.Enum):
+    """F forward, B fused backward, I input-gradient backward, W weight-gradient backward."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the letter is the notation
+    W = "W"
+
+
+class Flow(str, enum.Enum):
+    """What crosses a stage boundary: activations go to the next stage, gradients to the previous one."""
+
+    ACT = "act"
+    GRAD = "grad"
+
+    @property
+    def step(self) -> int:
+        """+1 when the flow goes from stage s to s+1, -1 when it goes to s-1."""
+        return 1 if self is Flow.ACT else -1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KindRule:
+    """What an action of one kind on stage s and micro-batch m waits for, hands on and holds."""
+
+    kind: Kind
+    noun: str  # how messages name it: "its own forward 3F12"
+    receives: Flow | None  # input from stage s - receives.step (none at the pipeline's end it would come from)
+    after: Kind | None  # the action of stage s on micro-batch m that must have ended first
+    sends: Flow | None  # output to stage s + sends.step (none past the pipeline's end)
+    cost: tuple[str, ...]  # per-stage cost fields (fwd, bwd, wgrad) summed for its duration
+    activation: int  # +1: the stage's activation of m becomes live; -1: it is freed; 0: unchanged
+    phase: str  # every (stage, micro-batch) runs each phase once, in exactly one of its forms
+    form: str  # the set of kinds that together run the phase
+
+
+RULES: Mapping[Kind, KindRule] = MappingProxyType({
+    Kind.F: KindRule(kind=Kind.F, noun="forward", receives=Flow.ACT, after=None, sends=Flow.ACT,
+                     cost=("fwd",), activation=1, phase="forward", form="forward"),
+    # B waits for its stage's own F (autograd needs the saved activation) and the next stage's gradient
+    Kind.B: KindRule(kind=Kind.B, noun="backward", receives=Flow.GRAD, after=Kind.F, sends=Flow.GRAD,
+                     cost=("bwd", "wgrad"), activation=-1, phase="backward", form="fused"),
+    # I is B without the weight gradient: it keeps the activation, which W still reads
+    Kind.I: KindRule(kind=Kind.I, noun="input-gradient", receives=Flow.GRAD, after=Kind.F, sends=Flow.GRAD,
+                     cost=("bwd",), activation=0, phase="backward", form="split"),
+    Kind.W: KindRule(kind=Kind.W, noun="weight-gradient", receives=None, after=Kind.I, sends=None,
+                     cost=("wgrad",), activation=-1, phase="backward", form="split"),
+})
+
+
+# Integer code of each kind (its position in Kind), for compact encodings of long schedules.
+KINDS: tuple[Kind, ...] = tuple(Kind)
+CODE: Mapping[Kind, int] = MappingProxyType({k: i for i, k in enumerate(KINDS)})
+
+
+def forms() -> dict[str, dict[str, tuple[Kind, ...]]]:
+    """phase -> form -> the kinds that together run it (e.g. backward: fused (B,) or split (I, W))."""
+    out: dict[str, dict[str, tuple[Kind, ...]]] = {}
+    for rule in RULES.values():
+        group = out.setdefault(rule.phase, {})
+        group[rule.form] = group.get(rule.form, ()) + (rule.kind,)
+    return out
+
+
+def receivers(flow: Flow) -> tuple[Kind, ...]:
+    """The kinds that consume `flow` from a neighbouring stage (ACT: F; GRAD: B or I)."""
+    return tuple(k for k, r in RULES.items() if r.receives is flow)
+
+
+def senders(flow: Flow) -> tuple[Kind, ...]:
+    """The kinds that produce `flow` for a neighbouring stage (ACT: F; GRAD: B or I)."""
+    return tuple(k for k, r in RULES.items() if r.sends is flow)
+
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Z])\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    """One compute action of a device: run `kind` of `stage` on `microbatch`."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """Parse `3F12`; raises ValueError naming the text when it does not parse."""
+        match = _ACTION_RE.match(text) if isinstance(text, str) else None
+        if match is None or match.group(2) not in Kind.__members__:
+            letters = "|".join(k.value for k in Kind)
+            raise ValueError(f"action {text!r} does not parse: expected <stage><{letters}><microbatch>, e.g. '3F12'")
+        return Action(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+
+    @property
+    def rule(self) -> KindRule:
+        """The table entry of this action's kind."""
+        return RULES[self.kind]
+
+    def input_stage(self, num_stages: int) -> int | None:
+        """The stage whose output this action consumes, or None (pipeline end, or a kind that receives nothing)."""
+        flow = RULES[self.kind].receives
+        if flow is None:
+            return None
+        src = self.stage - flow.step
+        return src if 0 <= src < num_stages else None
+
+    def output_stage(self, num_stages: int) -> int | None:
+        """The stage this action's output goes to, or None (pipeline end, or a kind that sends nothing)."""
+        flow = RULES[self.kind].sends
+        if flow is None:
+            return None
+        dst = self.stage + flow.step
+        return dst if 0 <= dst < num_stages else None
+
+
+def F(stage: int, mb: int) -> Action:
+    """Shorthand for a forward action."""
+    return Action(stage, Kind.F, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    """Shorthand for a fused backward action."""
+    return Action(stage, Kind.B, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: E741, E743
+    """Shorthand for an input-gradient backward action."""
+    return Action(stage, Kind.I, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    """Shorthand for a weight-gradient backward action."""
+    return Action(stage, Kind.W, mb)
+
+
+def format_schedule(schedule) -> list[list[str]]:
+    """Per-device action lists as strings (the plan file's `schedule`)."""
+    return [[str(a) for a in dev] for dev in schedule]
+
+
+def parse_schedule(rows) -> tuple[tuple[Action, ...], ...]:
+    """Per-device lists of action strings to a tuple of Action tuples."""
+    return tuple(tuple(Action.parse(a) for a in dev) for dev in rows)
+
+
+def render_grid(schedule, mark: dict[int, int] | None = None, width: int | None = None) -> str:
+    """Draw per-device action lists as a text grid; `mark[d] = i` brackets action i of device d."""
+    mark = mark or {}
+    cells = [[str(a) for a in dev] for dev in schedule]
+    for d, i in mark.items():
+        if 0 <= i < len(cells[d]):
+            cells[d][i] = f"[{cells[d][i]}]"
+    w = max([len(c) for row in cells for c in row] + [3])
+    lines = []
+    for d, row in enumerate(cells):
+        shown = row if width is None else row[:width]
+        more = "" if width is None or len(row) <= width else f" ... (+{len(row) - width})"
+        lines.append(f"dev{d:<3}| " + " ".join(c.rjust(w) for c in shown) + more)
+    return "\n".join(lines)

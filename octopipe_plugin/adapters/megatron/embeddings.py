@@ -1,0 +1,93 @@
+"""Tied word embeddings (and MTP's embedding copy) under any stage->rank map.
+
+Megatron keeps one copy of the word-embedding weight per chunk that needs it (the
+embedding chunk, the LM-head chunk when tied, the MTP chunk), initialises the copies by an
+all-reduce over the embedding group {first pp rank, last pp rank} and sums their
+gradients over that group after each step. Under a plan, the copies live on the ranks the
+plan chooses — under a V-shape the embedding and the LM head are two chunks of rank 0, and
+Megatron's construction all-reduce over {0, P-1} waits forever for rank P-1.
+
+`embedding_ranks_fn(plan, model)` gives `initialize_model_parallel(get_embedding_ranks=...)`
+the ranks that really hold copies; copies that share a rank are tied here, locally:
+`tie_local_copies` copies the embedding into them after construction and
+`sum_local_grads` sums their main_grads before Megatron's finalize step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...errors import OctoPipeError
+from .placement import stage_symbols
+
+
+def copy_ranks(plan, model, tied: bool) -> list[int]:
+    """Pipeline ranks holding a word-embedding copy: embedding, MTP, and (when tied) the LM head, in model order."""
+    syms = stage_symbols(plan, model)
+    ranks = []
+    for s, st in enumerate(plan.stages):
+        if "E" in syms[s] or "m" in syms[s] or (tied and "L" in syms[s]):
+            if st.device not in ranks:
+                ranks.append(st.device)
+    return ranks
+
+
+def embedding_ranks_fn(plan, model, tied: bool):
+    """`get_embedding_ranks` for initialize_model_parallel: the ranks holding copies under `plan`."""
+    ranks = copy_ranks(plan, model, tied)
+    if len(ranks) > 1 and (ranks[0] != min(ranks) or ranks[-1] != max(ranks)):
+        raise OctoPipeError(f"plan puts the word-embedding copies on pipeline ranks {ranks} (model order); Megatron's "
+                            "embedding group needs the embedding on its lowest rank and the LM head on its highest")
+
+    def get_embedding_ranks(pp_ranks, *unused):
+        return [pp_ranks[r] for r in sorted(ranks)]
+
+    return get_embedding_ranks
+
+
+def _copies(model: Sequence[torch.nn.Module]) -> tuple[torch.nn.Parameter | None, list[torch.nn.Parameter]]:
+    """(the embedding chunk's weight, the other local copies) among this rank's chunks."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    source, others = None, []
+    for chunk in model:
+        inner = get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight", return_model_obj=True)
+        if inner is None:
+            continue
+        tied = inner.share_embeddings_and_output_weights and inner.post_process
+        if not (inner.pre_process or tied or getattr(inner, "mtp_process", False)):
+            continue
+        weight = inner.shared_embedding_or_output_weight()
+        if weight is None:
+            continue
+        if inner.pre_process:
+            source = weight
+        elif all(weight is not o for o in others):
+            others.append(weight)
+    return source, others
+
+
+def tie_local_copies(model: Sequence[torch.nn.Module]) -> int:
+    """Copy the embedding chunk's weight into the other copies on this rank (Megatron zero-fills them)."""
+    source, others = _copies(model)
+    if source is None:
+        return 0
+    with torch.no_grad():
+        for w in others:
+            w.copy_(source)
+    return len(others)
+
+
+def sum_local_grads(model: Sequence[torch.nn.Module]) -> None:
+    """Sum the main_grads of the copies held by this rank and give every copy the sum."""
+    source, others = _copies(model)
+    if source is None or not others:
+        return
+    grads = [getattr(w, "main_grad", None) for w in (source, *others)]
+    if any(g is None for g in grads):
+        return
+    total = torch.stack(grads).sum(0)
+    for g in grads:
+        g.copy_(total)

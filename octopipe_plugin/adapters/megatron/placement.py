@@ -1,0 +1,209 @@
+"""Plan -> Megatron model chunks for any stage->rank map (looped, V-shape, irregular).
+
+Megatron builds chunk `vp_stage` of pipeline rank r from a round-robin table (stage
+i = r + vp_stage * P) and derives layer offsets, `pre_process` / `post_process`, MTP
+placement and the tied-embedding group from that assumption. Here the plan decides:
+chunk v of rank r is the v-th stage (in model order) that the plan places on r, its
+decoder layers keep their global numbers (so checkpoint keys match any other split),
+`pre_process` holds where the plan puts the embedding and `post_process` where it puts
+the LM head and loss.
+
+Public entry points (used by the launch integration):
+- `chunk_specs(plan, model, rank)` -> one `ChunkSpec` per chunk of `rank`;
+- `mapped_layout(plan, model)` -> a `MappedLayout` for `TransformerConfig.pipeline_model_parallel_layout`;
+- `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
+- `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
+  answer for the plan (get_batch's labels, MTP, get_model's pre/post flags).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from ...errors import OctoPipeError
+from .layout import GPT_SYMBOLS, EXECUTOR_HINT  # noqa: F401  (EXECUTOR_HINT re-exported for messages)
+
+_DECODER = "t"
+_MTP = "m"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkSpec:
+    """What one (rank, virtual stage) chunk builds under a plan."""
+
+    stage: int  # the plan's stage index
+    vp_stage: int  # position among the rank's chunks (model order) = Megatron's vp_stage
+    layers: tuple[int, int]  # the plan's layer range [start, end) in the model graph
+    decoder: tuple[int, int]  # global 0-based decoder layer numbers [start, end)
+    mtp: tuple[int, int]  # global 0-based MTP layer numbers [start, end)
+    pre_process: bool  # builds the embedding (input of the pipeline)
+    post_process: bool  # builds the final norm, LM head and loss
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """Decoder layers the chunk builds."""
+        return self.decoder[1] - self.decoder[0]
+
+
+def stage_symbols(plan, model) -> list[list[str]]:
+    """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds."""
+    if plan.stages[-1].end != model.num_layers:
+        raise OctoPipeError(f"plan covers layers [0, {plan.stages[-1].end}) but model {model.name!r} has "
+                            f"{model.num_layers}")
+    symbols = []
+    for i, layer in enumerate(model.layers):
+        sym = GPT_SYMBOLS.get(layer.kind)
+        if sym is None:
+            raise OctoPipeError(f"model {model.name!r} layer {i} ({layer.name!r}) has kind {layer.kind!r}; a Megatron "
+                                f"GPTModel chunk can hold only {sorted(GPT_SYMBOLS)}")
+        symbols.append(sym)
+    out = [symbols[st.start:st.end] for st in plan.stages]
+    if "E" not in out[0]:
+        raise OctoPipeError("plan: the embedding must sit in stage 0 (the stage that reads the batch); "
+                            f"stage 0 holds layers {plan.stages[0].start}..{plan.stages[0].end - 1}")
+    if "L" not in out[-1]:
+        raise OctoPipeError(f"plan: the lm_head must sit in the last stage ({plan.num_stages - 1}), where the loss is "
+                            "computed")
+    return out
+
+
+def chunk_specs(plan, model, rank: int) -> list[ChunkSpec]:
+    """The chunks `rank` builds under `plan`, in vp_stage order (one per stage the plan places on it)."""
+    syms = stage_symbols(plan, model)
+    dec_before, mtp_before = [0], [0]
+    for s in syms:
+        dec_before.append(dec_before[-1] + s.count(_DECODER))
+        mtp_before.append(mtp_before[-1] + s.count(_MTP))
+    out = []
+    for v, s in enumerate(plan.stages_of(rank)):
+        st = plan.stages[s]
+        out.append(ChunkSpec(stage=s, vp_stage=v, layers=(st.start, st.end),
+                             decoder=(dec_before[s], dec_before[s + 1]), mtp=(mtp_before[s], mtp_before[s + 1]),
+                             pre_process="E" in syms[s], post_process="L" in syms[s]))
+    return out
+
+
+def _layout_base():
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    return PipelineParallelLayerLayout
+
+
+def mapped_layout(plan, model):
+    """Megatron's layout object for `plan`: its parser and validator, the plan's stage->rank map."""
+    return make_mapped_layout_class()(stage_symbols(plan, model), [st.device for st in plan.stages])
+
+
+def make_mapped_layout_class():
+    """The MappedLayout class (built lazily: megatron is imported only when an adapter function runs)."""
+    base = _layout_base()
+
+    class MappedLayout(base):
+        """PipelineParallelLayerLayout whose table and offsets follow an arbitrary stage->rank map.
+
+        Megatron's own constructor parses and type-checks the stages (as a one-rank layout, which
+        keeps them in model order in `flatten_layout`); the per-rank table `layout[rank][vp]` and
+        `get_layer_offset` are then rebuilt from `stage_devices`, so TransformerBlock, the
+        TransformerLayer offset and the MTP block all see the plan's placement.
+        """
+
+        def __init__(self, stages, stage_devices):
+            # Megatron's own string parser turns the symbols into LayerTypes
+            super().__init__(base.parse_str_to_list("|".join("".join(s) for s in stages)), 1)
+            self.input_data = "|".join("".join(s) for s in stages)
+            pp = max(stage_devices) + 1
+            per_rank = [[s for s, d in enumerate(stage_devices) if d == r] for r in range(pp)]
+            counts = {len(x) for x in per_rank}
+            if len(counts) != 1:
+                raise OctoPipeError(f"plan gives pipeline ranks {sorted(counts)} stages; Megatron builds the same "
+                                    "number of model chunks (virtual stages) on every rank")
+            flat = [self.layout[0][i] for i in range(len(stage_devices))]  # one-rank table = stage order
+            self.stage_devices = tuple(stage_devices)
+            self.stage_of = {(r, v): s for r, ss in enumerate(per_rank) for v, s in enumerate(ss)}
+            self.pipeline_model_parallel_size = pp
+            self.virtual_pipeline_model_parallel_size = len(per_rank[0])
+            self.layout = [[flat[s] for s in per_rank[r]] for r in range(pp)]
+            self.flatten_layout = [t for row in flat for t in row]
+            self._flat_stages = flat
+
+        def __repr__(self) -> str:
+            return f"MappedLayout({self.input_data!r}, devices={list(self.stage_devices)})"
+
+        def __hash__(self):
+            return hash((repr(self.input_data), self.stage_devices))
+
+        def _pp_rank(self, pp_rank):
+            if pp_rank is not None:
+                return pp_rank
+            from megatron.core import parallel_state
+
+            return parallel_state.get_pipeline_model_parallel_rank()
+
+        def get_layer_offset(self, layer_type=None, vp_stage=None, pp_rank=None):
+            """Layers of `layer_type` in every stage before this chunk's stage, in model order."""
+            from megatron.core.transformer.enums import LayerType
+
+            layer_type = LayerType.decoder if layer_type is None else layer_type
+            stage = self.stage_of[(self._pp_rank(pp_rank), vp_stage or 0)]
+            return sum(s.count(layer_type) for s in self._flat_stages[:stage])
+
+    return MappedLayout
+
+
+def plan_model_provider(plan, model, provider):
+    """Wrap a `model_provider(pre_process, post_process, vp_stage=...)`: the plan decides pre/post per chunk.
+
+    Megatron's get_model derives both flags round-robin; the wrapper replaces them with the
+    chunk's own (embedding and loss where the plan puts them).
+    """
+    def wrapped(pre_process=True, post_process=True, vp_stage=None, **kwargs):
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        spec = chunk_specs(plan, model, rank)[vp_stage or 0]
+        return provider(pre_process=spec.pre_process, post_process=spec.post_process, vp_stage=spec.vp_stage,
+                        **kwargs)
+
+    return wrapped
+
+
+def loss_rank(plan) -> int:
+    """Pipeline rank that computes the loss (the last stage's device)."""
+    return plan.stages[-1].device
+
+
+def first_rank(plan) -> int:
+    """Pipeline rank that reads the batch (stage 0's device)."""
+    return plan.stages[0].device
+
+
+@contextlib.contextmanager
+def plan_pipeline_view(plan, rank: int):
+    """`parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for the plan inside.
+
+    Callers that pass `vp_stage` (get_batch through is_first_or_last_pipeline_stage, MTP,
+    get_model) learn whether *that chunk* holds the embedding / the loss; with
+    `ignore_virtual=True` whether this rank holds any such chunk.
+    """
+    from megatron.core import parallel_state as ps
+
+    mine = plan.stages_of(rank)
+    last = plan.num_stages - 1
+
+    def first(ignore_virtual=True, vp_stage=None):
+        if ignore_virtual or vp_stage is None:
+            return 0 in mine
+        return vp_stage < len(mine) and mine[vp_stage] == 0
+
+    def final(ignore_virtual=True, vp_stage=None):
+        if ignore_virtual or vp_stage is None:
+            return last in mine
+        return vp_stage < len(mine) and mine[vp_stage] == last
+
+    saved = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
+    ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = first, final
+    try:
+        yield
+    finally:
+        ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = saved

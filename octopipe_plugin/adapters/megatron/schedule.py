@@ -1,0 +1,182 @@
+"""Megatron's `forward_backward_func`, running an OctoPipe plan through the executor.
+
+`make_forward_backward_func(plan, model_graph)` returns a function with exactly the
+interface `megatron/training/training.py` calls (`forward_step_func, data_iterator, model,
+num_microbatches, seq_length, micro_batch_size, decoder_seq_length, forward_only,
+collect_non_loss_data, first_val_step, adjust_tensor_shapes_fn, force_all_reduce,
+p2p_communicator, pg_collection`); `get_forward_backward_func_for(plan, model_graph)` is
+the drop-in for `get_forward_backward_func(pp_size=, vp_size=, schedule_pg_collection=)`.
+
+Per step: the rank's stages run in the plan's order (`MegatronStages`), with
+`parallel_state.is_pipeline_first/last_stage` answering for the plan, so a forward step
+written for Megatron (pretrain_gpt.py's get_batch) gives the loss chunk its labels wherever
+the plan puts it. Afterwards, as Megatron's schedules do: the token count is made known
+on every pipeline rank (broadcast from the rank that computed the loss, which under a
+V-shape is not the last pp rank), tied embedding copies that share a rank are summed, and
+`config.finalize_model_grads_func` runs. Returns one loss dict per micro-batch on the
+rank that computes the loss and [] elsewhere. `forward_only` runs every F of the plan, in
+the plan's order, keeping nothing for a backward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ...errors import OctoPipeError
+from ...executor import ExecutorOptions, PipelineExecutor
+from ...actions import Kind
+from .embeddings import sum_local_grads
+from .placement import plan_pipeline_view
+from .stages import MegatronStages, split_phases
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleOptions:
+    """How the OctoPipe schedule runs inside Megatron."""
+
+    timeout_s: float = 600.0  # every wait of the executor is bounded by this
+    split_linears: bool = True  # Megatron linears compute only their half at I / W (no recomputation)
+    tags: bool = True
+
+
+def forward_only_plan(plan):
+    """The plan's F actions alone, in each device's order (an evaluation step)."""
+    rows = tuple(tuple(a for a in row if a.kind is Kind.F) for row in plan.schedule)
+    return replace(plan, schedule=rows)
+
+
+class _Executors:
+    """One executor per (plan, pipeline group): its communicators and program are made once."""
+
+    def __init__(self, plan, options: ScheduleOptions):
+        self.plan = plan
+        self.eval_plan = forward_only_plan(plan)
+        self.options = options
+        self.cache: dict[tuple[int, bool], PipelineExecutor] = {}
+
+    def get(self, runner, rank: int, group, forward_only: bool) -> PipelineExecutor:
+        """The executor of this group and mode, bound to this step's runner."""
+        key = (id(group), forward_only)
+        ex = self.cache.get(key)
+        if ex is None:
+            opts = ExecutorOptions(timeout_s=self.options.timeout_s, tags=self.options.tags,
+                                   validate=not forward_only)
+            plan = self.eval_plan if forward_only else self.plan
+            ex = PipelineExecutor(plan, runner, rank=rank, group=group, device=_device(), options=opts)
+            self.cache[key] = ex
+        ex.runner = runner
+        ex.transport.meta_of = runner.boundary_meta
+        return ex
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions | None = None):
+    """A Megatron forward_backward_func that runs `plan` (checked and lowered once, executors cached)."""
+    options = options or ScheduleOptions()
+    executors = _Executors(plan, options)
+
+    def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                              micro_batch_size, decoder_seq_length=None, forward_only=False,
+                              collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
+                              force_all_reduce=False, p2p_communicator=None, pg_collection=None):
+        """Run one step of `plan` on this rank's chunks; loss dicts per micro-batch on the loss rank."""
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config
+
+        model = model if isinstance(model, list) else [model]
+        if num_microbatches != plan.num_microbatches:
+            raise OctoPipeError(f"the OctoPipe plan was made for {plan.num_microbatches} micro-batches, this step has "
+                                f"{num_microbatches} (global batch / (micro-batch size x data-parallel size)); "
+                                "re-plan for this batch size (batch-size ramp-up changes it)")
+        if adjust_tensor_shapes_fn is not None:
+            raise OctoPipeError("adjust_tensor_shapes_fn is not supported by the OctoPipe schedule (fixed boundary "
+                                "shapes per plan)")
+        config = get_model_config(model[0])
+        if getattr(config, "variable_seq_lengths", False):
+            raise OctoPipeError("variable_seq_lengths is not supported by the OctoPipe schedule: boundary shapes are "
+                                "fixed within a step")
+        pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+        cp_size = (pg_collection.cp.size() if pg_collection is not None and getattr(pg_collection, "cp", None)
+                   else parallel_state.get_context_parallel_world_size())
+        tp_size = (pg_collection.tp.size() if pg_collection is not None and getattr(pg_collection, "tp", None)
+                   else parallel_state.get_tensor_model_parallel_world_size())
+        rank = dist.get_rank(pp_group)
+        seq = decoder_seq_length or seq_length
+        seq = seq // cp_size // (tp_size if config.sequence_parallel else 1)
+        phases = split_phases(model) if options.split_linears else None
+        saved_sync = config.grad_sync_func, config.param_sync_func
+        runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
+                                data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
+                                tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
+                                collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases)
+        ex = executors.get(runner, rank, pp_group, forward_only)
+        try:
+            if forward_only:
+                config.grad_sync_func, config.param_sync_func = None, None
+            with plan_pipeline_view(plan, rank), runner.sync:
+                if forward_only:
+                    with torch.no_grad():
+                        ex.run_step()
+                else:
+                    ex.run_step()
+        finally:
+            config.grad_sync_func, config.param_sync_func = saved_sync
+        if runner.pending():
+            raise OctoPipeError(f"pipeline rank {rank}: {runner.pending()} (stage, micro-batch) pairs still hold "
+                                "state after the step (the plan misses backward actions)")
+        if not forward_only:
+            _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
+        if plan.num_stages - 1 in plan.stages_of(rank):
+            return [runner.loss_data[mb] for mb in range(num_microbatches)]
+        return []
+
+    forward_backward_func.plan = plan
+    return forward_backward_func
+
+
+def _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce) -> None:
+    """Token count on every rank, local tied copies summed, then Megatron's finalize_model_grads_func."""
+    num_tokens = runner.num_tokens.clone()
+    loss_rank = plan.stages[-1].device
+    dist.broadcast(num_tokens, group_src=loss_rank, group=pp_group)
+    sum_local_grads(model)
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(model, num_tokens if config.calculate_per_token_loss else None,
+                                         pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+# One schedule per plan content for the life of the process: Megatron asks its factory again in
+# every train() and evaluate() call, and the executors (communicators, programs) must be made once.
+_SCHEDULES: dict[str, object] = {}
+
+
+def get_octopipe_forward_backward_func(plan, pp_size=None, vp_size=None, schedule_pg_collection=None, **unused):
+    """What the launch integration returns from Megatron's `get_forward_backward_func(...)` under a plan."""
+    from ...formats import plan_to_dict
+
+    key = json.dumps(plan_to_dict(plan), sort_keys=True)
+    fn = _SCHEDULES.get(key)
+    if fn is None:
+        fn = _SCHEDULES[key] = make_forward_backward_func(plan)
+    return fn
+
+
+def get_forward_backward_func_for(plan, model_graph=None, options: ScheduleOptions | None = None):
+    """Drop-in for megatron's `get_forward_backward_func(pp_size=, vp_size=, schedule_pg_collection=)`."""
+    fn = make_forward_backward_func(plan, model_graph, options)
+
+    def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        """The OctoPipe schedule of the plan (the pipeline sizes come from the plan)."""
+        return fn
+
+    return get_forward_backward_func

@@ -1,0 +1,248 @@
+"""The executor's StageRunner over Megatron model chunks, keeping Megatron's training contract.
+
+F runs Megatron's own `schedules.forward_step` (set_is_first_microbatch on a chunk's first
+executed forward, set_current_microbatch, set_input_tensor through DDP, autocast, the 2-
+and 3-tuple loss scaling, MoE / MTP / attention-variant auxiliary-loss scales on every
+rank), with `is_last_stage` taken from the plan. B runs Megatron's `backward_step`
+(grad_scale_func on the loss). I and W split the backward for real: the linears compute
+only their input GEMM at I and only their weight GEMM at W (`wgrad`), every parameter
+gradient reaches `main_grad` through AccumulateGrad, so DDP's hooks fire.
+
+Gradient synchronisation follows Megatron's interleaved schedule: each chunk's
+`no_sync_func` is active until just before that chunk's last gradient-producing action of
+the step (its last B or W in this rank's list), and `grad_sync_func[c]` runs right after
+it; `param_sync_func[c]` runs before the chunk's first forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+from octopipe_plugin.executor.forward_step import IndexedBatches
+from octopipe_plugin.executor.interface import TensorMeta
+from octopipe_plugin.actions import Kind
+
+from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
+
+
+class _BatchAt:
+    """An iterator that yields batch `mb` of a chunk's stream when (and only if) the forward step reads it."""
+
+    def __init__(self, batches: IndexedBatches | None, mb: int):
+        self.batches, self.mb = batches, mb
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.batches is None:
+            raise StopIteration
+        return self.batches.get(self.mb)
+
+
+def _per_chunk(value, n: int) -> list:
+    """Megatron passes one item for a single chunk and a list for several."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"got {len(value)} per-chunk entries for {n} model chunks")
+        return value
+    return [value] * n
+
+
+class GradSync:
+    """no_sync / grad_sync / param_sync of one step, per chunk, as Megatron's interleaved schedule runs them."""
+
+    def __init__(self, config, model, last_grad_action: dict[int, object], forward_only: bool):
+        n = len(model)
+        self.model = model
+        self.last_grad_action = last_grad_action  # chunk -> its last B/W action in this rank's list
+        no_sync = config.no_sync_func
+        self.shared = no_sync is not None and not isinstance(no_sync, list) and n > 1
+        self.no_sync = _per_chunk(no_sync, n) if not self.shared else [no_sync] + [None] * (n - 1)
+        self.grad_sync = None if forward_only else config.grad_sync_func
+        self.param_sync = None if forward_only else config.param_sync_func
+        if self.grad_sync is not None:
+            self.grad_sync = _per_chunk(self.grad_sync, n)
+        if self.param_sync is not None:
+            self.param_sync = _per_chunk(self.param_sync, n)
+        self.stack = contextlib.ExitStack()
+        self.open: dict[int, contextlib.ExitStack] = {}
+        self.started: set[int] = set()
+        self.last_overall = max(last_grad_action.values(), key=lambda a: a[0]) if last_grad_action else None
+
+    def __enter__(self):
+        for c, fn in enumerate(self.no_sync):
+            if fn is not None:
+                inner = contextlib.ExitStack()
+                inner.enter_context(fn())
+                self.open[c] = inner
+        return self
+
+    def __exit__(self, *exc):
+        for c in sorted(self.open):
+            self.open.pop(c).close()
+        return False
+
+    def before_forward(self, c: int) -> bool:
+        """param_sync before the chunk's first forward; True on that first forward."""
+        if c in self.started:
+            return False
+        self.started.add(c)
+        if self.param_sync is not None:
+            self.param_sync[c](self.model[c].parameters())
+        return True
+
+    def before_grad(self, c: int, position: int) -> None:
+        """Lift the chunk's no_sync just before its last gradient-producing action."""
+        key = 0 if self.shared else c
+        last = self.last_overall if self.shared else self.last_grad_action.get(c)
+        if last is not None and last[0] == position and key in self.open:
+            self.open.pop(key).close()
+
+    def after_grad(self, c: int, position: int) -> None:
+        """grad_sync of the chunk right after its last gradient-producing action."""
+        last = self.last_grad_action.get(c)
+        if self.grad_sync is not None and last is not None and last[0] == position:
+            self.grad_sync[c](self.model[c].parameters())
+
+
+class MegatronStages:
+    """StageRunner for the stages one rank holds; `model[v]` is the chunk of the rank's v-th stage."""
+
+    def __init__(self, *, plan, rank: int, model: Sequence[torch.nn.Module], forward_step_func: Callable,
+                 data_iterator, config, num_microbatches: int, tensor_shape: tuple[int, ...],
+                 forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
+                 phases: Sequence[Phase] | None = None):
+        self.plan = plan
+        self.rank = rank
+        self.stages = plan.stages_of(rank)
+        if len(model) != len(self.stages):
+            raise ValueError(f"pipeline rank {rank}: the plan places {len(self.stages)} stages "
+                             f"({self.stages}) here but the model has {len(model)} chunks")
+        self.chunk_of = {s: v for v, s in enumerate(self.stages)}
+        self.model = list(model)
+        self.forward_step_func = forward_step_func
+        self.config = config
+        self.num_microbatches = num_microbatches
+        self.num_stages = plan.num_stages
+        self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.cp_size = cp_size
+        self.phases = list(phases) if phases is not None else [Phase() for _ in self.model]
+        self.te = [te_modules_of(m) for m in self.model]
+        iters = _per_chunk(data_iterator, len(self.model))
+        self.batches = [IndexedBatches(it) if it is not None else None for it in iters]
+        act = TensorMeta(shape=tuple(tensor_shape), dtype=config.pipeline_dtype or torch.float32)
+        self.metas = tuple(act for _ in range(self.num_stages))
+        self.loss_data: dict[int, object] = {}
+        self.num_tokens = torch.zeros([], dtype=torch.int)
+        self._saved: dict[tuple[int, int], dict] = {}
+        row = plan.schedule[rank]
+        self.position = {a: i for i, a in enumerate(row)}
+        last: dict[int, tuple[int, object]] = {}
+        for i, a in enumerate(row):
+            if a.kind in (Kind.B, Kind.W):
+                last[self.chunk_of[a.stage]] = (i, a)
+        self.sync = GradSync(config, self.model, last, forward_only)
+
+    # -- StageRunner -------------------------------------------------------------------------------
+
+    def boundary_meta(self, stage: int) -> TensorMeta:
+        """Every boundary carries Megatron's activation [seq/cp(/tp with SP), mbs, hidden]."""
+        return self.metas[stage]
+
+    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
+        """Megatron's forward_step on the stage's chunk; the last stage returns the scaled loss."""
+        from megatron.core.pipeline_parallel import schedules
+
+        c = self.chunk_of[stage]
+        first = self.sync.before_forward(c)
+        x = None
+        if stage > 0:
+            x = inputs.detach().requires_grad_(not self.forward_only)
+        store: list = []
+        last = stage == self.num_stages - 1
+        out, num_tokens = schedules.forward_step(
+            self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x, store,
+            self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
+        if last:
+            self.num_tokens += num_tokens
+            self.loss_data[mb] = store[0] if store else None
+        if not self.forward_only:
+            self._saved[(stage, mb)] = {"input": x, "output": out}
+        if last and not torch.is_tensor(out):  # collect_non_loss_data: nothing flows on
+            return torch.zeros([])
+        return out
+
+    def backward(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """B: Megatron's backward_step (grad_scale_func on the loss, gradients into main_grad via DDP's hooks)."""
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        c = self.chunk_of[stage]
+        saved = self._saved.pop((stage, mb))
+        pos = self._pos(stage, Kind.B, mb)
+        self.sync.before_grad(c, pos)
+        dx = backward_step(saved["input"], saved["output"], grad_output, self.config)
+        self.sync.after_grad(c, pos)
+        return dx if stage > 0 else None
+
+    def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """I: only input gradients (linears run their input GEMM only); keeps the captured gradients for W."""
+        key = (stage, mb)
+        saved = self._saved[key]
+        x, out = saved["input"], saved["output"]
+        if grad_output is None and self.config.grad_scale_func is not None:
+            out = self.config.grad_scale_func(out)
+        g = torch.ones_like(out) if grad_output is None else grad_output
+        if x is None:
+            # The first stage has no pipeline input: no input gradient to produce, all of it is W's work.
+            self._saved[key] = {"input": None, "output": out, "grad": g}
+            return None
+        c = self.chunk_of[stage]
+        params = [p for p in self.model[c].parameters() if p.requires_grad]
+        (dx,), split = input_pass([out], [g], [x], params, self.phases[c], self.te[c])
+        self._saved[key] = {"split": split}
+        return dx
+
+    def backward_weight(self, stage: int, mb: int) -> None:
+        """W: the weight gradients deferred by I, through AccumulateGrad (DDP's hooks fill main_grad)."""
+        saved = self._saved.pop((stage, mb))
+        c = self.chunk_of[stage]
+        pos = self._pos(stage, Kind.W, mb)
+        self.sync.before_grad(c, pos)
+        if "split" in saved:
+            weight_pass(saved["split"])
+        else:
+            torch.autograd.backward(saved["output"], grad_tensors=saved["grad"])
+        self.sync.after_grad(c, pos)
+
+    def pending(self) -> int:
+        """(stage, micro-batch) pairs whose state is still held (0 after a complete step)."""
+        return len(self._saved)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _pos(self, stage: int, kind: Kind, mb: int) -> int:
+        from octopipe_plugin.actions import Action
+
+        return self.position[Action(stage, kind, mb)]
+
+
+_PHASE_ATTR = "_octopipe_wgrad_phase"
+
+
+def split_phases(model: Sequence[torch.nn.Module]) -> list[Phase]:
+    """Each chunk's Phase, making its Megatron linears split-capable the first time (idempotent)."""
+    phases = []
+    for chunk in model:
+        phase = getattr(chunk, _PHASE_ATTR, None)
+        if phase is None:
+            phase = Phase()
+            enable_wgrad_split(chunk, phase)
+            object.__setattr__(chunk, _PHASE_ATTR, phase)
+        phases.append(phase)
+    return phases

@@ -1,0 +1,110 @@
+"""A stack of Megatron's own MLP blocks (Column/RowParallelLinear, local spec) for checking and timing I/W.
+
+Shared by the benchmark (benchmarks/megatron_wgrad.py prints B against I+W) and the tests
+(gradients of B and of I+W agree, each weight GEMM runs once, AccumulateGrad hooks fire
+once per parameter). Needs megatron's parallel state initialised (TP=1 on a one-rank group
+will do); builds everything on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from octopipe_plugin.executor.split_backward import backward_input, backward_weight
+
+from .wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
+
+
+class MLPStack(torch.nn.Module):
+    """`layers` pre-norm residual blocks of Megatron's MLP (fc1 column-parallel, GELU, fc2 row-parallel)."""
+
+    def __init__(self, hidden: int, layers: int, seed: int = 0):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+        cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=4 * hidden,
+                                use_cpu_initialization=True, perform_initialization=False,
+                                gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                                add_bias_linear=True)
+        sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(hidden) for _ in range(layers))
+        self.mlps = torch.nn.ModuleList(MLP(cfg, sub) for _ in range(layers))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP(norm(x)) per block."""
+        for norm, mlp in zip(self.norms, self.mlps):
+            out, bias = mlp(norm(x))
+            x = x + out + (bias if bias is not None else 0)
+        return x
+
+
+def _inputs(hidden: int, seq: int, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(seq, batch, hidden, generator=g).requires_grad_(True)
+    return x, torch.randn(seq, batch, hidden, generator=g)
+
+
+def run_b(model, x, dy) -> torch.Tensor:
+    """Fused backward: returns the input gradient; parameter gradients accumulate in .grad."""
+    out = model(x)
+    (dx,) = torch.autograd.grad([out], [x], [dy], retain_graph=True)
+    torch.autograd.backward([out], [dy])
+    return dx
+
+
+def run_split(model, x, dy, phase: Phase | None) -> torch.Tensor:
+    """I then W: with `phase` the adapter's split (linears do one GEMM each), without it the executor's plain split."""
+    out = model(x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if phase is not None:
+        (dx,), work = input_pass([out], [dy], [x], params, phase)
+        weight_pass(work)
+        return dx
+    (dx,), work = backward_input([out], [dy], [x], params)
+    backward_weight(work)
+    return dx
+
+
+def time_backward(hidden: int = 512, layers: int = 4, seq: int = 256, batch: int = 4, reps: int = 5) -> dict:
+    """Median wall time (ms) of forward+B, forward+I+W (split linears) and forward+I+W (plain split), and of F."""
+    model = MLPStack(hidden, layers)
+    x, dy = _inputs(hidden, seq, batch, 1)
+    phase = Phase()
+    split_model = MLPStack(hidden, layers)
+    enable_wgrad_split(split_model, phase)
+
+    def fwd_b():
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        torch.autograd.backward([out], [dy])
+
+    def fwd_split():
+        split_model.zero_grad(set_to_none=True)
+        run_split(split_model, x, dy, phase)
+
+    def fwd_plain():
+        model.zero_grad(set_to_none=True)
+        run_split(model, x, dy, None)
+
+    def fwd():
+        with torch.no_grad():
+            model(x)
+
+    out = {}
+    for name, fn in (("F", fwd), ("F+B", fwd_b), ("F+I+W split linears", fwd_split), ("F+I+W plain", fwd_plain)):
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        out[name] = sorted(times)[len(times) // 2]
+    return out

@@ -1,0 +1,63 @@
+"""Activation memory accounting: what each action does to its device's live activation bytes.
+
+The one rule, read from the kind table (`actions.RULES`, column `activation`): F makes the
+stage's activation of its micro-batch live, I keeps it (W still reads it), B and W free it.
+The simulator's peaks and memory curves, the tuner's memory cap and its memory floors all
+count with these helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..actions import RULES, Kind
+
+
+def activation_changes(activation: tuple[int, ...]) -> dict[Kind, tuple[int, ...]]:
+    """Per kind, the signed change of live bytes when it runs on each stage (precomputed for hot loops)."""
+    return {kind: tuple(rule.activation * a for a in activation) for kind, rule in RULES.items()}
+
+
+def peak_live(changes: Iterable[int]) -> int:
+    """Peak of the running sum of changes, from zero: one device's order already sorts its events in time."""
+    cur = peak = 0
+    for c in changes:
+        cur += c
+        if cur > peak:
+            peak = cur
+    return peak
+
+
+def memory_curve(timeline, activation: tuple[int, ...], static: int) -> list[tuple[float, int]]:
+    """(time, bytes) steps of one device's memory from its (action, start, end) timeline.
+
+    Memory is taken when an action starts and given back when it ends, so a curve never
+    dips below what is really held.
+    """
+    changes = activation_changes(activation)
+    cur = static
+    pts = [(0.0, cur)]
+    for a, start, end in timeline:
+        c = changes[a.kind][a.stage]
+        if c:
+            cur += c
+            pts.append((start if c > 0 else end, cur))
+    return pts
+
+
+def per_microbatch(activation: tuple[int, ...]) -> tuple[int, ...]:
+    """Per stage, the bytes one micro-batch makes live there (what its F takes, until B or W frees it)."""
+    changes = activation_changes(activation).values()
+    return tuple(sum(c[s] for c in changes if c[s] > 0) for s in range(len(activation)))
+
+
+def least_live(devices, activation: tuple[int, ...], num_devices: int) -> list[int]:
+    """Per device, the live activation no order can avoid: one micro-batch of each of its stages.
+
+    A micro-batch's last F runs before any of its backwards frees an activation, so at that
+    moment every stage holds it at once.
+    """
+    need = [0] * num_devices
+    for s, b in enumerate(per_microbatch(activation)):
+        need[devices[s]] += b
+    return need

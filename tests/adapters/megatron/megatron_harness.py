@@ -1,0 +1,233 @@
+"""A tiny Megatron GPT on CPU/gloo for the adapter's tests (local spec, DDP, distributed optimizer).
+
+Every parameter is seeded from its *global* name (decoder layers by their global layer
+number), so any split — PP=1, Megatron's round-robin layout, an OctoPipe plan with any
+stage->rank map — starts from identical weights and computes the same function. The
+forward step and loss function follow pretrain_gpt.py (3-tuple loss, labels only where
+`is_first_or_last_pipeline_stage(vp_stage)` says so, through Megatron's own helper).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import megatron_cpu_shims as cpu_shims
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyGPT:
+    """Shape of the tiny model and its data."""
+
+    num_layers: int = 6
+    hidden: int = 32
+    heads: int = 4
+    vocab: int = 64
+    seq: int = 16
+    mbs: int = 2
+    moe_layers: tuple[int, ...] = ()  # global decoder layer numbers (0-based) that are MoE layers
+    num_experts: int = 4
+    mtp: int = 0
+    tied: bool = False
+    three_tuple_loss: bool = True
+    extra: dict = field(default_factory=dict)  # more TransformerConfig fields
+
+    def graph(self):
+        """The OctoPipe model graph of this GPT (embedding, decoder layers, MTP layers, LM head)."""
+        from octopipe_plugin.formats import Layer, Model
+
+        cost = dict(fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1, output_bytes=1)
+        kinds = (["embedding"] + ["moe" if i in self.moe_layers else "dense" for i in range(self.num_layers)]
+                 + ["mtp"] * self.mtp + ["lm_head"])
+        return Model(name="tiny-gpt", layers=tuple(Layer(name=f"l{i}", kind=k, **cost) for i, k in enumerate(kinds)))
+
+
+def init_process(rank: int, world: int, port: int) -> None:
+    """Shims first, then a gloo world of `world` ranks."""
+    cpu_shims.install()
+    from octopipe_plugin.executor.launch import init_gloo
+
+    init_gloo(rank, world, port, timeout_s=120)
+
+
+def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None) -> None:
+    """(Re)initialise Megatron's parallel state: TP=1, PP=pp, the rest DP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+                                 get_embedding_ranks=embedding_ranks)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def make_config(spec: TinyGPT, pp: int, layout=None, **over):
+    """TransformerConfig of the tiny model for a pipeline of `pp` ranks with `layout` (str or MappedLayout)."""
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+              ffn_hidden_size=2 * spec.hidden, use_cpu_initialization=True, perform_initialization=False,
+              hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+              pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+              deallocate_pipeline_outputs=False, batch_p2p_comm=False, bias_dropout_fusion=False,
+              apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+              calculate_per_token_loss=False)
+    if spec.moe_layers:
+        freq = [1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)]
+        kw.update(num_moe_experts=spec.num_experts, moe_layer_freq=freq, moe_router_topk=2,
+                  moe_ffn_hidden_size=spec.hidden, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss",
+                  moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    if spec.mtp:
+        kw.update(mtp_num_layers=spec.mtp, mtp_loss_scaling_factor=0.1)
+    if layout is not None:
+        kw["pipeline_model_parallel_layout"] = layout
+    kw.update(spec.extra)
+    kw.update(over)
+    return TransformerConfig(**kw)
+
+
+def build_chunk(spec: TinyGPT, config, pre_process: bool, post_process: bool, vp_stage: int | None):
+    """One GPTModel chunk (local spec), parameters seeded by global name."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts if spec.moe_layers else None,
+                                          moe_grouped_gemm=False)
+    if spec.moe_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    mtp_spec = None
+    if spec.mtp:
+        base = get_gpt_layer_local_spec()
+        mtp_spec = get_gpt_mtp_block_spec(config, base, use_transformer_engine=False, vp_stage=vp_stage)
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab,
+                     max_sequence_length=spec.seq, pre_process=pre_process, post_process=post_process,
+                     share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
+                     mtp_block_spec=mtp_spec, vp_stage=vp_stage)
+    seed_by_global_name(model, spec.tied)
+    return model
+
+
+def global_names(model) -> dict[str, torch.nn.Parameter]:
+    """Parameters of a GPTModel chunk under split-independent names (decoder layers renumbered globally)."""
+    out = {}
+    layer_ids = {}
+    for prefix, layers in (("decoder.layers.", getattr(getattr(model, "decoder", None), "layers", None)),
+                           ("mtp.layers.", getattr(getattr(model, "mtp", None), "layers", None))):
+        for i, layer in enumerate(layers or ()):
+            layer_ids[f"{prefix}{i}."] = f"{prefix}{layer.layer_number - 1}."
+    for name, p in model.named_parameters():
+        for local, glob in layer_ids.items():
+            if name.startswith(local):
+                name = glob + name[len(local):]
+                break
+        out[name] = p
+    return out
+
+
+def seed_by_global_name(model, tied: bool = False) -> None:
+    """Fill every parameter from a generator seeded by its global name (same weights under any split)."""
+    with torch.no_grad():
+        for name, p in global_names(model).items():
+            if name == "output_layer.weight" and tied:  # the LM head's copy of the tied embedding
+                name = "embedding.word_embeddings.weight"
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if name.endswith(("layer_norm_weight", "layernorm.weight", "norm.weight", "_norm.weight")):
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.02 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def wrap_ddp(chunks, config, overlap_grad_reduce: bool = False):
+    """Megatron's DDP around each chunk, buffers laid out for the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=overlap_grad_reduce,
+                                               use_distributed_optimizer=True, bucket_size=None)
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                    disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+
+
+def make_optimizer(chunks):
+    """Megatron's distributed Adam over the DDP chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=True,
+                          bf16=False, fp16=False, params_dtype=torch.float32, clip_grad=1.0)
+    return get_megatron_optimizer(cfg, chunks)
+
+
+def batch(spec: TinyGPT, index: int) -> dict:
+    """Micro-batch `index` (a pure function of it): tokens, labels, mask, positions, causal mask."""
+    g = torch.Generator().manual_seed(1000 + index)
+    tokens = torch.randint(0, spec.vocab, (spec.mbs, spec.seq + 1), generator=g)
+    loss_mask = torch.ones(spec.mbs, spec.seq)
+    loss_mask[:, : index % 3] = 0  # token counts differ between micro-batches, as with real padding
+    causal = torch.triu(torch.ones(spec.seq, spec.seq, dtype=torch.bool), diagonal=1)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
+            "position_ids": torch.arange(spec.seq).unsqueeze(0).expand(spec.mbs, -1).contiguous(),
+            "attention_mask": causal.view(1, 1, spec.seq, spec.seq).expand(spec.mbs, 1, -1, -1).contiguous()}
+
+
+def make_forward_step(spec: TinyGPT):
+    """pretrain_gpt.py's forward_step: data only where Megatron's stage helpers say first/last."""
+    from functools import partial
+
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    def loss_func(loss_mask, output_tensor):
+        losses = output_tensor.float().view(-1)
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask)
+        if not spec.three_tuple_loss:
+            loss = loss / mask.sum()
+            return loss, {"lm loss": loss.detach().view(1)}
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+        return loss, num_tokens, {"lm loss": report}
+
+    def forward_step(data_iterator, model):
+        vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        if is_first_or_last_pipeline_stage(vp_stage):
+            b = next(data_iterator)
+        else:
+            b = {k: None for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")}
+        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
+                    loss_mask=b["loss_mask"])
+        return out, partial(loss_func, b["loss_mask"])
+
+    return forward_step
+
+
+def data_iterators(spec: TinyGPT, num_chunks: int, step: int, num_microbatches: int, dp_rank: int = 0,
+                   dp_size: int = 1):
+    """One iterator per chunk over this step's micro-batches of this DP replica (Megatron passes a list)."""
+    first = (step * dp_size + dp_rank) * num_microbatches
+    return [iter([batch(spec, first + k) for k in range(num_microbatches)]) for _ in range(num_chunks)]
+
+
+def gathered_weights(chunks, group=None) -> dict[str, torch.Tensor]:
+    """Every parameter of the whole pipeline by global name (all-gathered over the pipeline group)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    mine = {}
+    for c in chunks:
+        inner = c.module if isinstance(c, DistributedDataParallel) else c
+        for name, p in global_names(inner).items():
+            mine.setdefault(name, p.detach().clone())
+    allw = [None] * dist.get_world_size(group)
+    dist.all_gather_object(allw, mine, group=group)
+    out = {}
+    for part in allw:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out

@@ -1,0 +1,131 @@
+"""OctoPipe's forward_backward_func inside Megatron (megatron-core 0.19.2, CPU/gloo, tiny GPT, local spec).
+
+Every case trains three optimizer steps (DDP, distributed Adam, grad clipping, loss scaling
+through grad_scale_func) and runs a forward-only evaluation after each where marked. The
+oracles: the same model at PP=1 in one process (Megatron's no-pipelining schedule), and
+Megatron's own interleaved 1F1B (batch_p2p_comm=False) on the same stages. Parameters are
+seeded by global layer name, so every split computes the same function.
+"""
+
+import random
+
+import pytest
+import torch
+
+import megatron_harness as H
+import megatron_scenarios as S
+from octopipe_plugin.adapters.megatron.layout import plan_to_layout
+from octopipe_plugin.executor.launch import spawn
+from octopipe_plugin.executor.plans import make_plan, placement, sample_schedule
+from octopipe_plugin.formats import plan_to_dict
+
+pytestmark = [pytest.mark.framework, pytest.mark.distributed]
+
+M = 4
+DENSE = H.TinyGPT(num_layers=8)
+TIED = H.TinyGPT(num_layers=8, tied=True)
+MOE = H.TinyGPT(num_layers=8, moe_layers=(2, 5), extra={"add_bias_linear": False})
+MTP = H.TinyGPT(num_layers=8, mtp=1)
+
+
+def irregular(spec, bounds, devices, num_devices, seed, m=M):
+    """A plan with the given non-uniform stages and a random valid order, I/W split at random."""
+    plan = make_plan(stage_devices=devices, bounds=bounds, num_devices=num_devices, num_microbatches=m,
+                     schedule=sample_schedule(devices, num_devices, m, random.Random(seed)), model="tiny-gpt")
+    assert any(a.kind.value == "W" for row in plan.schedule for a in row)
+    return plan
+
+
+# graph layers: 0 = embedding, 1..8 = decoder layers, then MTP, then the LM head
+LOOPED = irregular(DENSE, [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)], placement("looped", 8, 4),
+                   4, seed=1)
+VSHAPE = irregular(TIED, [(0, 1), (1, 3), (3, 4), (4, 5), (5, 7), (7, 8), (8, 9), (9, 10)], placement("v", 8, 4), 4,
+                   seed=2)
+MOE_PLAN = irregular(MOE, [(0, 3), (3, 5), (5, 8), (8, 10)], [0, 1, 2, 3], 4, seed=3)
+MTP_PLAN = irregular(MTP, [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 11)], placement("looped", 8, 4),
+                     4, seed=4)
+DP_PLAN = irregular(DENSE, [(0, 3), (3, 4), (4, 8), (8, 10)], [0, 1, 0, 1], 2, seed=5)
+
+REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M, eval=True),
+             dict(name="tied", spec=TIED, pp=1, microbatches=M, eval=True),
+             dict(name="moe", spec=MOE, pp=1, microbatches=M),
+             dict(name="mtp", spec=MTP, pp=1, microbatches=M),
+             dict(name="dense_2m", spec=DENSE, pp=1, microbatches=2 * M)]
+PIPELINES = [
+    dict(name="megatron_interleaved", spec=DENSE, pp=4, microbatches=M, layout=plan_to_layout(LOOPED, DENSE.graph()),
+         eval=True, ref="dense"),
+    dict(name="octopipe_looped", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(LOOPED), eval=True, ref="dense"),
+    dict(name="octopipe_vshape_tied", spec=TIED, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE), eval=True,
+         ref="tied"),
+    dict(name="octopipe_moe", spec=MOE, pp=4, microbatches=M, plan=plan_to_dict(MOE_PLAN), ref="moe"),
+    dict(name="octopipe_mtp", spec=MTP, pp=4, microbatches=M, plan=plan_to_dict(MTP_PLAN), ref="mtp"),
+    dict(name="octopipe_pp2_dp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN), ref="dense_2m"),
+]
+
+
+def _run(world, cases, path):
+    """Spawn `world` ranks over `cases`; a failing case is reported with its worker's traceback."""
+    failure = None
+    try:
+        spawn(S.worker, world, cases, str(path))
+    except Exception as exc:  # the traceback the worker saved says more than the spawn error
+        failure = exc
+    results = torch.load(path) if path.exists() else {}
+    errors = [f"case {name}: {res['error']}" for p in [path, *sorted(path.parent.glob(path.name + ".rank*"))]
+              for name, res in (torch.load(p) if p.exists() else {}).items() if "error" in res]
+    # a rank's own failure first: its peers only report the connection it dropped
+    errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
+    assert not errors, "\n".join(errors)
+    if failure is not None:
+        raise failure
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(1, REFERENCE, tmp_path_factory.mktemp("ref") / "ref.pt")
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory):
+    return _run(4, PIPELINES, tmp_path_factory.mktemp("pp") / "pp.pt")
+
+
+def assert_same_training(got, want, label):
+    """Same per-step losses (and eval losses) and the same weights after three optimizer steps."""
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6, msg=f"{label}: losses")
+    if want["evals"] is not None and got["evals"] is not None:
+        torch.testing.assert_close(got["evals"], want["evals"], rtol=1e-5, atol=1e-6, msg=f"{label}: eval losses")
+    missing = sorted(set(want["weights"]) - set(got["weights"]))
+    assert not missing, f"{label}: parameters missing from the pipelined model: {missing}"
+    for name, w in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=5e-5, msg=f"{label}: weight {name}")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", [c["name"] for c in PIPELINES])
+def test_training_matches_single_process(case, reference, pipelines):
+    """Three steps under each pipeline setup give PP=1's losses and weights."""
+    spec = next(c for c in PIPELINES if c["name"] == case)
+    got = pipelines[case]
+    assert_same_training(got, reference[spec["ref"]], case)
+    if spec["spec"].tied:  # the LM head's copy of the tied embedding stayed equal to the embedding
+        torch.testing.assert_close(got["weights"]["output_layer.weight"],
+                                   got["weights"]["embedding.word_embeddings.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(420)
+def test_irregular_plan_matches_megatron_interleaved(pipelines):
+    """The irregular I/W plan on the same non-uniform stages trains exactly as Megatron's interleaved 1F1B."""
+    assert_same_training(pipelines["octopipe_looped"], pipelines["megatron_interleaved"], "octopipe vs megatron")
+    assert pipelines["megatron_interleaved"]["evals"] is not None
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", [c["name"] for c in PIPELINES if "plan" in c])
+def test_weight_gemm_runs_once(case, pipelines):
+    """With split backward, each Megatron linear runs its input GEMM and its weight GEMM exactly once."""
+    got = pipelines[case]
+    assert got["linear_calls"] > 0
+    assert got["input_gemms"] == got["linear_calls"], case
+    assert got["weight_gemms"] == got["linear_calls"], case
