@@ -29,6 +29,8 @@ setup(
             "hypothesis>=6.80",
         ],
         "solver": ["ortools>=9.8"],
+        # The tuner's list scheduler compiled (tuner/listsched_kernel.py); without it the Python one runs.
+        "fast": ["numba>=0.60"],
     },
     entry_points={"console_scripts": ["octopipe=octopipe_plugin.cli:main"]},
 )

@@ -17,6 +17,8 @@ MAX_STAGES_PER_DEVICE = 64
 MAX_STAGE_MICROBATCHES = 400_000
 # devices x micro-batches the tuner accepts: issue 12's largest scale (128 devices x 1024) and some room
 MAX_TUNE_DEVICE_MICROBATCHES = 262_144
+# layers x stages of one exact balanced split: its DP keeps a cut table of that many entries (~40 B each)
+MAX_SPLIT_CELLS = 2_000_000
 MAX_DRYRUN_DEVICES = 64  # one local process each
 MAX_DRYRUN_STAGE_MICROBATCHES = 20_000  # every action is a real message exchange and a sleep
 MAX_DRYRUN_STEP_S = 600.0  # the scaled step a dry run sleeps through

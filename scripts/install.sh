@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
-pip install -q -e ".[test,solver]" "packaging>=24.2" numpy
+pip install -q -e ".[test,solver,fast]" "packaging>=24.2" numpy
 if ! python -c "import megatron.core" 2>/dev/null; then
   # megatron-core 0.19.2 declares Python>=3.12 but its cp311 wheel works (docs/design.md);
   # --no-deps keeps it from pulling a CUDA torch. triton is imported by its schedules module.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 
 from .. import limits as L
 from ..errors import OctoPipeError
@@ -12,6 +13,7 @@ from ..formats import bind_plan, plan_to_dict, write_plan
 from ..formats.fingerprint import describe_devices, idle_devices
 from ..tuner import tune
 from ..tuner.compare import baseline_ms, comparison_rows, format_table, per_device
+from ._guard import WallClockGuard
 from ._options import check_writable, integer, keep_on_failure, load_cluster, load_model, number
 
 SPLIT_S_PER_UNIT = 1e-6  # measured: balanced_split of 1100 layers into 1000 stages, 8.7 s on 2 busy cores
@@ -48,6 +50,12 @@ def check_size(model, cluster, num_microbatches: int, time_budget_s: float = L.M
         raise OctoPipeError(f"--cluster {cluster.name}: {nd} devices but {model.name} has {model.num_layers} layers, "
                             f"so {nd - model.num_layers} devices would hold no layers; use a cluster of at most "
                             f"{model.num_layers} devices")
+    cells = model.num_layers * nd
+    if cells > L.MAX_SPLIT_CELLS:
+        raise OctoPipeError(f"--cluster {cluster.name}: {model.num_layers:,} layers x {nd:,} devices = {cells:,} cells "
+                            f"for the exact balanced split, more than the {L.MAX_SPLIT_CELLS:,} the tuner handles "
+                            f"(its table grows with both); use at most {L.MAX_SPLIT_CELLS // model.num_layers:,} "
+                            f"devices for this model")
     # The exact balanced split (a DP over layers x stages, ~1 us per layer x stage x log2(layers) on 2 cores) is
     # the setup's largest fixed cost; the search needs at least two (a built-in baseline and the seeds).
     setup_s = 2 * SPLIT_S_PER_UNIT * model.num_layers * nd * math.log2(max(2, model.num_layers))
@@ -69,9 +77,19 @@ def run(args) -> int:
     cluster = load_cluster(args.cluster)
     model, costs = load_model(args, cluster)
     check_size(model, cluster, args.microbatches, args.time_budget)
-    with _progress_bar(not args.no_progress) as bar:
-        result = tune(model, cluster, args.microbatches, time_budget_s=args.time_budget, seed=args.seed,
-                      iterations=args.iterations, progress=bar)
+    guard = WallClockGuard(args.time_budget)
+    try:
+        with _progress_bar(not args.no_progress) as bar, guard:
+            result = tune(model, cluster, args.microbatches, time_budget_s=args.time_budget, seed=args.seed,
+                          iterations=args.iterations, progress=bar)
+    except KeyboardInterrupt:  # the tuner re-raises when it has no plan in hand yet
+        if not guard.fired:
+            raise
+        raise OctoPipeError(f"--time-budget {args.time_budget:g} s ran out before any plan for {model.name} on "
+                            f"{cluster.num_devices} devices x {args.microbatches} micro-batches was complete; raise "
+                            f"--time-budget or use fewer micro-batches") from None
+    if guard.fired:
+        result = replace(result, stopped_by="the time budget (wall-clock guard)")
     plan = bind_plan(result.plan, model, cluster)
     failed = []
     if args.output:
@@ -146,10 +164,10 @@ def _as_json(result, rows) -> dict:
 
 
 class _progress_bar:
-    """tqdm bar on stderr showing best step time, bubble and iteration; a no-op when disabled."""
+    """tqdm bar on stderr showing the best step time so far, bubble, phase and iteration; a no-op when disabled."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, None
+        self.enabled, self.bar, self.shown = enabled, None, None
 
     def __enter__(self):
         if self.enabled:
@@ -164,8 +182,11 @@ class _progress_bar:
         target = int(p.fraction * 1000)
         if target > bar.n:
             bar.update(target - bar.n)
-        if p.iteration % 50 == 0:
-            bar.set_postfix_str(f"best {p.best_ms:.1f} ms, bubble {p.bubble:.1%}, iter {p.iteration}", refresh=False)
+        # the best plan in hand so far (Ctrl-C returns it), refreshed whenever it or the phase changes
+        if (p.best_ms, p.phase) != self.shown or p.iteration % 50 == 0:
+            self.shown = (p.best_ms, p.phase)
+            bar.set_postfix_str(f"best so far {p.best_ms:.1f} ms, bubble {p.bubble:.1%}, {p.phase}, "
+                                f"iter {p.iteration} (Ctrl-C keeps it)", refresh=False)
 
     def __exit__(self, *exc):
         if self.bar is not None:

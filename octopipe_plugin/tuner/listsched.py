@@ -11,12 +11,17 @@ semantics of docs/formats.md -- so the simulator replays the order to the same t
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from ..actions import RULES, Action, Flow, Kind
+import numpy as np
+
+from ..actions import KINDS, RULES, Action, Flow, Kind
 from ..simulator.costs import kind_durations
 from ..simulator.memory import activation_changes, per_microbatch
+from . import listsched_kernel as kernel
+from .encoded import EncodedSchedule
 
 INF = float("inf")
 
@@ -76,9 +81,54 @@ class Job:
     act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
 
 
-def build_schedule(job: Job, policy: Policy) -> tuple[tuple[Action, ...], ...] | None:
-    """Per-device action lists for `job` under `policy`; None when the policy starves (memory or depth)."""
+# Below this many actions the Python scheduler takes milliseconds; above it the compiled one pays for its load.
+KERNEL_MIN_ACTIONS = 20_000
+
+
+def build_schedule(job: Job, policy: Policy, compiled: bool | None = None):
+    """Per-device action lists for `job` under `policy`; None when the policy starves (memory or depth).
+
+    Large jobs run the numba-compiled event loop (listsched_kernel) when numba is installed; it
+    takes the same decisions and returns the rows encoded (tuner/encoded.py). `compiled` forces
+    one or the other (tests compare them).
+    """
+    if compiled is None:
+        compiled = kernel.AVAILABLE and 3 * len(job.devices) * job.num_microbatches >= KERNEL_MIN_ACTIONS
+    if compiled:
+        return _compiled(job, policy)
     return _Scheduler(job, policy).run()
+
+
+def schedule_units(job: Job) -> float:
+    """Work units charged for scheduling `job` (a simulated action is one unit).
+
+    By size alone, never by which implementation ran, so a seed and a work budget give the same
+    plan with or without numba (a machine without it just needs longer for the same work).
+    """
+    actions = 3 * len(job.devices) * job.num_microbatches
+    return actions * (6.0 if actions < KERNEL_MIN_ACTIONS else 0.5)
+
+
+def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
+    """The compiled scheduler's rows as an EncodedSchedule."""
+    f64, i64 = np.float64, np.int64
+    kinds = KINDS  # row i of each table is kind code i
+    dur, change = kind_durations(job), activation_changes(job.activation)
+    send = [0 if RULES[k].sends is None else RULES[k].sends.step for k in kinds]
+    split_code = {Split.FUSED: kernel.FUSED, Split.SPLIT: kernel.SPLIT, Split.AUTO: kernel.AUTO}
+    hop = np.array([0.0 if h is None else h for h in job.hop], f64)
+    out, lengths, ok, free, peak = kernel.schedule_kernel(
+        job.num_microbatches, np.array(job.devices, i64), np.array([dur[k] for k in kinds], f64),
+        np.array([change[k] for k in kinds], i64), np.array(per_microbatch(job.activation), i64),
+        np.array(send, i64), hop, np.array(job.act_cap, f64),
+        np.array(policy.depth, i64), np.array([split_code[s] for s in policy.split], i64),
+        np.array(policy.w_limit, i64), policy.w_fill is WFill.ALWAYS, policy.f_order is Order.DEEP,
+        policy.b_order is Order.DEEP)
+    if not ok:
+        return None
+    rows = EncodedSchedule([out[d, :lengths[d]].copy() for d in range(job.num_devices)])
+    rows.clock = (float(free.max()) if len(free) else 0.0, tuple(int(x) for x in peak))
+    return rows
 
 
 class _Scheduler:
@@ -93,6 +143,8 @@ class _Scheduler:
         # what each kind costs and does to live memory, from the kind table
         self.dur = kind_durations(job)
         self.change = activation_changes(job.activation)
+        self.f_grow = self.change[Kind.F]  # what admitting a forward adds (read in the candidate loop)
+        self.w_dur = self.dur[Kind.W]  # what filling a gap with a deferred W costs
         held = per_microbatch(job.activation)
         # room kept free when a new micro-batch enters a device, so its later chunks can still run there
         self.headroom = [sum(held[s] for s in st[1:]) for st in self.stages_of]
@@ -102,9 +154,15 @@ class _Scheduler:
         for mb in range(m):
             self.act_arr[mb] = 0.0
             self.grad_arr[(ns - 1) * m + mb] = 0.0
-        # where each kind's end time and output land (the table's `after` and `sends`)
-        self.ends = {Kind.F: self.f_end}
-        self.arrivals = {Flow.ACT: self.act_arr, Flow.GRAD: self.grad_arr}
+        # per kind, from the table: duration and memory change per stage, where its end time is kept
+        # (kinds another kind waits `after`; F here) and where its output lands and in which direction
+        arrivals = {Flow.ACT: self.act_arr, Flow.GRAD: self.grad_arr}
+        ends = {Kind.F: self.f_end}
+        self.effects = {
+            kind: (self.dur[kind], self.change[kind], ends.get(kind),
+                   None if rule.sends is None else arrivals[rule.sends], 0 if rule.sends is None else rule.sends.step)
+            for kind, rule in RULES.items()
+        }
         self.next_f = [0] * ns
         self.next_b = [0] * ns
         self.free = [0.0] * nd
@@ -113,28 +171,35 @@ class _Scheduler:
         self.wq = [deque() for _ in range(nd)]
         self.out = [[] for _ in range(nd)]
         self.decision = [None] * nd
+        self.version = [0] * nd
+        self.heap: list[tuple[float, int, int]] = []
 
     def run(self):
         """Commit decisions in time order until every action is placed; None if stuck."""
         total = sum(2 * self.m * len(st) for st in self.stages_of)
         done_main = 0
         for d in range(self.nd):
-            self.decision[d] = self._decide(d)
-        while True:
-            best, bd = INF, -1
-            for d in range(self.nd):
-                t = self.decision[d][0]
-                if t < best:
-                    best, bd = t, d
-            if bd < 0:
-                break
-            kind = self.decision[bd][1]
-            self._commit(bd, best, kind, self.decision[bd][2])
+            self._redecide(d)
+        heap, version, decision = self.heap, self.version, self.decision
+        while heap:
+            # the earliest decision, lowest device first on ties; entries superseded by a newer decision are skipped
+            t, d, ver = heapq.heappop(heap)
+            if ver != version[d]:
+                continue
+            kind = decision[d][1]
+            self._commit(d, t, kind, decision[d][2])
             if kind is not Kind.W:
                 done_main += 1
         if done_main < total or any(self.wq):
             return None
         return tuple(tuple(row) for row in self.out)
+
+    def _redecide(self, d) -> None:
+        """Recompute device d's next decision and queue it (a device waiting for news is not queued)."""
+        dec = self.decision[d] = self._decide(d)
+        self.version[d] += 1
+        if dec[0] < INF:
+            heapq.heappush(self.heap, (dec[0], d, self.version[d]))
 
     def _bwd_candidates(self, d):
         """(ready time, stage) of each stage's next backward whose inputs are known."""
@@ -160,7 +225,7 @@ class _Scheduler:
                 entry = s == self.low[d]
                 if entry and self.inflight[d] >= self.pol.depth[d]:
                     continue
-                if self.live[d] + self.change[Kind.F][s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
+                if self.live[d] + self.f_grow[s] + (self.headroom[d] if entry else 0) > job.act_cap[d]:
                     blocked = True
                     continue
                 out.append((a, s))
@@ -176,7 +241,7 @@ class _Scheduler:
             return (t0, Kind.W, -1)
         nxt = min([r for r, _ in bw] + [r for r, _ in fw], default=INF)
         if nxt > t0 and wq:
-            w_dur = self.dur[Kind.W][wq[0][0]]
+            w_dur = self.w_dur[wq[0][0]]
             if self.pol.w_fill is WFill.ALWAYS or nxt == INF or nxt - t0 >= w_dur:
                 return (t0, Kind.W, -1)
         if nxt == INF:
@@ -214,19 +279,19 @@ class _Scheduler:
                 self.wq[d].append((s, mb))  # its W (which runs after it) is placed later on this device
             if s == self.low[d]:
                 self.inflight[d] -= 1
-        end = t + self.dur[kind][s]
-        self.live[d] += self.change[kind][s]
+        dur, change, ends, arrival, step = self.effects[kind]
+        end = t + dur[s]
+        self.live[d] += change[s]
         idx = s * m + mb
-        ends = self.ends.get(kind)
         if ends is not None:
             ends[idx] = end
         touched = {d}
-        flow = RULES[kind].sends
-        if flow is not None and 0 <= s + flow.step < self.ns:
-            h = job.hop[min(s, s + flow.step)]
-            self.arrivals[flow][idx + flow.step * m] = end if h is None else end + h
-            touched.add(job.devices[s + flow.step])
+        dst = s + step
+        if arrival is not None and 0 <= dst < self.ns:
+            h = job.hop[s if step > 0 else dst]
+            arrival[idx + step * m] = end if h is None else end + h
+            touched.add(job.devices[dst])
         self.out[d].append(Action(s, kind, mb))
         self.free[d] = end
         for e in touched:
-            self.decision[e] = self._decide(e)
+            self._redecide(e)

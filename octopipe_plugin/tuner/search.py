@@ -24,7 +24,8 @@ from .evaluate import Evaluator, Outcome
 from .layout import Layout
 from .listsched import Policy
 from .moves import Context, pick_move
-from .periodic import ActionTable, extend_schedule, scale_policy
+from .encoded import ActionTable
+from .periodic import extend_schedule, scale_policy
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
@@ -121,14 +122,23 @@ class _InHand:
     history: list = field(default_factory=list)  # (seconds, step ms) of each plan taken in hand
 
     def offer(self, out: Outcome | None, source: str, phase: str) -> None:
-        """Keep `out` if it is a fitting full plan faster than the one in hand (own plans win ties); report."""
-        if out is not None and out.plan is not None and out.fits:
-            cur = self.outcome
-            own_tie = source == "octopipe" and self.source != "octopipe"
-            if cur is None or out.step_ms < cur.step_ms - 1e-9 or (own_tie and out.step_ms <= cur.step_ms + 1e-9):
+        """Keep `out` if it is a fitting full plan faster than the one in hand (own plans win ties); report.
+
+        A plan is replayed by the simulator before it is kept, so the plan in hand is always judged.
+        """
+        if self._better(out, source):
+            out = self.budget.ev.judge(out)
+            if self._better(out, source):
                 self.outcome, self.source = out, source
                 self.history.append((time.monotonic() - self.t0, out.step_ms))
         self.report(phase)
+
+    def _better(self, out: Outcome | None, source: str) -> bool:
+        if out is None or out.plan is None or not out.fits:
+            return False
+        cur = self.outcome
+        own_tie = source == "octopipe" and self.source != "octopipe"
+        return cur is None or out.step_ms < cur.step_ms - 1e-9 or (own_tie and out.step_ms <= cur.step_ms + 1e-9)
 
     def seeded_s(self) -> float:
         """When a plan at least as fast as every fitting built-in was first in hand."""
@@ -176,8 +186,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
                                       deadline=budget.deadline)
         fitting = [b.search for b in baselines if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
-        hand.elite = _dedupe(sorted(first + _own_seeds(evs, layouts, nd, budget, floor, hand)
-                                    + _builtin_elite(baselines), key=lambda t: t[0]))[:ELITE]
+        hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(baselines))
         _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
     except KeyboardInterrupt:
         _interrupted(budget, hand, baselines)
@@ -258,10 +267,17 @@ def _builtin_elite(baselines) -> list:
     return out
 
 
+def _elite(items) -> list:
+    """The ELITE fastest fitting candidates (list-scheduled ones on the scheduler's clock: the simulator
+    replays a candidate when it is taken in hand, and the returned plan again)."""
+    return _dedupe(sorted(items, key=lambda t: t[0]))[:ELITE]
+
+
 def _dedupe(items):
+    """Candidates without repeats; explicit orders by identity (hashing a long order costs as much as judging it)."""
     seen, out = set(), []
     for it in items:
-        key = (it[1], it[2])
+        key = (it[1], it[2] if isinstance(it[2], Policy) else id(it[2]))
         if key not in seen:
             seen.add(key)
             out.append(it)

@@ -13,7 +13,8 @@ from .evaluate import Evaluator, Outcome
 from .layout import Layout
 from .listsched import Order, Policy, Split, WFill, build_schedule
 from .moves import rebalance
-from .periodic import ActionTable, extend_schedule
+from .encoded import ActionTable
+from .periodic import extend_schedule
 
 SPLITS = ("megatron", "balanced")
 NOT_RUN = "not run: time budget spent"

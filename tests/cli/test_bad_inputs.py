@@ -83,6 +83,7 @@ def files(tmp_path_factory) -> dict[str, str]:
                           inter_node=Link(bandwidth_gb_per_s=100, latency_us=5), name="small4"), d / "small4.json")
     out["small4_json"] = str(d / "small4.json")
     put("deep.yaml", "base: llama3-8b\nname: deep\nnum_layers: 1100\n")
+    put("deep3000.yaml", "base: llama3-8b\nname: deep3000\nnum_layers: 3000\n")
     os.makedirs(d / "a_folder", exist_ok=True)
     out["a_folder"] = str(d / "a_folder")
     return out
@@ -115,6 +116,13 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
     ("plan-1000-devices-1e6-microbatches", ["plan", "--model", "{deep_yaml}", "--cluster", "h100x1000",
                                             "--microbatches", "1000000", "--time-budget", "5", "--no-progress"],
      ["--time-budget 5 s", "1102 layers on 1000 devices", "raise --time-budget"]),
+    ("plan-split-table-too-large", ["plan", "--model", "{deep3000_yaml}", "--cluster", "h100x1000", "--microbatches",
+                                    "16", "--time-budget", "86400", "--no-progress"],
+     ["3,002 layers x 1,000 devices", "2,000,000", "at most 666 devices"]),
+    ("simulate-balanced-split-too-large", ["simulate", "--model", "{deep_yaml}", "--cluster", "h100x4096",
+                                           "--schedule", "interleaved-1f1b", "--stages-per-device", "2",
+                                           "--microbatches", "16", "--split", "balanced"],
+     ["--split balanced", "8,192 stages", "use --split megatron"]),
     # numbers that are not finite or out of range
     ("dryrun-target-0", DRY + ["--target-s", "0"], ["argument --target-s", "[0.01, 600] s", "got 0"]),
     ("dryrun-target-negative", DRY + ["--target-s", "-2"], ["argument --target-s", "got -2"]),

@@ -91,3 +91,49 @@ def test_random_policies_give_valid_plans_within_memory(costs, devices, chunks, 
     busiest = max(res.busy_ms)
     assert res.step_time_ms >= busiest - 1e-9
     assert res.step_time_ms >= refined_bound(model, devices, m) - 1e-9  # the bound holds for every plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    costs=st.lists(st.tuples(st.floats(0.1, 3), st.floats(0.1, 3), st.floats(0.1, 3), st.integers(1, 4)),
+                   min_size=4, max_size=10),
+    devices=st.integers(2, 4),
+    chunks=st.integers(1, 2),
+    m=st.integers(1, 9),
+    split=st.sampled_from(list(Split)),
+    depth=st.integers(1, 9),
+    w_limit=st.integers(0, 6),
+    flags=st.tuples(st.sampled_from(list(WFill)), st.sampled_from(list(Order)), st.sampled_from(list(Order))),
+    mem=st.integers(3, 40),
+)
+def test_compiled_scheduler_takes_the_python_schedulers_decisions(costs, devices, chunks, m, split, depth, w_limit,
+                                                                  flags, mem):
+    """The numba event loop is checked against the Python reference on random jobs, policies and memory caps."""
+    from octopipe_plugin.tuner import listsched_kernel
+
+    if not listsched_kernel.AVAILABLE:
+        return
+    n = devices * chunks
+    if len(costs) < n:
+        return
+    model = Model(name="r", layers=tuple(
+        Layer(name=f"l{i}", kind="dense", fwd_ms=f, bwd_ms=b, wgrad_ms=w, state_bytes=0, activation_bytes=a,
+              output_bytes=1 << 20) for i, (f, b, w, a) in enumerate(costs)))
+    cuts = [round(i * len(costs) / n) for i in range(n + 1)]
+    layout = Layout(bounds=tuple(zip(cuts[:-1], cuts[1:])), devices=tuple(place("v" if chunks == 2 else "looped",
+                                                                                    devices, chunks)))
+    cl = cluster(devices, memory_gib=mem / 2**30)
+    job, _, _ = make_job(model, cl, m, layout)
+    pol = Policy(depth=(depth,) * devices, split=(split,) * devices, w_limit=(w_limit,) * devices,
+                 w_fill=flags[0], f_order=flags[1], b_order=flags[2])
+    ref = build_schedule(job, pol, compiled=False)
+    got = build_schedule(job, pol, compiled=True)
+    assert (ref is None) == (got is None)
+    if ref is not None:
+        assert got == ref
+        # the compiled scheduler's own clock and live-memory peaks are the simulator's
+        res = simulate(model, cl, Plan(model=model.name, num_devices=devices, num_microbatches=m,
+                                       stages=layout.stages(), schedule=got), detail=False)
+        step, live = got.clock
+        assert abs(step - res.step_time_ms) <= 1e-9 * max(1.0, step)
+        assert list(live) == list(res.peak_activation_bytes)
