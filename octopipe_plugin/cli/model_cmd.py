@@ -6,12 +6,13 @@ import json
 import logging
 
 from ..costs import ZOO, resolve_model, zoo_description
+from ..costs.zoo import is_model_file
 from ..errors import OctoPipeError
 from ..formats.model import Model, model_to_dict, write_model
 from ..graph import ModelGraph
 from .. import limits as L
 from . import write_output
-from ._options import check_writable, gpu_option, integer
+from ._options import DEFAULT_GPU, check_writable, gpu_option, integer, warn
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def add_parser(subparsers) -> None:
                               description=__doc__)
     p.add_argument("name", nargs="?", help="zoo name (see --list) or a .json/.yaml architecture or model file")
     p.add_argument("--list", action="store_true", help="list the built-in model zoo")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (A100, H100, H200, B200; default H100)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (A100, H100, H200, B200; default H100)")
     p.add_argument("--seq-len", type=integer(1, L.MAX_SEQ_LEN), help="override the sequence length")
     p.add_argument("--micro-batch-size", type=integer(1, L.MAX_MICRO_BATCH_SIZE), help="override the micro-batch size")
     p.add_argument("--tp", type=integer(1, L.MAX_TP), help="override the tensor-parallel size")
@@ -43,7 +44,9 @@ def run(args) -> int:
     if not args.name:
         raise OctoPipeError("give a zoo model name or an architecture/model file (or --list to see the zoo)")
     check_writable(args.output, "-o")
-    model = resolve_model(args.name, gpu_option(args.gpu), seq_len=args.seq_len,
+    if args.gpu is not None and is_model_file(args.name):
+        warn(args, f"--gpu {args.gpu} does not apply to model file {args.name}: its costs are printed as written")
+    model = resolve_model(args.name, gpu_option(args.gpu or DEFAULT_GPU), seq_len=args.seq_len,
                           micro_batch_size=args.micro_batch_size, tp=args.tp, dp=args.dp, recompute=args.recompute)
     if args.output:
         write_output(lambda: write_model(model, args.output), args.output)

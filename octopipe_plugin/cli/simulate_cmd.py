@@ -197,4 +197,11 @@ def format_report(r: dict) -> str:
         stages = ",".join(str(s) for s in d["stages"])
         lines.append(f"  {d['device']:>6}  {stages:<12} {d['busy_ms']:>10.2f} {d['utilisation']:>7.1%} "
                      f"{d['peak_memory_bytes'] / _GIB:>9.2f} {limit:>7.1f}  {'yes' if d['fits'] else 'NO'}")
+    over = [d for d in r["devices"] if not d["fits"]]
+    if over:
+        worst = max(d["peak_memory_bytes"] for d in over) / _GIB
+        lines.append(f"  does not fit: device{'s' if len(over) > 1 else ''} "
+                     f"{', '.join(str(d['device']) for d in over[:8])}{' ...' if len(over) > 8 else ''} need up to "
+                     f"{worst:.1f} GiB of {limit:.1f} GiB; try fewer micro-batches in flight (1f1b or zb-h1 instead of "
+                     f"gpipe), full recompute (`octopipe model ... --recompute -o m.json`), more devices, or --tp")
     return "\n".join(lines)

@@ -95,6 +95,18 @@ def resolve_model(name_or_path: str, gpu: str = "H100", **overrides) -> Model:
     return load_model(name_or_path, gpu, **overrides)[0]
 
 
+def is_model_file(name_or_path: str) -> bool:
+    """Whether a name is a cost-annotated `octopipe-model/1` file (False for zoo names and architectures)."""
+    name = str(name_or_path)
+    if name in ZOO or not is_document_path(name):
+        return False
+    try:
+        data, _ = load_json(name)
+    except OctoPipeError:
+        return False
+    return _is_model_doc(data)
+
+
 def load_model(name_or_path: str, gpu: str = "H100", **overrides) -> tuple[Model, bool]:
     """Like `resolve_model`, also saying whether the costs came from an `octopipe-model/1` file (True)."""
     data, src = _load_doc(str(name_or_path))
