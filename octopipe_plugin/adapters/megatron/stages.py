@@ -9,9 +9,11 @@ only their input GEMM at I and only their weight GEMM at W (`wgrad`), every para
 gradient reaches `main_grad` through AccumulateGrad, so DDP's hooks fire.
 
 Gradient synchronisation follows Megatron's interleaved schedule: each chunk's
-`no_sync_func` is active until just before that chunk's last gradient-producing action of
-the step (its last B or W in this rank's list), and `grad_sync_func[c]` runs right after
-it; `param_sync_func[c]` runs before the chunk's first forward.
+`no_sync_func` is active during the step; without `grad_sync_func` it is lifted just before
+the chunk's last gradient-producing action (its last B or W in this rank's list), so DDP's
+hooks start the reduction; with `grad_sync_func` that action still runs under no_sync and
+the sync is lifted and `grad_sync_func[c]` called right after it. `param_sync_func[c]` runs
+before the chunk's first forward.
 """
 
 from __future__ import annotations
@@ -96,17 +98,29 @@ class GradSync:
         return True
 
     def before_grad(self, c: int, position: int) -> None:
-        """Lift the chunk's no_sync just before its last gradient-producing action."""
-        key = 0 if self.shared else c
-        last = self.last_overall if self.shared else self.last_grad_action.get(c)
-        if last is not None and last[0] == position and key in self.open:
-            self.open.pop(key).close()
+        """Without grad_sync_func: lift the chunk's no_sync just before its last gradient-producing action
+        (DDP's hooks then start the reduction as the gradients arrive)."""
+        if self.grad_sync is None and self._is_last(c, position):
+            self._lift(c)
 
     def after_grad(self, c: int, position: int) -> None:
-        """grad_sync of the chunk right after its last gradient-producing action."""
-        last = self.last_grad_action.get(c)
-        if self.grad_sync is not None and last is not None and last[0] == position:
+        """With grad_sync_func: right after the chunk's last gradient-producing action, lift its no_sync
+        and start its reduction (the backward itself ran under no_sync, as in Megatron's schedules)."""
+        if self.grad_sync is not None and self._is_last(c, position):
+            self._lift(c)
             self.grad_sync[c](self.model[c].parameters())
+
+    def _is_last(self, c: int, position: int) -> bool:
+        last = self.last_grad_action.get(c)
+        return last is not None and last[0] == position
+
+    def _lift(self, c: int) -> None:
+        if self.shared:
+            # one no_sync for every chunk: it holds until the rank's last gradient-producing action
+            if self.last_overall is not None and self.last_grad_action.get(c) == self.last_overall and 0 in self.open:
+                self.open.pop(0).close()
+        elif c in self.open:
+            self.open.pop(c).close()
 
 
 class MegatronStages:
