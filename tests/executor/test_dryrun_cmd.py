@@ -55,7 +55,7 @@ def test_standin_rejects_a_message_for_the_wrong_microbatch():
     run.forward(1, 2, good)  # matches: micro-batch 2 from stage 0
     with pytest.raises(ExecutorError, match="micro-batch 2 from stage 0.*expected micro-batch 3"):
         run.forward(1, 3, good)
-    grad = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)  # gradient of mb 3 from stage 2
+    grad = (torch.tensor([3.0, 2.0, 1.0, 0.0, 1.0], dtype=torch.float64),)  # gradient of mb 3 from stage 2
     run.backward_input(1, 3, grad)
     with pytest.raises(ExecutorError, match="expected micro-batch 3 from stage 2"):
         run.backward(1, 3, good)  # an activation where a gradient was due
