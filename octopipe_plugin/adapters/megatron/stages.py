@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from octopipe_plugin.executor.forward_step import IndexedBatches
+from octopipe_plugin.executor.data import MicroBatches
 from octopipe_plugin.executor.interface import TensorMeta
 from octopipe_plugin.actions import Kind
 
@@ -33,7 +33,7 @@ from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_
 class _BatchAt:
     """An iterator that yields batch `mb` of a chunk's stream when (and only if) the forward step reads it."""
 
-    def __init__(self, batches: IndexedBatches | None, mb: int):
+    def __init__(self, batches: MicroBatches | None, mb: int):
         self.batches, self.mb = batches, mb
 
     def __iter__(self):
@@ -148,7 +148,8 @@ class MegatronStages:
         self.phases = list(phases) if phases is not None else [Phase() for _ in self.model]
         self.te = [te_modules_of(m) for m in self.model]
         iters = _per_chunk(data_iterator, len(self.model))
-        self.batches = [IndexedBatches(it) if it is not None else None for it in iters]
+        self.batches = [MicroBatches(it, 1, rank=rank, limit=num_microbatches) if it is not None else None
+                        for it in iters]
         act = TensorMeta(shape=tuple(tensor_shape), dtype=config.pipeline_dtype or torch.float32)
         self.metas = tuple(act for _ in range(self.num_stages))
         self.loss_data: dict[int, object] = {}
