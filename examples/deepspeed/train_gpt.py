@@ -40,7 +40,7 @@ class Block(nn.Module):
 
 def lm_head(embedding: nn.Embedding, x):
     """Logits from the embedding weight (the head is tied to the embedding)."""
-    return x @ embedding.weight.t()
+    return x @ embedding.weight.t() / embedding.embedding_dim ** 0.5
 
 
 def gpt_specs(vocab: int, hidden: int, heads: int, layers: int):
