@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 
@@ -46,17 +47,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cache-dir", help="profile cache directory (default: $OCTOPIPE_PROFILE_CACHE or "
                                        "~/.cache/octopipe/profiles)")
     p.add_argument("--no-cache", action="store_true", help="measure everything, read and write no cache")
-    p.add_argument("--progress", action=argparse_bool(), default=None, help="show a progress bar (default: on a tty)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="show a progress bar (default: on a tty)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the cost-annotated octopipe-model/1 JSON here")
     p.add_argument("--json", action="store_true", help="print the model JSON instead of the table")
     p.set_defaults(run=run)
-
-
-def argparse_bool():
-    """--flag / --no-flag (argparse.BooleanOptionalAction)."""
-    import argparse
-
-    return argparse.BooleanOptionalAction
 
 
 def parse_sets(items: list[str]) -> dict:
