@@ -1,6 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
-Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10] [--models dense,moe,heavy-head]
+Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10]
+       [--models dense,moe,heavy-head]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
