@@ -22,7 +22,7 @@ def mlp(h: int = 256) -> nn.Module:
     return nn.Sequential(nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
 
 
-def split_ratio(module: nn.Module, x: torch.Tensor, attempts: int = 3) -> float:
+def split_ratio(module: nn.Module, x: torch.Tensor, attempts: int = 5) -> float:
     """(I + W) / B from medians; re-measured up to `attempts` times while a busy machine skews it."""
     ratio = float("nan")
     for _ in range(attempts):
