@@ -83,6 +83,7 @@ def files(tmp_path_factory) -> dict[str, str]:
                           inter_node=Link(bandwidth_gb_per_s=100, latency_us=5), name="small4"), d / "small4.json")
     out["small4_json"] = str(d / "small4.json")
     put("deep.yaml", "base: llama3-8b\nname: deep\nnum_layers: 1100\n")
+    put("huge.yaml", "base: llama3-8b\nname: huge\nhidden: 2147483647\nheads: 1\nkv_heads: 1\nffn: 2147483647\n")
     put("deep3000.yaml", "base: llama3-8b\nname: deep3000\nnum_layers: 3000\n")
     os.makedirs(d / "a_folder", exist_ok=True)
     out["a_folder"] = str(d / "a_folder")
@@ -197,6 +198,7 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
     ("nan-cost-model", SIM_1F1B[:2] + ["{nan_model_json}", "--cluster", "h100x8", "--schedule", "1f1b",
                                        "--microbatches", "8"], ["$.layers[0].fwd_ms", "finite", "got nan"]),
     ("huge-int-model", ["model", "{bigint_model_json}"], ["$.layers[0].state_bytes", "about 400 digits"]),
+    ("huge-architecture", ["model", "{huge_yaml}"], ["huge.yaml: field $", "at most 1e+07 ms and 1 PiB", "check hidden"]),
     ("cluster-nan-bandwidth", ["simulate", "--model", "llama3-8b", "--cluster", "{nan_bw_json}", "--schedule", "1f1b",
                                "--microbatches", "8"], ["$.intra_node.bandwidth_gb_per_s", "got nan"]),
     ("cluster-negative-latency", ["simulate", "--model", "llama3-8b", "--cluster", "{neg_latency_json}", "--schedule",
