@@ -56,6 +56,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     out["wide100_json"] = str(d / "wide100.json")
 
     model_doc = model_to_dict(llama3)
+    put("model_l3.json", json.dumps(model_doc))
     put("no_format.json", json.dumps({k: v for k, v in model_doc.items() if k != "format"}))
     put("empty.yaml", "")
     put("list.json", "[1, 2]")
@@ -187,6 +188,9 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
     ("plan-given-as-model", ["simulate", "--model", "{llama3_h100x8_json}", "--cluster", "h100x8", "--schedule",
                              "1f1b", "--microbatches", "8"],
      ["field $.format", "octopipe-model/1", "this is a plan file", "--plan FILE"]),
+    ("model-file-given-as-plan", ["simulate", "--model", "llama3-8b", "--cluster", "h100x8", "--plan",
+                                  "{model_l3_json}"], ["$.format", "'octopipe-plan/1'", "this is an octopipe-model file",
+                                                       "pass it to --model"]),
     ("empty-yaml-model", ["model", "{empty_yaml}"], ["empty.yaml: field $", "the file is empty"]),
     ("list-json-model", ["model", "{list_json}"], ["list.json: field $", "got a list"]),
     ("bad-utf8-model", ["model", "{bad_utf8_json}"], ["bad_utf8.json: field $", "UTF-8"]),
