@@ -17,7 +17,7 @@ import pytest
 
 from octopipe_plugin.costs import named_cluster, resolve_model
 from octopipe_plugin.formats import (
-    Cluster, Layer, Link, Model, bind_plan, cluster_to_dict, model_to_dict, plan_to_dict, write_cluster, write_model,
+    Cluster, Layer, Link, Model, bind_plan, cluster_to_dict, model_to_dict, write_cluster, write_model,
     write_plan,
 )
 from octopipe_plugin.schedules.registry import build_plan
