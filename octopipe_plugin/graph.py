@@ -52,12 +52,23 @@ def _edges(model: Model):
             yield p, i
 
 
+def last_uses(model: Model) -> list[int]:
+    """Per layer, the last layer that consumes its output (itself when none does)."""
+    last_use = list(range(model.num_layers))  # a layer nobody consumes is live across no boundary
+    for p, c in _edges(model):
+        last_use[p] = max(last_use[p], c)
+    return last_use
+
+
+def live_outputs(model: Model, boundary: int) -> tuple[int, ...]:
+    """Layers whose outputs cross a stage boundary placed before layer `boundary` (what that cut sends)."""
+    return tuple(p for p, last in enumerate(last_uses(model)[:boundary]) if last >= boundary)
+
+
 def boundary_bytes(model: Model) -> list[int]:
     """Bytes crossing a stage boundary before each layer 0..L: every producer output still to be consumed, once."""
     n = model.num_layers
-    last_use = list(range(n))  # a layer nobody consumes is live across no boundary
-    for p, c in _edges(model):
-        last_use[p] = max(last_use[p], c)
+    last_use = last_uses(model)
     # Layer p's output crosses boundaries p+1 .. last_use[p]: add it at the first, drop it after the last.
     delta = [0] * (n + 2)
     for p, last in enumerate(last_use):

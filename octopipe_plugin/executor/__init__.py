@@ -1,13 +1,47 @@
-"""Unified pipeline executor: any plan (placement + per-device F/B/I/W list) over torch.distributed."""
+"""Unified pipeline executor: any plan (placement + per-device F/B/I/W list) over torch.distributed.
 
-from .engine import ExecutorOptions, PipelineExecutor, StepResult
+API (what the Megatron and DeepSpeed adapters build on):
+
+- `PipelineExecutor(plan, runner, *, group=None, device="cpu", options=ExecutorOptions(),
+  cache=None, on_last_backward=None)`: one rank's share of `plan` over the ranks of
+  `group`. The plan is validated and checked for deadlock before anything is sent.
+  `on_last_backward(stage)` runs right after a stage's last B or W of a training step (its
+  weight gradients are final: start its gradient reduction there).
+- `run_step(data=None, *, forward_only=False) -> StepResult`: `data` is this step's data
+  source: one iterable of micro-batches shared by the rank's stages, a mapping
+  stage -> iterable (Megatron's per-chunk iterators), or None (the runner loads its own);
+  each forward gets micro-batch mb as `batch`. `forward_only` (evaluation) runs only the
+  plan's forwards in the plan's order, keeps no activations and sends no gradients.
+  `StepResult.outputs[mb]` is the last stage's `LossOutput` (scaled loss, `num_tokens`,
+  the loss function's dict in `logs`, its own return value in `raw`); `loss`,
+  `losses`, `logs` and `num_tokens` summarise them (empty / None off the last stage).
+- `StageRunner` (interface.py): the per-stage protocol the executor drives. Boundary
+  values are a tensor or a tuple / list / dict of tensors; `boundary_meta(stage)` declares
+  them as `TensorMeta` (shape, dtype, `requires_grad`; gradients travel back only for
+  leaves that need them), or returns None to have the meta sent once per step ahead of
+  the boundary's first activation (shapes may change between steps, not within one).
+- `TorchStages` / `ForwardStepStages`: runners over plain modules and over a Megatron-style
+  `forward_step_func`; `grad_sink='autograd'` (default) accumulates weight gradients
+  through autograd's AccumulateGrad, so grad-accumulator hooks fire once per parameter and
+  micro-batch also under split I/W; `'direct'` adds them into `p.grad` itself.
+- `CommCache` (`default_cache()` unless given): per-direction process groups (NCCL, or
+  gloo with `ExecutorOptions(pair_groups=True)`), made once per rank pair for every
+  pipeline of the world (collective over the default group: every rank constructs its
+  executors at the same point), and receive buffers kept per (plan, group), so later
+  steps and further executors on the same plan open no communicator. Received tensors
+  are valid until the next step.
+"""
+
+from .comm_cache import CommCache, default_cache
+from .engine import ExecutorOptions, PipelineExecutor, StepResult, forward_plan
 from .errors import ExecutorError
-from .interface import StageRunner, TensorMeta
+from .interface import LossOutput, StageRunner, TensorMeta
 from .program import RankProgram, Step, build_program
 from .torch_stage import TorchStages
 from .validate import check_runnable
 
 __all__ = [
-    "ExecutorOptions", "PipelineExecutor", "StepResult", "ExecutorError", "StageRunner", "TensorMeta",
-    "RankProgram", "Step", "build_program", "TorchStages", "check_runnable",
+    "CommCache", "default_cache", "ExecutorOptions", "PipelineExecutor", "StepResult", "forward_plan",
+    "ExecutorError", "LossOutput", "StageRunner", "TensorMeta", "RankProgram", "Step", "build_program",
+    "TorchStages", "check_runnable",
 ]

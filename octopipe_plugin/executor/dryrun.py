@@ -5,7 +5,9 @@ for real; only the compute is a stand-in. Predicted and measured step times use 
 scaled costs: predicted by the simulator (reference semantics), measured as the wall-clock
 span from a common start instant to the moment the last rank's step returns. Transfers are
 priced by the cluster (the consumer does not use a payload before send time + transfer
-time) or free when no cluster is given. See SleepStages for the 'device' and 'wall' clocks.
+time) or free when no cluster is given. Every boundary carries one payload per model output
+live across it, as the model graph says (a branched model's cut carries several).
+See SleepStages for the 'device' and 'wall' clocks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..formats import Cluster, Link, plan_from_dict, plan_to_dict
 from ..simulator import simulate, stage_costs
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import init_gloo, spawn
-from .standin import SleepStages, StandInCosts, standin_costs
+from .standin import SleepStages, StandInCosts, stage_live_outputs, standin_costs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,8 +103,9 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
         raise OctoPipeError(f"the scaled step lasts {step_s:.4g} s, longer than the {timeout_s:g} s timeout a rank "
                             f"waits for one message: raise --timeout above {step_s:.4g} or lower the time scale")
     costs = standin_costs(sc, [st.device for st in plan.stages], fast)
+    live = stage_live_outputs(model, plan.stages)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
-        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, timeout_s, clock, out)
+        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, live, timeout_s, clock, out)
         ranks = [_read_json(os.path.join(out, f"rank{r}.json")) for r in range(plan.num_devices)]
     start = ranks[0]["start"]
     measured = max(r["end"] for r in ranks) - start
@@ -118,7 +121,7 @@ def _read_json(path: str) -> dict:
         return json.load(fh)
 
 
-def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCosts, timeout_s: float,
+def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCosts, live: tuple, timeout_s: float,
             clock: str, out: str) -> None:
     init_gloo(rank, world, port, timeout_s)
     plan = plan_from_dict(plan_doc)
@@ -126,8 +129,8 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     # warm-up step without sleeping: opens every gloo pair so the timed step pays no connection setup
     zero = StandInCosts(fwd=(0.0,) * len(costs.fwd), bwd=(0.0,) * len(costs.fwd), wgrad=(0.0,) * len(costs.fwd),
                         hop=(0.0,) * len(costs.fwd))
-    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank), options=opts).run_step()
-    runner = SleepStages(costs=costs, rank=rank, clock=clock)
+    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank, live=live), options=opts).run_step()
+    runner = SleepStages(costs=costs, rank=rank, clock=clock, live=live)
     executor = PipelineExecutor(plan, runner, options=opts)
     start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks

@@ -29,6 +29,9 @@ class WeightWork:
 
     groups: list
     params: tuple[torch.nn.Parameter, ...]
+    # parameters on a branch that never meets the input's path (e.g. a text embedding beside a
+    # vision input): no intermediate captures their gradient, so W starts from the outputs
+    rest: tuple = ()
 
 
 def backward_input(
@@ -56,7 +59,10 @@ def backward_input(
     finally:
         for h in handles:
             h.remove()
-    return tuple(dinputs), WeightWork(groups=groups, params=tuple(params))
+    grouped = set().union(*(g["params"] for g in groups)) if groups else set()
+    leftover = tuple(p for p, fn in zip(params, map(_get_grad_fn_or_grad_acc, params)) if fn not in grouped)
+    rest = (tuple(outputs), tuple(grad_outputs), leftover) if leftover else ()
+    return tuple(dinputs), WeightWork(groups=groups, params=tuple(params), rest=rest)
 
 
 def _capture(group: dict, i: int):
@@ -66,9 +72,25 @@ def _capture(group: dict, i: int):
     return hook
 
 
-def backward_weight(work: WeightWork) -> None:
-    """Accumulate parameter gradients from the gradients I captured; frees the retained graph."""
+def backward_weight(work: WeightWork, sink: str = "direct") -> None:
+    """Accumulate parameter gradients from the gradients I captured; frees the retained graph.
+
+    sink 'direct' computes each weight gradient and adds it into `p.grad`; 'autograd' lets the
+    engine run each parameter's AccumulateGrad node, so hooks on the grad accumulator and
+    post-accumulate-grad hooks fire (once per parameter and call).
+    """
     owner = {_get_grad_fn_or_grad_acc(p): p for p in work.params}
+    if work.rest:
+        # first, while the groups' part of the graph is still retained: this branch shares no node with it
+        outputs, grads, leftover = work.rest
+        if sink == "autograd":
+            torch.autograd.backward(list(outputs), list(grads), retain_graph=True, inputs=list(leftover))
+        else:
+            dws = torch.autograd.grad(list(outputs), list(leftover), list(grads), retain_graph=True,
+                                      allow_unused=True)
+            for p, dw in zip(leftover, dws):
+                if dw is not None:
+                    accumulate_grad(p, dw)
     for group in work.groups:
         edges, grads = [], []
         for captured, node in zip(group["grads"], group["intermediates"]):
@@ -85,9 +107,12 @@ def backward_weight(work: WeightWork) -> None:
         try:
             if edges:
                 accs = list(group["params"])
-                dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
-                for acc, dw in zip(accs, dws):
-                    accumulate_grad(owner[acc], dw)
+                if sink == "autograd":
+                    torch.autograd.backward(edges, grads, inputs=[owner[a] for a in accs])
+                else:
+                    dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
+                    for acc, dw in zip(accs, dws):
+                        accumulate_grad(owner[acc], dw)
         finally:
             for h in handles:
                 h.remove()

@@ -1,10 +1,12 @@
 """Sleeping stand-in stages: each action sleeps its (scaled) cost, each message says what it is.
 
-A payload is [micro-batch, producing stage, direction (0 act, 1 grad), send time]; the
-consumer checks the first three against what it expects and, to charge the link, does not
-use the payload before `send time + transfer time` (processes share the host clock), which
-is the simulator's model of a transfer with full overlap. Sleeping costs no CPU, so many
-ranks fit on a laptop's few cores.
+A boundary carries one payload per model output live across it (a branched model's cut,
+e.g. a vision encoder's and the text embedding's outputs, carries several: graph.py), each
+[micro-batch, producing stage, direction (0 act, 1 grad), send time, producing layer]; the
+consumer checks all but the send time against what it expects and, to charge the link, does
+not use the payload before `send time + transfer time` (processes share the host clock),
+which is the simulator's model of a transfer with full overlap. Sleeping costs no CPU, so
+many ranks fit on a laptop's few cores.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from ..simulator.costs import hop_times
 from .errors import ExecutorError
 from .interface import TensorMeta
 
-_PAYLOAD = TensorMeta(shape=(4,), dtype=torch.float64)
-_LOSS = TensorMeta(shape=(), dtype=torch.float64)
+_PAYLOAD = TensorMeta(shape=(5,), dtype=torch.float64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,13 +50,16 @@ class SleepStages:
     host delay: each action sleeps its full cost from the moment the host reaches it.
     """
 
-    def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device"):
+    def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device",
+                 live: tuple[tuple[int, ...], ...] | None = None):
         if clock not in ("device", "wall"):
             raise ValueError(f"clock {clock!r}: expected 'device' or 'wall'")
         self.costs = costs
         self.rank = rank
         self.clock = clock
         self.num_stages = len(costs.fwd)
+        # live[s]: the layers whose outputs cross the boundary after stage s (one payload each)
+        self.live = live if live is not None else tuple((s,) for s in range(self.num_stages))
         self.busy_s = 0.0
         self.checked = 0
         self.free = 0.0  # when the modelled device finishes its last action (device clock)
@@ -64,21 +68,28 @@ class SleepStages:
         """Start the device clock at the shared start instant."""
         self.free = t0
 
-    def boundary_meta(self, stage: int) -> TensorMeta:
-        """Every boundary carries the 4-number payload; the last stage yields a scalar loss."""
-        return _LOSS if stage == self.num_stages - 1 else _PAYLOAD
+    def boundary_meta(self, stage: int) -> tuple[TensorMeta, ...]:
+        """One 5-number payload per output live across the boundary."""
+        return tuple(_PAYLOAD for _ in self.live[stage])
 
-    def _expect(self, payload: torch.Tensor, action: str, mb: int, stage: int, grad: bool) -> float:
-        got = (int(payload[0]), int(payload[1]), int(payload[2]))
-        want = (mb, stage, int(grad))
-        if got != want:
-            raise ExecutorError(
-                f"rank {self.rank}: {action} received the {'gradient' if grad else 'activation'} of micro-batch "
-                f"{got[0]} from stage {got[1]} (direction {got[2]}), expected micro-batch {mb} from stage {stage}",
-                rank=self.rank, action=action)
+    def _expect(self, value, action: str, mb: int, stage: int, grad: bool) -> float:
+        boundary = stage - 1 if grad else stage
+        if not isinstance(value, tuple) or len(value) != len(self.live[boundary]):
+            raise ExecutorError(f"rank {self.rank}: {action} received {_count(value)} payloads across boundary "
+                                f"{boundary}, the model graph has {len(self.live[boundary])} live outputs there",
+                                rank=self.rank, action=action)
+        arrival = 0.0
+        for payload, layer in zip(value, self.live[boundary]):
+            got = (int(payload[0]), int(payload[1]), int(payload[2]), int(payload[4]))
+            want = (mb, stage, int(grad), layer)
+            if got != want:
+                raise ExecutorError(
+                    f"rank {self.rank}: {action} received the {'gradient' if grad else 'activation'} of micro-batch "
+                    f"{got[0]} from stage {got[1]} (direction {got[2]}, layer {got[3]}), expected micro-batch {mb} "
+                    f"from stage {stage} (layer {layer})", rank=self.rank, action=action)
+            arrival = max(arrival, float(payload[3]))
         self.checked += 1
-        hop = self.costs.hop[stage - 1 if grad else stage]
-        return float(payload[3]) + hop / 1000.0  # when the input lands on this device
+        return arrival + self.costs.hop[boundary] / 1000.0  # when the input lands on this device
 
     def _work(self, ms: float, ready_at: float = 0.0) -> float:
         """Sleep one action; returns its end time (which the payload carries on)."""
@@ -96,10 +107,12 @@ class SleepStages:
         self.busy_s += ms / 1000.0
         return end
 
-    def _payload(self, mb: int, stage: int, grad: bool, sent: float) -> torch.Tensor:
-        return torch.tensor([mb, stage, float(grad), sent], dtype=torch.float64)
+    def _payload(self, mb: int, stage: int, grad: bool, sent: float) -> tuple[torch.Tensor, ...]:
+        boundary = stage - 1 if grad else stage
+        return tuple(torch.tensor([mb, stage, float(grad), sent, layer], dtype=torch.float64)
+                     for layer in self.live[boundary])
 
-    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
         """Check the incoming activation, sleep F."""
         ready = self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False) if stage > 0 else 0.0
         end = self._work(self.costs.fwd[stage], ready)
@@ -107,14 +120,14 @@ class SleepStages:
             return torch.zeros((), dtype=torch.float64)
         return self._payload(mb, stage, False, end)
 
-    def _backward(self, stage: int, mb: int, grad_output, ms: float, kind: str) -> torch.Tensor | None:
+    def _backward(self, stage: int, mb: int, grad_output, ms: float, kind: str):
         ready = 0.0
         if stage < self.num_stages - 1:
             ready = self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
         end = self._work(ms, ready)
         return self._payload(mb, stage, True, end) if stage > 0 else None
 
-    def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def backward_input(self, stage: int, mb: int, grad_output):
         """Check the output gradient, sleep I."""
         return self._backward(stage, mb, grad_output, self.costs.bwd[stage], "I")
 
@@ -122,9 +135,20 @@ class SleepStages:
         """Sleep W."""
         self._work(self.costs.wgrad[stage])
 
-    def backward(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, stage: int, mb: int, grad_output):
         """Check the output gradient, sleep I + W."""
         return self._backward(stage, mb, grad_output, self.costs.bwd[stage] + self.costs.wgrad[stage], "B")
+
+
+def _count(value) -> str:
+    return str(len(value)) if isinstance(value, tuple) else type(value).__name__
+
+
+def stage_live_outputs(model, stages) -> tuple[tuple[int, ...], ...]:
+    """Per stage: the layers whose outputs cross the boundary after it (the model graph's cut; none after the last)."""
+    from ..graph import live_outputs
+
+    return tuple(live_outputs(model, st.end) for st in stages[:-1]) + ((),)
 
 
 def standin_costs(stage_costs, stage_devices: Sequence[int], cluster) -> StandInCosts:

@@ -7,17 +7,50 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .interface import TensorMeta
+from .boundary import flatten, unflatten
+from .interface import LossOutput
 from .split_backward import accumulate_grad, backward_input, backward_weight
+
+GRAD_SINKS = ("direct", "autograd")
+
+
+def split_loss(raw) -> tuple[torch.Tensor, object, Mapping | None]:
+    """(loss, num_tokens, logs) of what a loss function returned: a tensor, (loss, dict),
+    (loss, num_tokens, dict) as Megatron's loss functions do, or a dict with a 'loss' entry."""
+    if isinstance(raw, torch.Tensor):
+        return raw, None, None
+    if isinstance(raw, Mapping):
+        return raw["loss"], raw.get("num_tokens"), raw
+    if isinstance(raw, (tuple, list)):
+        if len(raw) == 2:
+            return raw[0], None, raw[1]
+        if len(raw) == 3:
+            return raw[0], raw[1], raw[2]
+    raise TypeError(f"a loss function returns a tensor, (loss, dict), (loss, num_tokens, dict) or a dict with "
+                    f"'loss'; got {type(raw).__name__}")
 
 
 class TorchStages:
     """The stages one rank owns, each an `nn.Module` mapping the stage input to its output.
 
-    `load_input(mb)` gives the first stage's input; `loss_fn(output, mb)` the last stage's
-    loss, which is divided by `num_microbatches` so the step loss is the mean over
-    micro-batches. `metas[s]` is the meta of stage s's output (fixed per boundary, as
-    Megatron's tensor_shape is), used by the executor to size receive buffers.
+    - Inputs and outputs are a tensor or a tuple / list / dict of tensors (boundary.py);
+      tensors that do not require grad (masks, ids) get no gradient back.
+    - `call(stage, module, inputs, batch)` runs a stage (default `module(inputs)`); `inputs`
+      is stage - 1's output, or on the first stage `load_input(mb)` (None without it);
+      `batch` is the step's micro-batch (run_step(data=...)), so any stage can read data
+      (a branched model's second source, the last stage's labels).
+    - `loss_fn(output, batch)` gives the last stage's loss (`batch` is the micro-batch
+      index when the step has no data source) as a tensor, (loss, dict), (loss, num_tokens,
+      dict) or {'loss': ...}; `scale_loss(loss, num_tokens)` turns it into what the step
+      sums and backward starts from (default: divided by `num_microbatches`); `grad_scale`
+      (e.g. a loss scaler) multiplies only the backward's start.
+    - `metas[s]` declares stage s's output (TensorMeta or a structure of them); None, or a
+      None entry, lets the executor learn it by one handshake per step.
+    - `grad_sink`: 'autograd' (default: weight gradients reach `p.grad` through each
+      parameter's AccumulateGrad, so grad-accumulator hooks such as Megatron DDP's and
+      DeepSpeed ZeRO's, and post-accumulate-grad hooks, fire once per parameter and
+      micro-batch, B or I+W alike) or 'direct' (computed, then added into `p.grad` without
+      running hooks; measured no faster, kept for runners that must bypass the hooks).
     """
 
     def __init__(
@@ -26,40 +59,57 @@ class TorchStages:
         modules: Mapping[int, nn.Module],
         num_stages: int,
         num_microbatches: int,
-        metas: Sequence[TensorMeta],
-        load_input: Callable[[int], torch.Tensor],
-        loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+        metas: Sequence | None = None,
+        load_input: Callable[[int], object] | None = None,
+        loss_fn: Callable | None = None,
+        call: Callable | None = None,
+        scale_loss: Callable | None = None,
+        grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        grad_sink: str = "autograd",
     ):
+        if grad_sink not in GRAD_SINKS:
+            raise ValueError(f"grad_sink {grad_sink!r}: expected one of {', '.join(GRAD_SINKS)}")
         self.modules = dict(modules)
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
-        self.metas = tuple(metas)
+        self.metas = tuple(metas) if metas is not None else None
         self.load_input = load_input
         self.loss_fn = loss_fn
+        self.call = call
+        self.scale_loss = scale_loss or (lambda loss, num_tokens: loss / self.num_microbatches)
+        self.grad_scale = grad_scale
+        self.grad_sink = grad_sink
         # (stage, mb) -> what the next action of that pair needs; entries die with their last use
         self._saved: dict[tuple[int, int], dict] = {}
 
-    def boundary_meta(self, stage: int) -> TensorMeta:
-        """Meta of stage `stage`'s output."""
-        return self.metas[stage]
+    def boundary_meta(self, stage: int):
+        """Meta of stage `stage`'s output (None: learned per step)."""
+        return self.metas[stage] if self.metas is not None else None
 
-    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
-        """Run the stage module; the last stage also applies the scaled loss."""
-        if stage == 0:
-            x = self._first_input(mb)
-        else:
-            # detach() shares storage: a same-device hand-off is not copied, only cut from the graph
-            x = inputs.detach().requires_grad_(True)
-        out = self._compute(stage, mb, x)
-        if stage == self.num_stages - 1:
-            out = out / self.num_microbatches
+    # ----- forward
+
+    def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
+        """Run the stage; the last stage applies the loss and returns a LossOutput."""
+        last = stage == self.num_stages - 1
+        if forward_only:
+            with torch.no_grad():
+                x = self._first_input(mb) if stage == 0 else inputs
+                out = self._compute(stage, mb, x, batch)
+            return self._loss_output(out)[0] if last else out
+        x = self._first_input(mb) if stage == 0 else _cut(inputs)
+        out = self._compute(stage, mb, x, batch)
+        if last:
+            result, root = self._loss_output(out)
+            out = root
         self._saved[(stage, mb)] = {"input": x, "output": out}
-        return out
+        return result if last else out
 
-    def _first_input(self, mb: int) -> torch.Tensor:
-        """Stage 0's input of micro-batch `mb` (subclasses that load data inside the step change it)."""
+    def _first_input(self, mb: int):
+        """Stage 0's pipeline input of micro-batch `mb` (None without `load_input`)."""
+        if self.load_input is None:
+            return None
         x = self.load_input(mb)
-        if x.is_floating_point():
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
             # A float input that "requires grad" lets I walk the activation chain of stage 0 and
             # leave W only the weight products, as on every other stage (a faithful I/W split for
             # zero-bubble plans), at the price of the first layer's unused input-gradient product.
@@ -67,59 +117,142 @@ class TorchStages:
             x = x.detach().requires_grad_(True)
         return x
 
-    def _compute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        """The stage's output, or on the last stage its unscaled loss (subclasses change how)."""
-        out = self.modules[stage](x)
-        return self.loss_fn(out, mb) if stage == self.num_stages - 1 else out
+    def _compute(self, stage: int, mb: int, x, batch):
+        """The stage's output, or on the last stage what its loss function returned (subclasses change how)."""
+        module = self.modules[stage]
+        out = self.call(stage, module, x, batch) if self.call is not None else module(x)
+        if stage < self.num_stages - 1:
+            return out
+        return self.loss_fn(out, batch if batch is not None else mb)
+
+    def _loss_output(self, raw) -> tuple[LossOutput, torch.Tensor]:
+        """(what the step reports, the tensor the backward starts from)."""
+        loss, num_tokens, logs = split_loss(raw)
+        scaled = self.scale_loss(loss, num_tokens)
+        return LossOutput(loss=scaled.detach(), num_tokens=num_tokens, logs=logs, raw=raw), scaled
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.modules[stage].parameters() if p.requires_grad]
 
-    def _grads(self, out: torch.Tensor, grad_output: torch.Tensor | None) -> torch.Tensor:
-        return torch.ones_like(out) if grad_output is None else grad_output
+    # ----- backward
 
-    def backward(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def _roots(self, stage: int, out, grad_output) -> tuple[list, list, list]:
+        """(output tensors to differentiate, their gradients, incoming gradient tensors) of one backward."""
+        if stage == self.num_stages - 1:
+            root = self.grad_scale(out) if self.grad_scale is not None else out
+            return [root], [torch.ones_like(root)], []
+        outs, _ = flatten(out)
+        gs, _ = flatten(grad_output) if grad_output is not None else ([None] * len(outs), None)
+        pairs = [(o, g) for o, g in zip(outs, gs, strict=True)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        incoming = [g for g in gs if isinstance(g, torch.Tensor)]
+        return [o for o, _ in pairs], [g for _, g in pairs], incoming
+
+    @staticmethod
+    def _input_targets(x) -> list:
+        """Input leaves that require grad (on stage 0 only the I/W split walks them: see _first_input)."""
+        return [t for t in flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def _dx(self, x, grads: dict) -> object:
+        """The input gradient in the input's structure (None at leaves without one)."""
+        leaves, structure = flatten(x)
+        return unflatten([grads.get(id(t)) for t in leaves], structure)
+
+    def backward(self, stage: int, mb: int, grad_output):
         """Fused backward; frees the micro-batch's graph."""
         saved = self._saved.pop((stage, mb))
-        x, out = saved["input"], saved["output"]
-        if out is x:  # an empty stage forwards its input unchanged
-            return self._grads(out, grad_output)
-        wants_dx = x.requires_grad and stage > 0
-        targets = self._params(stage) + ([x] if wants_dx else [])
-        if not targets:
-            return None
-        grads = torch.autograd.grad([out], targets, [self._grads(out, grad_output)], allow_unused=True)
-        for p, g in zip(targets, grads):
-            if p is not x and g is not None:
-                accumulate_grad(p, g)
-        return grads[-1] if wants_dx else None
+        return self._fused(stage, saved["input"], saved["output"], grad_output)
 
-    def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def _fused(self, stage: int, x, out, grad_output, want_dx: bool = True):
+        outs, gs, incoming = self._roots(stage, out, grad_output)
+        ins = self._input_targets(x) if want_dx and stage > 0 else []
+        dx = _passthrough(outs, gs, ins)
+        outs, gs = _computed(outs, gs, ins)
+        params = self._params(stage)
+        if outs and (params or ins):
+            if self.grad_sink == "autograd":
+                for t in ins:
+                    t.grad = None
+                torch.autograd.backward(outs, gs, inputs=params + ins)
+                for t in ins:
+                    _add(dx, t, t.grad)
+            else:
+                grads = torch.autograd.grad(outs, params + ins, gs, allow_unused=True)
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        accumulate_grad(p, _owned(g, incoming))
+                for t, g in zip(ins, grads[len(params):]):
+                    _add(dx, t, g)
+        return self._dx(x, dx) if stage > 0 else None
+
+    def backward_input(self, stage: int, mb: int, grad_output):
         """Input gradient only; keeps the captured gradients (not the activations above them) for W."""
         key = (stage, mb)
         saved = self._saved[key]
         x, out = saved["input"], saved["output"]
-        g = self._grads(out, grad_output)
-        if not x.requires_grad:
-            # First stage on integer input: the graph has no input side, so all of it is W's work.
-            saved["grad_output"] = g
-            return None
-        if out is x:
-            self._saved[key] = {"work": None}
-            return g
-        (dx,), work = backward_input([out], [g], [x], self._params(stage))
+        ins = self._input_targets(x)
+        if not ins:
+            # No input gradient to give (first stage on integer input or data-only input): all is W's work.
+            saved["grad_output"] = grad_output
+            return self._dx(x, {}) if stage > 0 else None
+        outs, gs, _ = self._roots(stage, out, grad_output)
+        dx = _passthrough(outs, gs, ins)
+        outs, gs = _computed(outs, gs, ins)
+        work = None
+        if outs:
+            dins, work = backward_input(outs, gs, ins, self._params(stage))
+            for t, g in zip(ins, dins):
+                _add(dx, t, g)
         self._saved[key] = {"work": work}  # drops input and output references
-        return dx if stage > 0 else None
+        return self._dx(x, dx) if stage > 0 else None
 
     def backward_weight(self, stage: int, mb: int) -> None:
         """Finish the weight gradients deferred by backward_input."""
         saved = self._saved.pop((stage, mb))
         if "grad_output" in saved:
-            self._saved[(stage, mb)] = saved
-            self.backward(stage, mb, saved["grad_output"])
+            self._fused(stage, saved["input"], saved["output"], saved["grad_output"], want_dx=False)
         elif saved["work"] is not None:
-            backward_weight(saved["work"])
+            backward_weight(saved["work"], self.grad_sink)
 
     def pending(self) -> int:
         """Micro-batches whose state is still held (0 after a complete step)."""
         return len(self._saved)
+
+
+def _cut(inputs):
+    """The received value as fresh autograd leaves (detach() shares storage: a same-device hand-off is not
+    copied, only cut from the producer's graph); each keeps the producer's requires_grad."""
+    leaves, structure = flatten(inputs)
+    return unflatten([t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                      for t in leaves], structure)
+
+
+def _passthrough(outs: list, gs: list, ins: list) -> dict:
+    """Gradients of output tensors that are input tensors themselves (a stage passing a tensor on unchanged)."""
+    ids = {id(t) for t in ins}
+    dx: dict = {}
+    for o, g in zip(outs, gs):
+        if id(o) in ids:
+            _add(dx, o, g)
+    return dx
+
+
+def _computed(outs: list, gs: list, ins: list) -> tuple[list, list]:
+    ids = {id(t) for t in ins}
+    kept = [(o, g) for o, g in zip(outs, gs) if id(o) not in ids]
+    return [o for o, _ in kept], [g for _, g in kept]
+
+
+def _add(dx: dict, t: torch.Tensor, g) -> None:
+    if g is None:
+        return
+    prev = dx.get(id(t))
+    dx[id(t)] = g if prev is None else prev + g
+
+
+def _owned(g: torch.Tensor, incoming: list) -> torch.Tensor:
+    """`g`, or a copy when it shares memory with a received gradient (the executor reuses those buffers)."""
+    for t in incoming:
+        if g.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            return g.clone()
+    return g

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from ..formats import Cluster, Link, validate_plan
+from ..actions import Kind
 from ..simulator import StageCosts, simulate
+
+
+def is_forward_only(plan) -> bool:
+    """Whether a plan holds forwards only (an evaluation plan)."""
+    return all(a.kind is Kind.F for row in plan.schedule for a in row)
 
 
 def check_runnable(plan) -> None:
     """Raise PlanError / DeadlockError unless every device of `plan` can run its whole list.
 
-    The simulator's dependency semantics are exactly the executor's (a device blocks only on
-    inputs, sends never block), so a plan it finishes cannot deadlock the executor; unit
-    costs suffice because deadlock does not depend on durations.
+    A plan of forwards only (evaluation) is checked as such. The simulator's dependency
+    semantics are exactly the executor's (a device blocks only on inputs, sends never
+    block), so a plan it finishes cannot deadlock the executor; unit costs suffice because
+    deadlock does not depend on durations.
     """
-    validate_plan(plan)
+    validate_plan(plan, forward_only=is_forward_only(plan))
     ns, nd = plan.num_stages, plan.num_devices
     ones = tuple(1.0 for _ in range(ns))
     zeros = tuple(0 for _ in range(ns))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field as dc_field
 from ._fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError, PlanError
-from ..actions import Action, Kind, format_schedule, forms
+from ..actions import RULES, Action, Kind, format_schedule, forms
 from .ranges import stage_range_problem
 
 PLAN_FORMAT = "octopipe-plan/1"
@@ -114,11 +114,11 @@ def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action
     return tuple(out)
 
 
-def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
+def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bool = False) -> None:
     """Check coverage and ownership: each (stage, mb) runs every phase once in one form, on the stage's device.
 
     The phases and their forms come from the kind table (`actions.RULES`): today one F, and
-    either B or both I and W.
+    either B or both I and W. A `forward_only` plan (evaluation) runs the forward phase only.
     """
     problem = stage_range_problem([(st.start, st.end) for st in plan.stages], num_layers)
     if problem is not None:
@@ -140,6 +140,11 @@ def validate_plan(plan: Plan, num_layers: int | None = None) -> None:
                 raise PlanError(f"device {d}: action {a} appears twice")
             seen.add(a)
     phases = forms()
+    if forward_only:
+        phases = {"forward": phases["forward"]}
+        extra = next((a for a in sorted(seen) if RULES[a.kind].phase not in phases), None)
+        if extra is not None:
+            raise PlanError(f"a forward-only plan runs forwards only, it has {extra}")
     for s in range(ns):
         for mb in range(m):
             for phase, options in phases.items():

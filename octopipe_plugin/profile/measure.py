@@ -51,10 +51,14 @@ class LayerProfile:
                             output=d["output"], allocated_bytes=d.get("allocated_bytes"))
 
 
-def _fused_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None, params: list) -> None:
-    """B as the executor runs it (TorchStages.backward): one autograd pass over parameters and input."""
+def _fused_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None, params: list,
+                    sink: str) -> None:
+    """B as the executor runs it (TorchStages._fused): one autograd pass over parameters and input."""
     targets = params + ([x] if x is not None else [])
     if not targets:
+        return
+    if sink == "autograd":
+        torch.autograd.backward([out], [grad], inputs=targets)
         return
     grads = torch.autograd.grad([out], targets, [grad], allow_unused=True)
     for p, g in zip(params, grads):
@@ -80,8 +84,11 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, warmup: int = 2,
-                  repeats: int = 10, dp: int = 1) -> LayerProfile:
-    """Profile `module` on input `x`: medians over `repeats` after `warmup` untimed runs."""
+                  repeats: int = 10, dp: int = 1, grad_sink: str = "autograd") -> LayerProfile:
+    """Profile `module` on input `x`: medians over `repeats` after `warmup` untimed runs.
+
+    `grad_sink` is TorchStages' (its default 'autograd': weight gradients through AccumulateGrad).
+    """
     module = module.to(device).train()
     x = x.to(device)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -97,16 +104,16 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
         g = torch.ones_like(out)
         if not float_in:
             # Integer input (token ids): the graph has no input side, the executor runs all of it as W.
-            return tf, 0.0, timer.timed(lambda: _fused_backward(out, g, None, params))[1]
+            return tf, 0.0, timer.timed(lambda: _fused_backward(out, g, None, params, grad_sink))[1]
         (_, work), ti = timer.timed(lambda: backward_input([out], [g], [xi], params))
-        tw = timer.timed(lambda: backward_weight(work))[1] if params else 0.0
+        tw = timer.timed(lambda: backward_weight(work, grad_sink))[1] if params else 0.0
         return tf, ti, tw
 
     def fused_sample() -> float:
         xi = fresh()
         out = module(xi)
         g = torch.ones_like(out)
-        return timer.timed(lambda: _fused_backward(out, g, xi if float_in else None, params))[1]
+        return timer.timed(lambda: _fused_backward(out, g, xi if float_in else None, params, grad_sink))[1]
 
     f, i, w, b = [], [], [], []
     for r in range(warmup + repeats):

@@ -152,20 +152,79 @@ def make_mapped_layout_class():
 
 
 def plan_model_provider(plan, model, provider):
-    """Wrap a `model_provider(pre_process, post_process, vp_stage=...)`: the plan decides pre/post per chunk.
+    """Wrap a `model_provider(pre_process, post_process, vp_stage=..., config=..., ...)` to build the plan's chunks.
 
-    Megatron's get_model derives both flags round-robin; the wrapper replaces them with the
-    chunk's own (embedding and loss where the plan puts them).
+    Megatron's get_model derives pre/post_process round-robin and hands every chunk the same
+    config: the wrapper gives each chunk the plan's flags, puts the plan's `MappedLayout` into
+    that config (layer counts and global layer numbers per chunk) and, once the rank's chunks
+    hold several copies of the tied embedding, copies the embedding into them (Megatron leaves
+    a same-rank copy zero-filled).
     """
+    from .embeddings import tie_local_copies
+
+    layout = None
+    built: list = []
+
     def wrapped(pre_process=True, post_process=True, vp_stage=None, **kwargs):
         from megatron.core import parallel_state
 
+        nonlocal layout
         rank = parallel_state.get_pipeline_model_parallel_rank()
         spec = chunk_specs(plan, model, rank)[vp_stage or 0]
-        return provider(pre_process=spec.pre_process, post_process=spec.post_process, vp_stage=spec.vp_stage,
-                        **kwargs)
+        config = kwargs.get("config")
+        if config is not None and layout is None:
+            layout = mapped_layout(plan, model)
+            apply_layout(config, layout)
+        with plan_pipeline_view(plan, rank):
+            chunk = provider(pre_process=spec.pre_process, post_process=spec.post_process, vp_stage=vp_stage,
+                             **kwargs)
+        built.append(chunk)
+        tie_local_copies(built)
+        return chunk
 
     return wrapped
+
+
+def apply_layout(config, layout) -> None:
+    """Put `layout` into a TransformerConfig as its __post_init__ would (virtual size, Megatron's validation)."""
+    config.pipeline_model_parallel_layout = layout
+    vp = layout.virtual_pipeline_model_parallel_size
+    config.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    config.mtp_standalone = layout.validate_layer_layout(num_layers=config.num_layers,
+                                                         mtp_num_layers=config.mtp_num_layers)
+
+
+def plan_float16_wrappers(model, plan, rank: int) -> int:
+    """Make each Float16Module (fp16/bf16 runs) cast where the plan puts the pipeline's ends; returns how many.
+
+    Megatron's wrapper casts the inputs of the first stage to half precision and the loss of
+    the last stage back to fp32, asking the round-robin rule which chunk that is: under a
+    V-shape it would upcast a middle stage's activation (the boundary's dtype breaks) and
+    leave the real loss in half precision. The replacement forward does the same casts on the
+    plan's first and last stage (GPU path: fp16/bf16 is not run on this CPU-only machine).
+    """
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+
+    stages = plan.stages_of(rank)
+    count = 0
+    for chunk, stage in zip(model, stages):
+        wrapper = next((m for m in chunk.modules() if isinstance(m, Float16Module)), None)
+        if wrapper is None or getattr(wrapper, "octopipe_plan_casts", False):
+            continue
+        first, last = stage == 0, stage == plan.num_stages - 1
+
+        def forward(*inputs, fp32_output=True, _w=wrapper, _first=first, _last=last, **kwargs):
+            if _first:
+                inputs = fp32_to_float16(inputs, _w.float16_convertor)
+            outputs = _w.module(*inputs, **kwargs)
+            if _last and fp32_output is True:
+                outputs = float16_to_fp32(outputs)
+            return outputs
+
+        wrapper.forward = forward
+        wrapper.octopipe_plan_casts = True
+        count += 1
+    return count
 
 
 def loss_rank(plan) -> int:

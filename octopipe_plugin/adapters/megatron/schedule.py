@@ -13,8 +13,9 @@ written for Megatron (pretrain_gpt.py's get_batch) gives the loss chunk its labe
 the plan puts it. Afterwards, as Megatron's schedules do: the token count is made known
 on every pipeline rank (broadcast from the rank that computed the loss, which under a
 V-shape is not the last pp rank), tied embedding copies that share a rank are summed, and
-`config.finalize_model_grads_func` runs. Returns one loss dict per micro-batch on the
-rank that computes the loss and [] elsewhere. `forward_only` runs every F of the plan, in
+`config.finalize_model_grads_func` runs. Returns one loss dict per micro-batch on the last
+pipeline rank, where Megatron's train_step and evaluate reduce and log them (sent there
+from the rank that computed the loss when the plan puts it elsewhere), and [] elsewhere. `forward_only` runs every F of the plan, in
 the plan's order, keeping nothing for a backward.
 """
 
@@ -31,7 +32,7 @@ from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from ...actions import Kind
 from .embeddings import sum_local_grads
-from .placement import plan_pipeline_view
+from .placement import plan_float16_wrappers, plan_pipeline_view
 from .stages import MegatronStages, split_phases
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         seq = decoder_seq_length or seq_length
         seq = seq // cp_size // (tp_size if config.sequence_parallel else 1)
         phases = split_phases(model) if options.split_linears else None
+        plan_float16_wrappers(model, plan, rank)
         saved_sync = config.grad_sync_func, config.param_sync_func
         runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
@@ -136,12 +138,27 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
                                 "state after the step (the plan misses backward actions)")
         if not forward_only:
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
-        if plan.num_stages - 1 in plan.stages_of(rank):
-            return [runner.loss_data[mb] for mb in range(num_microbatches)]
-        return []
+        return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches)
 
     forward_backward_func.plan = plan
     return forward_backward_func
+
+
+def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: int) -> list:
+    """The loss dicts per micro-batch on the last pipeline rank (where train_step / evaluate reduce and log
+    them), [] elsewhere; under a plan that computes the loss on another rank (V-shape) they are sent there."""
+    loss_rank, last = plan.stages[-1].device, dist.get_world_size(pp_group) - 1
+    mine = [runner.loss_data[mb] for mb in range(num_microbatches)] if rank == loss_rank else None
+    if loss_rank == last:
+        return mine if rank == last else []
+    if rank == loss_rank:
+        dist.send_object_list([mine], group_dst=last, group=pp_group)
+        return []
+    if rank == last:
+        box = [None]
+        dist.recv_object_list(box, group_src=loss_rank, group=pp_group)
+        return box[0]
+    return []
 
 
 def _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce) -> None:

@@ -154,8 +154,13 @@ class MegatronStages:
         """Every boundary carries Megatron's activation [seq/cp(/tp with SP), mbs, hidden]."""
         return self.metas[stage]
 
-    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
-        """Megatron's forward_step on the stage's chunk; the last stage returns the scaled loss."""
+    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None, *, batch=None,
+                forward_only: bool = False) -> torch.Tensor:
+        """Megatron's forward_step on the stage's chunk; the last stage returns the scaled loss.
+
+        The chunk's own data iterator feeds it (`batch` from the executor is not used: Megatron
+        hands one iterator per chunk to the schedule).
+        """
         from megatron.core.pipeline_parallel import schedules
 
         c = self.chunk_of[stage]
@@ -172,7 +177,7 @@ class MegatronStages:
         if last:
             self.num_tokens += num_tokens
             self.loss_data[mb] = store[0] if store else None
-        if not self.forward_only:
+        if not (self.forward_only or forward_only):
             self._saved[(stage, mb)] = {"input": x, "output": out}
         if last and not torch.is_tensor(out):  # collect_non_loss_data: nothing flows on
             return torch.zeros([])

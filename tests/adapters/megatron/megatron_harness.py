@@ -134,8 +134,11 @@ def seed_by_global_name(model, tied: bool = False) -> None:
     """Fill every parameter from a generator seeded by its global name (same weights under any split)."""
     with torch.no_grad():
         for name, p in global_names(model).items():
-            if name == "output_layer.weight" and tied:  # the LM head's copy of the tied embedding
-                name = "embedding.word_embeddings.weight"
+            if name == "output_layer.weight" and tied:
+                # the LM head's copy of the tied embedding is left to the tying under test (the
+                # adapter's same-rank copy; a cross-rank copy would need seeding before Megatron's
+                # construction all-reduce, which no case here has)
+                continue
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
             if name.endswith(("layer_norm_weight", "layernorm.weight", "norm.weight", "_norm.weight")):
@@ -163,6 +166,16 @@ def make_optimizer(chunks):
     cfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=True,
                           bf16=False, fp16=False, params_dtype=torch.float32, clip_grad=1.0)
     return get_megatron_optimizer(cfg, chunks)
+
+
+def make_scheduler(opt, total_samples: int = 10 ** 6):
+    """Megatron's LR / weight-decay scheduler, constant (what train_step steps after each update); it also
+    applies the per-group multipliers (no weight decay on biases and norms)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-2, lr_warmup_steps=0,
+                                   lr_decay_steps=total_samples, lr_decay_style="constant", start_wd=0.01,
+                                   end_wd=0.01, wd_incr_steps=total_samples, wd_incr_style="constant")
 
 
 def batch(spec: TinyGPT, index: int) -> dict:

@@ -8,6 +8,8 @@ file the test reads.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import traceback
 
@@ -30,15 +32,24 @@ def _global_loss(out) -> torch.Tensor:
 
 
 def _octopipe_chunks(spec: H.TinyGPT, plan, rank: int):
-    """The plan's chunks for this pipeline rank, built through Megatron with a MappedLayout."""
-    from octopipe_plugin.adapters.megatron import chunk_specs, mapped_layout
-    from octopipe_plugin.adapters.megatron.embeddings import tie_local_copies
+    """The plan's chunks for this pipeline rank, built as Megatron's get_model would, through plan_model_provider."""
+    from megatron.core import parallel_state as ps
 
-    graph = spec.graph()
-    config = H.make_config(spec, plan.num_devices, layout=mapped_layout(plan, graph))
-    chunks = [H.build_chunk(spec, config, c.pre_process, c.post_process, c.vp_stage if len(plan.stages_of(rank)) > 1
-                            else None) for c in chunk_specs(plan, graph, rank)]
-    tie_local_copies(chunks)
+    from octopipe_plugin.adapters.megatron import plan_model_provider
+
+    config = H.make_config(spec, plan.num_devices)
+
+    def model_provider(pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        return H.build_chunk(spec, config, pre_process, post_process, vp_stage)
+
+    provider = plan_model_provider(plan, spec.graph(), model_provider)
+    vp = len(plan.stages_of(rank))
+    chunks = []
+    for i in range(vp):  # get_model's loop and its round-robin flags, which the wrapper replaces
+        vs = i if vp > 1 else None
+        chunks.append(provider(pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs),
+                               vp_stage=vs, config=config, pg_collection=None))
     return config, chunks
 
 
@@ -79,6 +90,7 @@ def run_case(case: dict) -> dict:
         config, chunks = _megatron_chunks(spec, layout, pp)
     chunks = H.wrap_ddp(chunks, config)
     opt = H.make_optimizer(chunks)
+    scheduler = H.make_scheduler(opt)
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
@@ -101,6 +113,7 @@ def run_case(case: dict) -> dict:
         losses.append(_global_loss(out))
         ok, _, _ = opt.step()
         assert ok, "optimizer step skipped"
+        scheduler.step(increment=m * spec.mbs * dp_size)
         if case.get("eval"):
             for c in chunks:
                 c.eval()
@@ -121,6 +134,72 @@ def run_case(case: dict) -> dict:
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
 
 
+def megatron_args(spec: H.TinyGPT, pp: int, microbatches: int, world: int):
+    """Megatron's own parsed and validated arguments for the tiny model (what train_step reads)."""
+    import os
+    import sys
+
+    from megatron.training.arguments import parse_args, validate_args
+
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(dist.get_rank())
+    sys.argv = ["pretrain_gpt.py", "--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden),
+                "--num-attention-heads", str(spec.heads), "--ffn-hidden-size", str(2 * spec.hidden),
+                "--seq-length", str(spec.seq), "--max-position-embeddings", str(spec.seq),
+                "--micro-batch-size", str(spec.mbs), "--global-batch-size",
+                str(spec.mbs * microbatches * world // pp), "--pipeline-model-parallel-size", str(pp),
+                "--lr", "0.01", "--min-lr", "0.01", "--lr-decay-style", "constant", "--weight-decay", "0.01",
+                "--clip-grad", "1.0", "--train-iters", str(STEPS), "--use-distributed-optimizer",
+                "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--position-embedding-type", "rope",
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab)]
+    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+        args = parse_args()
+        validate_args(args, {})
+    return args
+
+
+def run_train_step_case(case: dict) -> dict:
+    """Megatron's own train_step (its optimizer step, LR scheduler, loss averaging) with the plan's schedule."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.training.global_vars import set_global_variables
+    from megatron.training.training import get_optimizer_param_scheduler, train_step
+
+    from octopipe_plugin.adapters.megatron.embeddings import embedding_ranks_fn
+    from octopipe_plugin.adapters.megatron.schedule import get_octopipe_forward_backward_func
+    from octopipe_plugin.formats import plan_from_dict
+
+    spec: H.TinyGPT = case["spec"]
+    plan = plan_from_dict(case["plan"])
+    m = plan.num_microbatches
+    args = megatron_args(spec, plan.num_devices, m, dist.get_world_size())
+    set_global_variables(args, build_tokenizer=False)
+    H.init_parallel(plan.num_devices, len(plan.stages_of(0)), embedding_ranks=embedding_ranks_fn(plan, spec.graph(),
+                                                                                                    spec.tied))
+    config, chunks = _octopipe_chunks(spec, plan, ps.get_pipeline_model_parallel_rank())
+    chunks = H.wrap_ddp(chunks, config)
+    opt = H.make_optimizer(chunks)
+    scheduler = get_optimizer_param_scheduler(opt)
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    # what training.py does: ask Megatron's factory (here the launch integration's answer) for the schedule
+    fb = get_octopipe_forward_backward_func(plan, schedule_pg_collection=None)
+    fs = H.make_forward_step(spec)
+    losses = []
+    for step in range(STEPS):
+        its = H.data_iterators(spec, len(chunks), step, m)
+        out = train_step(fs, its if len(chunks) > 1 else its[0], chunks, opt, scheduler, config, fb, iteration=step)
+        loss_dict, skipped = out[0], out[1]
+        assert not skipped, "train_step skipped the update"
+        got = torch.zeros(2, dtype=torch.float64)
+        if loss_dict:  # Megatron reports on its last pipeline rank
+            got += torch.tensor([loss_dict["lm loss"].item(), 1.0], dtype=torch.float64)
+        dist.all_reduce(got)
+        assert got[1] == 1, f"train_step reported the loss on {int(got[1])} ranks, expected exactly one"
+        losses.append(got[0])
+    return {"losses": torch.stack(losses), "evals": None, "weights": H.gathered_weights(chunks)}
+
+
 def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -> None:
     """Spawn target: run every case in turn; rank 0 saves {case name: result} (or the first error)."""
     H.init_process(rank, world, port)
@@ -128,7 +207,7 @@ def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -
     results = {}
     for case in cases:
         try:
-            results[case["name"]] = run_case(case)
+            results[case["name"]] = run_train_step_case(case) if case.get("train_step") else run_case(case)
         except Exception:  # record and stop: later cases would only hang on a broken group
             results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
             torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")

@@ -44,6 +44,8 @@ VSHAPE = irregular(TIED, [(0, 1), (1, 3), (3, 4), (4, 5), (5, 7), (7, 8), (8, 9)
 MOE_PLAN = irregular(MOE, [(0, 3), (3, 5), (5, 8), (8, 10)], [0, 1, 2, 3], 4, seed=3)
 MTP_PLAN = irregular(MTP, [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 11)], placement("looped", 8, 4),
                      4, seed=4)
+VSHAPE_DENSE = irregular(DENSE, [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10)],
+                         placement("v", 8, 4), 4, seed=6)
 DP_PLAN = irregular(DENSE, [(0, 3), (3, 4), (4, 8), (8, 10)], [0, 1, 0, 1], 2, seed=5)
 
 REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M, eval=True),
@@ -60,6 +62,9 @@ PIPELINES = [
     dict(name="octopipe_moe", spec=MOE, pp=4, microbatches=M, plan=plan_to_dict(MOE_PLAN), ref="moe"),
     dict(name="octopipe_mtp", spec=MTP, pp=4, microbatches=M, plan=plan_to_dict(MTP_PLAN), ref="mtp"),
     dict(name="octopipe_pp2_dp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN), ref="dense_2m"),
+    # last: it sets Megatron's global arguments, once per process
+    dict(name="megatron_train_step_vshape", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE_DENSE),
+         train_step=True, ref="dense"),
 ]
 
 
@@ -122,7 +127,7 @@ def test_irregular_plan_matches_megatron_interleaved(pipelines):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", [c["name"] for c in PIPELINES if "plan" in c])
+@pytest.mark.parametrize("case", [c["name"] for c in PIPELINES if "plan" in c and not c.get("train_step")])
 def test_weight_gemm_runs_once(case, pipelines):
     """With split backward, each Megatron linear runs its input GEMM and its weight GEMM exactly once."""
     got = pipelines[case]
