@@ -20,6 +20,9 @@ from .data import MicroBatches
 from .torch_stage import TorchStages
 
 
+IndexedBatches = MicroBatches  # the earlier name (Megatron adapter): batch k of a stream, on demand
+
+
 class ForwardStepStages(TorchStages):
     """TorchStages whose forward calls `forward_step_func` on the stage's model chunk."""
 

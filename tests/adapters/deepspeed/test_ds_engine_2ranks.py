@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ds_harness as H
+from octopipe_plugin.formats import read_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
@@ -36,6 +37,7 @@ def _scenarios(tmp):
     return [
         dict(name="v_fp32", config=cfg(v), eval=True, save=dict(dir=ck, tag="v3")),
         dict(name="v_ckpt", config=cfg(v), ckpt_interval=2),
+        dict(name="v_mask", config=cfg(v), masked=True, ckpt_interval=2),
         dict(name="flat_octopipe", config=cfg(flat, clip=0.0)),
         dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
         dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
@@ -44,6 +46,11 @@ def _scenarios(tmp):
         # DeepSpeed's engine clips on pipeline rank 0's gradients only: resume it unclipped
         dict(name="resume_deepspeed_partition", config=cfg(None, clip=0.0), plain=True, pp=2, **resume),
         dict(name="refuse_unmapped", config=cfg(v), load=dict(dir=ck, tag="stock3"), fatal=False),
+        # a plain PipelineModule with a "tune" block: rebuilt at the plan rank 0 tunes, broadcasts and saves
+        dict(name="tune_plain", plain=True, pp=2, config=H.ds_config(
+            m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=CLIP, extra={"octopipe": {
+                "tune": {"cluster": "h100x2", "time_budget_s": 2}, "save_plan": str(tmp / "tuned.json"),
+                "timeout_s": 120}})),
         dict(name="refuse_microbatches", config=cfg(v, train_batch_size=H.MBS * 2), fatal=False),
     ]
 
@@ -55,8 +62,8 @@ def runs(tmp_path_factory):
     return tmp
 
 
-def _check_against_reference(reports, clip, atol=1e-5):
-    ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=clip)
+def _check_against_reference(reports, clip, atol=1e-5, masked=False):
+    ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=clip, masked=masked)
     for rep in reports:  # every rank returns the same mean loss
         assert rep["losses"] == pytest.approx(ref_losses, abs=atol, rel=atol)
     weights = H.merged_weights(reports)
@@ -86,6 +93,12 @@ def test_eval_batch_equals_training_forward_loss(runs):
 @pytest.mark.timeout(60)
 def test_activation_checkpointing_with_split_backward(runs):
     _check_against_reference(H.load(runs, "v_ckpt", 2), CLIP)
+
+
+@pytest.mark.timeout(60)
+def test_hidden_and_mask_boundary(runs):
+    # every stage hands on (hidden states, integer mask): the mask crosses ranks without a gradient
+    _check_against_reference(H.load(runs, "v_mask", 2), CLIP, masked=True)
 
 
 @pytest.mark.timeout(60)
@@ -137,3 +150,12 @@ def test_refusals_name_the_reason(runs):
         assert "does not record which parameters it belongs to" in err and "load_optimizer_states=False" in err
         err = (runs / f"refuse_microbatches-rank{r}.err").read_text()
         assert "$.gradient_accumulation_steps: expected the plan's micro-batch count 4" in err
+
+
+@pytest.mark.timeout(60)
+def test_plain_module_with_tune_block_runs_a_plan_tuned_on_rank0(runs):
+    reports = H.load(runs, "tune_plain", 2)
+    assert {r["engine"] for r in reports} == {"OctoPipeEngine"}
+    _check_against_reference(reports, CLIP)
+    plan = read_plan(runs / "tuned.json")
+    assert plan.num_devices == 2 and plan.num_microbatches == M and plan.stages[-1].end == H.NUM_LAYERS
