@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..errors import OutOfMemoryError
-from ..formats import validate_plan
 from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
 from .evaluate import Evaluator, Outcome
@@ -351,6 +350,8 @@ def _full_of(ev, evs, layout, spec, out, table) -> Outcome | None:
 def _polish(ev, rng, hand, budget) -> None:
     """Order moves on the critical path of the plan in hand until the budget ends."""
     best = hand.outcome
+    if not budget.left(1.0 - RESULT_SHARE):
+        return  # the critical path alone is a detailed simulation: none when no polish step can follow
     slots = critical_slots(ev, best.plan)
     misses = 0
     while budget.left(1.0 - RESULT_SHARE) and misses < 200:
@@ -367,29 +368,32 @@ def _polish(ev, rng, hand, budget) -> None:
 
 
 def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> TuneResult:
-    plan, res = _without_empty_stages(ev, final.plan)
+    plan, step, bubble, peak = _without_empty_stages(ev, final)
     plan = replace(plan, schedule=tuple(tuple(row) for row in plan.schedule))  # materialise an encoded one
-    validate_plan(plan, ev.model.num_layers)  # candidates were built unchecked; the returned plan is not
     meta = dict(plan.meta)
     meta["tuner"] = {"source": source, "iterations": budget.done, "evaluations": ev.evaluations}
-    plan = replace(plan, predicted=res.summary(), meta=meta)
+    predicted = {"step_time_ms": round(step, 6), "bubble_ratio": round(bubble, 6), "peak_memory_bytes": list(peak)}
+    plan = replace(plan, predicted=predicted, meta=meta)
     bound = lower_bound(ev.model, ev.cluster.num_devices, ev.m)
-    return TuneResult(plan=plan, step_ms=res.step_time_ms, bubble=res.bubble_ratio,
-                      peak=tuple(res.peak_memory_bytes), bound=bound, baselines=tuple(baselines), source=source,
-                      iterations=budget.done, evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
+    return TuneResult(plan=plan, step_ms=step, bubble=bubble, peak=tuple(peak), bound=bound,
+                      baselines=tuple(baselines), source=source, iterations=budget.done,
+                      evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
                       stopped_by=budget.stopped_by or "converged", seeded_s=seeded_s)
 
 
-def _without_empty_stages(ev, plan):
-    """Prefer the plan without empty stages when it is no slower and still fits (it never needs more memory)."""
-    res = simulate(ev.model, ev.cluster, plan, ev.options, detail=False)
+def _without_empty_stages(ev, final: Outcome):
+    """(plan, step, bubble, peak): the plan without empty stages when no slower and still fitting, else as judged.
+
+    The plan in hand was replayed by the simulator at the full count when it was taken, so its
+    figures stand; only a pruned plan is simulated again.
+    """
+    plan = final.plan
     pruned = drop_empty_stages(plan)
-    if pruned is plan:
-        return plan, res
-    res_p = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
-    if res_p.step_time_ms <= res.step_time_ms and max(res_p.peak_memory_bytes) <= ev.cluster.memory_bytes:
-        return pruned, res_p
-    return plan, res
+    if pruned is not plan:
+        res = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
+        if res.step_time_ms <= final.step_ms and max(res.peak_memory_bytes) <= ev.cluster.memory_bytes:
+            return pruned, res.step_time_ms, res.bubble_ratio, res.peak_memory_bytes
+    return plan, final.step_ms, final.bubble, final.peak
 
 
 def _oom_message(ev, model, cluster, m, baselines) -> str:
