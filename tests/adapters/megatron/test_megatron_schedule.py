@@ -62,6 +62,9 @@ PIPELINES = [
     dict(name="octopipe_moe", spec=MOE, pp=4, microbatches=M, plan=plan_to_dict(MOE_PLAN), ref="moe"),
     dict(name="octopipe_mtp", spec=MTP, pp=4, microbatches=M, plan=plan_to_dict(MTP_PLAN), ref="mtp"),
     dict(name="octopipe_pp2_dp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN), ref="dense_2m"),
+    # each chunk's gradient reduce-scatter overlapped: no_sync held until its last B/W, grad_sync right after
+    dict(name="octopipe_pp2_dp2_overlap", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
+         overlap_grad_reduce=True, ref="dense_2m"),
     # last: it sets Megatron's global arguments, once per process
     dict(name="megatron_train_step_vshape", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE_DENSE),
          train_step=True, ref="dense"),
