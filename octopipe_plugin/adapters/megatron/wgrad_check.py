@@ -26,7 +26,8 @@ class MLPStack(torch.nn.Module):
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
-        cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=4 * hidden,
+        cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
+                                ffn_hidden_size=4 * hidden,
                                 use_cpu_initialization=True, perform_initialization=False,
                                 gradient_accumulation_fusion=False, bias_activation_fusion=False,
                                 add_bias_linear=True)
