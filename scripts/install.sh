@@ -15,6 +15,8 @@ if ! python -c "import megatron.core" 2>/dev/null; then
   pip install -q --ignore-requires-python --no-deps "megatron-core==0.19.2"
   pip install -q triton
 fi
+# megatron's distributed checkpointing needs psutil, which --no-deps leaves out
+python -c "import psutil" 2>/dev/null || pip install -q psutil
 if ! python -c "import deepspeed" 2>/dev/null; then
   DS_BUILD_OPS=0 pip install -q --no-build-isolation "deepspeed==0.19.8"
 fi

@@ -106,6 +106,11 @@ class PipelineExecutor:
         self.buffers = self.cache.buffers_of(plan, group) if self.options.reuse_buffers else None
         self._transports: dict[bool, Transport] = {}
 
+    @property
+    def transport(self) -> Transport:
+        """The transport of training steps (of evaluation steps for a forward-only plan)."""
+        return self._transport(self.evaluation_only)
+
     def _transport(self, forward_only: bool) -> Transport:
         tp = self._transports.get(forward_only)
         if tp is None:
@@ -128,9 +133,7 @@ class PipelineExecutor:
         micro-batches shared by this rank's stages, or a mapping stage -> iterable; each
         forward gets micro-batch mb of it as `batch`.
         """
-        if not forward_only and self.evaluation_only:
-            raise ExecutorError(f"rank {self.rank}: the plan holds forwards only: run it with forward_only=True",
-                                rank=self.rank)
+        forward_only = forward_only or self.evaluation_only  # a plan of forwards only is an evaluation plan
         ns = self.plan.num_stages
         result = StepResult(forward_only=forward_only)
         batches = StepData(data, self.plan.stages_of(self.rank), self.plan.num_microbatches, self.rank)

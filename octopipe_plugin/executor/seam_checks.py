@@ -23,7 +23,7 @@ from ..formats import plan_from_dict
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import init_gloo
 from .torch_stage import TorchStages
-from .toy_branched import GraphSpec, GraphToy, MaskedSpec, MaskedToy
+from .toy_branched import GraphSpec, GraphToy, MaskedSpec, MaskedToy, to_device
 
 
 class NewGroupCounter:
@@ -101,7 +101,7 @@ def check_case(rank: int, case: dict, timeout_s: float = 30.0, device: str = "cp
     plan = plan_from_dict(case["plan"])
     label = f"rank {rank}, {case['label']}"
     toy = _model(case)
-    layers, ref = toy.build(), toy.build()
+    layers, ref = toy.build().to(device), toy.build().to(device)
     runner = _runner(case, toy, layers, plan, rank)
     mine = plan.stages_of(rank)
     owned = {f"{s}.{n}": p for s in mine for n, p in runner.modules[s].named_parameters()}
@@ -122,15 +122,15 @@ def check_case(rank: int, case: dict, timeout_s: float = 30.0, device: str = "cp
             for p in layers.parameters():
                 p.grad = None
             ref.zero_grad(set_to_none=True)
-            ref_loss = toy.reference(ref, m, seq)
-            evaluation = executor.run_step(data=toy.data(m, seq), forward_only=True)
+            ref_loss = toy.reference(ref, m, seq, device)
+            evaluation = executor.run_step(data=to_device(toy.data(m, seq), device), forward_only=True)
             assert all(p.grad is None for p in layers.parameters()), f"{label}: forward_only touched a gradient"
             assert runner.pending() == 0, f"{label}: forward_only kept state"
             if counter is not None:
                 counter.reset()
             done.clear()
             t0 = time.perf_counter()
-            result = executor.run_step(data=toy.data(m, seq))
+            result = executor.run_step(data=to_device(toy.data(m, seq), device))
             step_ms = (time.perf_counter() - t0) * 1000
             _check_outputs(label, seq, last in mine, result, evaluation, ref_loss, m)
             _check_grads(label, seq, plan, layers, ref, mine)

@@ -21,6 +21,11 @@ from .interface import TensorMeta
 from .toy import AttnBlock, MLPBlock
 
 
+def to_device(batches: list, device) -> list:
+    """Every tensor of every micro-batch moved to `device`."""
+    return [tuple(t.to(device) for t in b) for b in batches]
+
+
 # ----- (hidden, mask) boundaries
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,10 +139,10 @@ class MaskedToy:
                TensorMeta(shape=(b, seq), dtype=torch.int64, requires_grad=False))
         return tuple(act for _ in range(num_stages - 1))
 
-    def reference(self, layers: nn.ModuleList, num_microbatches: int, seq: int) -> torch.Tensor:
-        """Mean per-token loss over micro-batches, gradients left in `layers`."""
-        total = torch.zeros((), dtype=torch.float64)
-        for batch in self.data(num_microbatches, seq):
+    def reference(self, layers: nn.ModuleList, num_microbatches: int, seq: int, device="cpu") -> torch.Tensor:
+        """Mean per-token loss over micro-batches, gradients left in `layers` (on `device`)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in to_device(self.data(num_microbatches, seq), device):
             x = (batch[0], batch[1])
             for layer in layers:
                 x = layer(x)
@@ -274,10 +279,10 @@ class GraphToy:
             out.append(metas)
         return tuple(out)
 
-    def reference(self, layers, num_microbatches: int, seq: int) -> torch.Tensor:
-        """Mean loss over micro-batches, gradients left in `layers`."""
-        total = torch.zeros((), dtype=torch.float64)
-        for batch in self.data(num_microbatches, seq):
+    def reference(self, layers, num_microbatches: int, seq: int, device="cpu") -> torch.Tensor:
+        """Mean loss over micro-batches, gradients left in `layers` (on `device`)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in to_device(self.data(num_microbatches, seq), device):
             out = self.run_layers(layers, 0, self.model.num_layers, None, batch)
             loss = self.loss_fn(out, batch)[0] / num_microbatches
             loss.backward()

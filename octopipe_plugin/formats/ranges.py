@@ -45,7 +45,8 @@ def stage_range_problem(ranges: Sequence[tuple[int, int]], num_layers: int | Non
                                         f"expected end >= start")
         prev_end = end
     if not ranges:
-        return RangeProblem(stage=0, index=0, got=0, expected="at least one stage", message="a plan needs at least one stage")
+        return RangeProblem(stage=0, index=0, got=0, expected="at least one stage",
+                            message="a plan needs at least one stage")
     if num_layers is not None and prev_end != num_layers:
         last = len(ranges) - 1
         return RangeProblem(stage=last, index=1, got=prev_end, expected=f"{num_layers} (the model's layer count)",

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 
+from ..actions import KINDS, RULES
 from .core import SimOptions, SimResult, detailed
 
 KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 KIND_NAMES = {"F": "forward", "B": "backward (fused)", "I": "input-grad backward", "W": "weight-grad backward"}
+_OTHER = "#8C8C8C"  # a kind without a colour of its own
 _ROW = 1.2  # height of one device band: compute box, memory strip and a gap
 _BOX = (0.55, 0.5)  # (bottom offset, height) of the compute boxes within a band
 _MEM = (0.08, 0.42)  # (bottom offset, height) of the memory strip
@@ -62,7 +64,7 @@ def _draw_boxes(ax, row, base: float, chunk: list[int], v: int, step: float, wid
     spans, colours = [], []
     for a, start, end in row:
         spans.append((start, end - start))
-        colours.append(_lighter(KIND_COLOURS[a.kind.value], 0.45 * chunk[a.stage] / max(v - 1, 1)))
+        colours.append(_lighter(KIND_COLOURS.get(a.kind.value, _OTHER), 0.45 * chunk[a.stage] / max(v - 1, 1)))
     if spans:
         ax.broken_barh(spans, (base + _BOX[0], _BOX[1]), facecolors=colours, edgecolor="white", linewidth=0.4)
     for a, start, end in row:
@@ -92,8 +94,9 @@ def _draw_memory(ax, result: SimResult, d: int, base: float, step: float, scale:
 def _legend(ax, result: SimResult) -> None:
     from matplotlib.patches import Patch
 
-    used = sorted({a.kind.value for row in result.timeline for a, _, _ in row}, key="FBIW".index)
-    handles = [Patch(facecolor=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}") for k in used]
+    used = sorted({a.kind for row in result.timeline for a, _, _ in row}, key=KINDS.index)
+    handles = [Patch(facecolor=KIND_COLOURS.get(k.value, _OTHER),
+                     label=f"{k.value} {KIND_NAMES.get(k.value, RULES[k].noun)}") for k in used]
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", hatch="////", label="idle"))
     handles.append(Patch(facecolor="#8172B3", alpha=0.35, label="memory (strip top = device memory)"))
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=7,

@@ -22,7 +22,7 @@ def trace_events(plan, result: SimResult) -> list[dict]:
         for a, start, end in result.timeline[d]:
             events.append({
                 "name": str(a), "cat": a.kind.value, "ph": "X", "pid": d, "tid": _COMPUTE_TID,
-                "ts": start * _US, "dur": (end - start) * _US, "cname": _COLOURS[a.kind.value],
+                "ts": start * _US, "dur": (end - start) * _US, "cname": _COLOURS.get(a.kind.value, "generic_work"),
                 "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind.value,
                          "critical_path": a in critical},
             })

@@ -25,13 +25,13 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from ...errors import OctoPipeError
-from ...executor import ExecutorOptions, PipelineExecutor, TensorMeta
+from ...executor import ExecutorOptions, PipelineExecutor
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
 from .config import check_microbatches
 from .module import OctoPipePipelineModule
-from .stages import DeepSpeedStages, hook_sink
+from .stages import DeepSpeedStages
 
 log = logging.getLogger(__name__)
 PLAN_FILE = "octopipe_plan.json"
@@ -49,12 +49,12 @@ class OctoPipeEngine(PipelineEngine):
         check_microbatches(self.plan.num_microbatches, self.micro_batches)
         self._use_torch_checkpoint()
         block = self.module.octopipe_block
-        immediate = self.using_bf16_optimizer and self._config.bfloat16_config.immediate_grad_update
-        self._runner = DeepSpeedStages(self, sink=hook_sink if immediate else _plain_sink())
+        # weight gradients reach p.grad through autograd's AccumulateGrad, so DeepSpeed's gradient hooks
+        # (bf16 immediate_grad_update, ZeRO) fire once per parameter and action
+        self._runner = DeepSpeedStages(self, grad_sink="autograd")
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
         self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, options=options)
-        self._probed_input = None
         self._forward_executors: dict[int, PipelineExecutor] = {}
         self._octopipe_ready = True
         if self.training_data:
@@ -129,7 +129,7 @@ class OctoPipeEngine(PipelineEngine):
         tdist.barrier()
         try:
             with torch.no_grad():
-                self._run_plan(m, compute_loss=compute_loss, executor=self._forward_executor(m))
+                self._run_plan(m, compute_loss=compute_loss, forward_only=True)
             eval_output = None
             if self.is_last_stage():
                 eval_output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=m)
@@ -141,11 +141,13 @@ class OctoPipeEngine(PipelineEngine):
         return eval_output
 
     def _forward_executor(self, m: int) -> PipelineExecutor:
-        """An executor running every F of the plan's stages for m micro-batches, in (micro-batch, stage) order.
+        """The executor of an evaluation of m micro-batches: the plan's own (its forwards) when m is the plan's.
 
-        That order is a topological order of the forward dependencies, so each device's share of it
-        cannot deadlock, whatever the placement; nothing is kept for a backward.
+        Another count runs every F of the plan's stages in (micro-batch, stage) order, a topological
+        order of the forward dependencies, so each device's share cannot deadlock whatever the placement.
         """
+        if m == self.plan.num_microbatches:
+            return self._executor
         if m not in self._forward_executors:
             rows = [[] for _ in range(self.plan.num_devices)]
             for mb in range(m):
@@ -156,11 +158,11 @@ class OctoPipeEngine(PipelineEngine):
             self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group, options=opts)
         return self._forward_executors[m]
 
-    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, executor: PipelineExecutor | None = None):
+    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, forward_only: bool = False):
         """One executor step; leaves the last-stage rank's summed, unscaled loss in `total_loss`."""
         self._runner.begin_step(num_microbatches, compute_loss=compute_loss)
-        self._probe_metas()
-        result = (executor or self._executor).run_step()
+        executor = self._forward_executor(num_microbatches) if forward_only else self._executor
+        result = executor.run_step(forward_only=forward_only)
         if self._runner.pending():
             raise OctoPipeError(f"rank {self.global_rank}: {self._runner.pending()} (stage, micro-batch) states "
                                 "left after the step")
@@ -173,53 +175,6 @@ class OctoPipeEngine(PipelineEngine):
             self.total_loss = total
             self.fwd_outputs = [self._runner.losses[mb] for mb in sorted(self._runner.losses)]
         return result
-
-    def _probe_metas(self) -> None:
-        """Shapes and dtypes of every stage boundary for this step's inputs (one broadcast per step).
-
-        The rank holding stage 0 reads micro-batch 0 (it would anyway) and broadcasts its input
-        meta; when that differs from the last step's, each stage's owner runs the stage on fake
-        tensors (no compute) and broadcasts its output meta down the pipeline.
-        """
-        first_dev = self.plan.stages[0].device
-        spec = [None]
-        if self.is_first_stage():
-            x = self._runner.first_input(0)
-            spec[0] = (tuple(x.shape), x.dtype)
-        tdist.broadcast_object_list(spec, group=self._pipe_group, group_src=first_dev)
-        if spec[0] == self._probed_input:
-            return
-        metas = {}
-        current = spec[0]
-        for s, st in enumerate(self.plan.stages[:-1]):
-            out = [None]
-            if st.device == self.grid.get_stage_id():
-                out[0] = self._fake_stage(s, current)
-            tdist.broadcast_object_list(out, group=self._pipe_group, group_src=st.device)
-            metas[s] = TensorMeta(shape=tuple(out[0][0]), dtype=out[0][1])
-            current = out[0]
-        metas[self.plan.num_stages - 1] = TensorMeta(shape=(), dtype=torch.float32)
-        self._runner.metas = metas
-        self._probed_input = spec[0]
-
-    def _fake_stage(self, stage: int, spec) -> tuple[tuple[int, ...], torch.dtype]:
-        """Output shape and dtype of `stage` for an input of `spec`, computed on fake tensors."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        shape, dtype = spec
-        offset = self.module.micro_offset
-        try:
-            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-                out = self.module.run_stage(stage, torch.zeros(shape, dtype=dtype, device=self.device))
-        except Exception:  # an op without a fake kernel: run it for real once
-            log.debug("octopipe: fake probe of stage %d failed, probing with zeros", stage, exc_info=True)
-            with torch.no_grad():
-                out = self.module.run_stage(stage, torch.zeros(shape, dtype=dtype, device=self.device))
-        self.module.micro_offset = offset
-        if not torch.is_tensor(out):
-            raise OctoPipeError(f"stage {stage} returns a {type(out).__name__}; this executor carries one tensor "
-                                "per stage boundary")
-        return tuple(out.shape), out.dtype
 
     # ---- gradient clipping over every pipeline stage -------------------------------------------------
     def clip_fp32_gradients(self):
@@ -270,12 +225,6 @@ class OctoPipeEngine(PipelineEngine):
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                custom_load_fn=custom_load_fn)
-
-
-def _plain_sink():
-    from ...executor.split_backward import accumulate_grad
-
-    return accumulate_grad
 
 
 def _torch_checkpoint(function, *args):

@@ -1,12 +1,19 @@
 """The executor's per-stage interface over an OctoPipePipelineModule, with DeepSpeed's conventions.
 
-Data: each rank holding the first or the last stage calls the engine's `_next_batch()` exactly
-once per micro-batch, in micro-batch order (inputs `batch[0]`, labels `batch[1]`), as
-PipelineEngine does. Loss: `module.loss_fn(outputs, labels)`; the executor gets it divided by
-the micro-batch count (the gradient DeepSpeed's GAS scaling gives), the engine keeps the
-unscaled values for `total_loss`. Gradients: computed with autograd.grad (split I/W needs it)
-and handed to the parameters by `sink`; under bf16 the fp32 master gradients are updated
-around every gradient-producing action, as PipelineEngine's backward does.
+Built on the executor's TorchStages (boundaries of several tensors, split I/W backward, the
+gradient sink): this class only says where DeepSpeed differs.
+- Data: each rank holding the first or the last stage calls the engine's `_next_batch()`
+  exactly once per micro-batch, in micro-batch order (inputs `batch[0]`, labels `batch[1]`),
+  as PipelineEngine does.
+- Loss: `module.loss_fn(outputs, labels)`; the executor gets it divided by the micro-batch
+  count (the gradient DeepSpeed's GAS scaling gives); the engine keeps the unscaled values for
+  `total_loss`. Under fp16 the backward starts from the loss scale.
+- A stage runs through `PipelineModule.forward` with that stage's layers active (activation
+  checkpointing included); every backward activates its stage first, because a checkpointed
+  segment recomputes from the module's active layers.
+- bf16: the fp32 master gradients are updated after every action that produces weight
+  gradients (B, W), as PipelineEngine's backward does; with `immediate_grad_update`
+  DeepSpeed's own gradient hooks do it, fired by the autograd gradient sink.
 """
 
 from __future__ import annotations
@@ -15,30 +22,23 @@ from contextlib import contextmanager
 
 import torch
 
-from ...executor.interface import TensorMeta
-from ...executor.split_backward import accumulate_grad, backward_input, backward_weight
+from ...executor.torch_stage import TorchStages
 
 
-def hook_sink(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Accumulate through autograd's own AccumulateGrad, so hooks on the parameter's gradient fire."""
-    torch.autograd.backward(param, grad)
-
-
-class DeepSpeedStages:
+class DeepSpeedStages(TorchStages):
     """StageRunner for the stages one rank holds of an OctoPipePipelineModule under an engine."""
 
-    def __init__(self, engine, *, sink=accumulate_grad):
+    def __init__(self, engine, *, grad_sink: str = "autograd"):
         self.engine = engine
         self.module = engine.module
-        self.plan = self.module.octopipe_plan
-        self.num_stages = self.plan.num_stages
-        self.sink = sink
-        self.metas: dict[int, TensorMeta] = {}
-        self.num_microbatches = self.plan.num_microbatches
         self.compute_loss = True
         self.losses: dict[int, torch.Tensor] = {}
         self.batches: list = []
-        self._saved: dict[tuple[int, int], dict] = {}
+        plan = self.module.octopipe_plan
+        super().__init__(modules={s: self.module for s in self.module.local_stages}, num_stages=plan.num_stages,
+                         num_microbatches=plan.num_microbatches, metas=None, load_input=self.first_input,
+                         loss_fn=self._loss, call=self._call,
+                         grad_scale=self._loss_scale if engine.fp16_enabled() else None, grad_sink=grad_sink)
 
     # ---- step state ----------------------------------------------------------------------------------
     def begin_step(self, num_microbatches: int, *, compute_loss: bool = True) -> None:
@@ -55,126 +55,58 @@ class DeepSpeedStages:
             self.batches.append(self.engine._next_batch())
         return self.batches[mb]
 
-    def boundary_meta(self, stage: int) -> TensorMeta:
-        """Meta of stage `stage`'s output (probed by the engine before the step)."""
-        return self.metas[stage]
+    def _to_device(self, value):
+        if torch.is_tensor(value):
+            return value.to(self.engine.device)
+        return type(value)(self._to_device(v) for v in value)
 
-    def first_input(self, mb: int) -> torch.Tensor:
-        """Stage 0's input of micro-batch `mb`, on the engine's device."""
-        x = self.batch(mb)[0]
-        if not torch.is_tensor(x):
-            raise TypeError(f"micro-batch {mb}: batch[0] is a {type(x).__name__}; this executor carries one "
-                            "tensor per stage boundary")
-        return x.to(self.engine.device)
+    def first_input(self, mb: int):
+        """Stage 0's input of micro-batch `mb` (batch[0], a tensor or a tuple of them) on the engine's device."""
+        return self._to_device(self.batch(mb)[0])
 
-    def labels(self, mb: int):
-        """Labels of micro-batch `mb` (batch[1]) on the engine's device."""
-        y = self.batch(mb)[1]
-        if torch.is_tensor(y):
-            return y.to(self.engine.device)
-        return type(y)(t.to(self.engine.device) for t in y)
+    # ---- stage compute -------------------------------------------------------------------------------
+    def _params(self, stage: int) -> list[torch.nn.Parameter]:
+        return self.module.stage_parameters(stage)
 
-    # ---- forward -------------------------------------------------------------------------------------
-    def forward(self, stage: int, mb: int, inputs: torch.Tensor | None) -> torch.Tensor:
-        """Run the stage's layers; the last stage applies loss_fn to the labels."""
-        if stage == 0:
-            x = self.first_input(mb)
-            if x.is_floating_point() and torch.is_grad_enabled():
-                x = x.detach().requires_grad_(True)  # lets I walk stage 0's activation chain (see TorchStages)
-        else:
-            x = inputs.detach().requires_grad_(inputs.is_floating_point() and torch.is_grad_enabled())
-        out = self.module.run_stage(stage, x)
-        if stage == self.num_stages - 1:
-            loss = out
-            if self.compute_loss and self.module.loss_fn is not None:
-                loss = self.module.loss_fn(out, self.labels(mb))
-            self.losses[mb] = loss.detach()
-            out = loss / self.num_microbatches
-        if torch.is_grad_enabled():
-            self._saved[(stage, mb)] = {"input": x, "output": out}
-        return out
+    def _call(self, stage: int, module, inputs, batch):
+        return module.run_stage(stage, inputs)
 
-    # ---- backward ------------------------------------------------------------------------------------
-    def _seed(self, out: torch.Tensor, grad_output: torch.Tensor | None) -> torch.Tensor:
-        if grad_output is not None:
-            return grad_output
-        seed = torch.ones_like(out)
-        if self.engine.fp16_enabled():  # DeepSpeed's loss scaling of the last stage's backward
-            opt = self.engine.optimizer
-            seed = seed * float(getattr(opt, "loss_scale", None) or getattr(opt, "cur_scale", 1.0))
-        return seed
+    def _loss(self, outputs, mb: int):
+        loss = outputs
+        if self.compute_loss and self.module.loss_fn is not None:
+            loss = self.module.loss_fn(outputs, self._to_device(self.batch(mb)[1]))
+        self.losses[mb] = loss.detach()
+        return loss
+
+    def _loss_scale(self, root: torch.Tensor) -> torch.Tensor:
+        opt = self.engine.optimizer
+        return root * float(getattr(opt, "loss_scale", None) or getattr(opt, "cur_scale", 1.0))
 
     @contextmanager
-    def _producing_grads(self, stage: int):
-        """Around an action that writes parameter gradients: bf16 master-gradient upkeep and the sink."""
+    def _master_grads(self):
+        """bf16 without immediate updates: add this action's weight gradients into the fp32 masters."""
         opt = self.engine.optimizer
         bf16 = self.engine.using_bf16_optimizer
         if bf16:
             opt.clear_lp_grads()
-        params = self.module.stage_parameters(stage)
-        held = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            yield
-        finally:
-            fresh = [p.grad for p in params]
-            for p, old in zip(params, held):
-                p.grad = old
-            for p, g in zip(params, fresh):
-                if g is not None:
-                    self.sink(p, g)
+        yield
         if bf16:
             opt.update_hp_grads(clear_lp_grads=False)
 
-    def backward(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    # ---- backward: the stage active, master gradients kept up to date --------------------------------
+    def backward(self, stage: int, mb: int, grad_output):
         """B: input and parameter gradients in one pass."""
-        self.module.activate_stage(stage)  # a checkpointed layer recomputes with this stage's layers
-        saved = self._saved.pop((stage, mb))
-        x, out = saved["input"], saved["output"]
-        g = self._seed(out, grad_output)
-        if out is x:
-            return g
-        wants_dx = x.requires_grad and stage > 0
-        params = self.module.stage_parameters(stage)
-        targets = params + ([x] if wants_dx else [])
-        if not targets:
-            return None
-        with self._producing_grads(stage):
-            grads = torch.autograd.grad([out], targets, [g], allow_unused=True)
-            for p, gp in zip(params, grads):
-                if gp is not None:
-                    accumulate_grad(p, gp)
-        return grads[-1] if wants_dx else None
-
-    def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """I: the input gradient only; W finishes the parameter gradients from what I captured."""
         self.module.activate_stage(stage)
-        key = (stage, mb)
-        saved = self._saved[key]
-        x, out = saved["input"], saved["output"]
-        g = self._seed(out, grad_output)
-        if not x.requires_grad:  # integer input (token ids): the whole backward is W's
-            saved["grad_output"] = g
-            return None
-        if out is x:
-            self._saved[key] = {"work": None}
-            return g
-        (dx,), work = backward_input([out], [g], [x], self.module.stage_parameters(stage))
-        self._saved[key] = {"work": work}
-        return dx if stage > 0 else None
+        with self._master_grads():
+            return super().backward(stage, mb, grad_output)
+
+    def backward_input(self, stage: int, mb: int, grad_output):
+        """I: the input gradient only (no parameter gradient is written)."""
+        self.module.activate_stage(stage)
+        return super().backward_input(stage, mb, grad_output)
 
     def backward_weight(self, stage: int, mb: int) -> None:
-        """W: accumulate the parameter gradients deferred by I."""
+        """W: the parameter gradients deferred by I."""
         self.module.activate_stage(stage)
-        saved = self._saved.pop((stage, mb))
-        if "grad_output" in saved:
-            self._saved[(stage, mb)] = {"input": saved["input"], "output": saved["output"]}
-            self.backward(stage, mb, saved["grad_output"])
-        elif saved["work"] is not None:
-            with self._producing_grads(stage):
-                backward_weight(saved["work"])
-
-    def pending(self) -> int:
-        """(stage, micro-batch) pairs whose state is still held (0 after a complete step)."""
-        return len(self._saved)
+        with self._master_grads():
+            super().backward_weight(stage, mb)

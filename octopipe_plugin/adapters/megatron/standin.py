@@ -92,6 +92,7 @@ class StandInLayer(nn.Module):
 
 def standin_chunk_class():
     """The chunk class, built on megatron.core's MegatronModule (imported only when a chunk is made)."""
+    from megatron.core.enums import ModelType
     from megatron.core.transformer.module import MegatronModule
 
     class StandInChunk(MegatronModule):
@@ -101,6 +102,7 @@ def standin_chunk_class():
             super().__init__(config=config)
             self.spec = spec
             self.pre_process, self.post_process = spec.first, spec.last
+            self.model_type = ModelType.encoder_or_decoder  # what get_model sets on every chunk
             self.input_tensor = None
             n = len(spec.layers)
             self.layers = nn.ModuleList(

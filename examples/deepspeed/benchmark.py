@@ -1,0 +1,167 @@
+"""DeepSpeed's own pipeline schedules against OctoPipe on the same model and data.
+
+    python examples/deepspeed/benchmark.py --stand-in --model gemma3 --cluster h100x8 --microbatches 32
+    python examples/deepspeed/benchmark.py --stand-in --model deepseek-v3-mini --cluster h100x8 --microbatches 32
+
+Runs DeepSpeed's PipelineEngine (its 1F1B on its `parameters` partition), its DualPipeVEngine
+(2 stages per rank, `parameters` partition) and OctoPipeEngine (a plan tuned for the model and
+cluster, or --plan), one local process per device, and prints each one's simulated and measured
+step time and samples/s, ending with `measured speedup X.XXx (simulated Y.YYx)` of OctoPipe
+over the stock 1F1B engine.
+
+--stand-in (the CPU mode): every layer of the model (zoo name or model file, any layer kinds)
+becomes a SleepLayer that sleeps its F, I and W times scaled so that the stock engine's
+simulated step lasts --target-ms; its parameter is sized in proportion to the real layer, so
+DeepSpeed's `parameters` partition cuts where it would cut the real model. Transfers are not
+charged (tiny tensors on one host), so the simulated column is the simulation without transfer
+costs; the prediction with the cluster's links is printed too.
+Without --stand-in, real layers need GPUs and your own PipelineModule: build it with
+`OctoPipePipelineModule(specs, config=ds_config)` under the deepspeed launcher (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gemma3", help="zoo name or model/architecture file (default gemma3)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster's, else H100)")
+    p.add_argument("--cluster", default="h100x8", help="named cluster (<gpu>x<count>) or cluster file")
+    p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
+    p.add_argument("--stand-in", action="store_true", help="sleeping stand-in layers on local CPU processes")
+    p.add_argument("--plan", help="an octopipe-plan/1 file to run instead of tuning one")
+    p.add_argument("--tune-budget", type=float, default=30.0, help="tuner time budget in seconds (default 30)")
+    p.add_argument("--target-ms", type=float, default=8000.0,
+                   help="stand-ins: the stock 1F1B engine's simulated step, scaled to this (default 8000)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per engine after one warm-up (default 2)")
+    return p.parse_args(argv)
+
+
+def deepspeed_parts(model, num_stages: int, param_divisor: float) -> list[int]:
+    """DeepSpeed's `parameters` partition of the stand-in layers (its own partition_balanced)."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    counts = [max(1, round(layer.state_bytes / 18 / param_divisor)) for layer in model.layers]
+    return [int(x) for x in partition_balanced(weights=counts, num_parts=num_stages)]
+
+
+def plans(args, model, cluster, param_divisor):
+    """(label, plan) of the three engines, for the simulator."""
+    from octopipe_plugin.formats import read_plan
+    from octopipe_plugin.schedules.registry import build_plan
+
+    p, m = cluster.num_devices, args.microbatches
+    stock = build_plan(model, "1f1b", p, m, boundaries=deepspeed_parts(model, p, param_divisor))
+    dualpipev = build_plan(model, "dualpipev", p, m, boundaries=deepspeed_parts(model, 2 * p, param_divisor))
+    if args.plan:
+        ours = read_plan(args.plan, num_layers=model.num_layers)
+    else:
+        from octopipe_plugin.tuner import tune
+
+        ours = tune(model, cluster, m, time_budget_s=args.tune_budget).plan
+    return {"stock": stock, "dualpipev": dualpipev, "octopipe": ours}
+
+
+def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, out_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+    import octopipe_plugin.deepspeed  # noqa: F401  (deepspeed.initialize builds OctoPipeEngine for a planned module)
+    from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
+    from octopipe_plugin.adapters.deepspeed.standin import standin_batches, standin_loss, standin_specs
+    from octopipe_plugin.formats import model_from_dict, plan_from_dict
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = model_from_dict(model_doc)
+    specs = standin_specs(model, scale, divisor)
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": m, "steps_per_print": 10 ** 9,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0}
+    builders = {
+        "stock": lambda: PipelineModule(specs, num_stages=world, partition_method="parameters", loss_fn=standin_loss),
+        "dualpipev": lambda: DualPipeVModule(specs, num_stages=world, partition_method="parameters",
+                                             loss_fn=standin_loss),
+        "octopipe": lambda: OctoPipePipelineModule(specs, plan=plan_from_dict(plan_doc), loss_fn=standin_loss),
+    }
+    times = {}
+    for name, build in builders.items():
+        module = build()
+        engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=list(module.parameters()))
+        spans = []
+        for step in range(steps + 1):
+            deepspeed.comm.barrier()
+            t0 = time.time()
+            engine.train_batch(data_iter=iter(standin_batches(m)))
+            spans.append(time.time() - t0)
+        times[name] = {"engine": type(engine).__name__, "spans": spans[1:]}
+        del engine, module
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(times, fh)
+    deepspeed.comm.barrier()
+
+
+def main(argv=None) -> int:
+    """Run the three engines and print the comparison."""
+    args = parse_args(argv)
+    if not args.stand_in:
+        print("real layers need GPUs and your own PipelineModule; on CPU run with --stand-in", file=sys.stderr)
+        return 2
+    from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
+    from octopipe_plugin.executor.dryrun import zero_cost_cluster
+    from octopipe_plugin.executor.launch import free_port
+    from octopipe_plugin.formats import model_to_dict, plan_to_dict
+    from octopipe_plugin.simulator import simulate
+
+    cluster = resolve_cluster(args.cluster)
+    model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
+    divisor = max(1.0, sum(layer.state_bytes for layer in model.layers) / 18 / 2e6)  # ~2M stand-in parameters
+    chosen = plans(args, model, cluster, divisor)
+    # The stand-ins pass tiny tensors on one host: links cost nothing there, so the figure to compare the
+    # measurement with is the simulation without transfer costs; the cluster's own is printed beside it.
+    free = zero_cost_cluster(cluster.num_devices)
+    sim = {k: simulate(model, free, p, detail=False).step_time_ms for k, p in chosen.items()}
+    linked = {k: simulate(model, cluster, p, detail=False).step_time_ms for k, p in chosen.items()}
+    scale = args.target_ms / sim["stock"]
+    world = cluster.num_devices
+    print(f"model {model.name} ({model.num_layers} layers), cluster {args.cluster} ({world} devices), "
+          f"{args.microbatches} micro-batches; stand-in time scale {scale:.4g} (sleeping layers on {world} local "
+          "processes, gloo)", flush=True)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="octopipe-ds-bench-") as out:
+        mp.spawn(_worker, args=(world, free_port(), model_to_dict(model), plan_to_dict(chosen["octopipe"]), scale,
+                                divisor, args.microbatches, args.steps, out), nprocs=world, join=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    labels = {"stock": "DeepSpeed PipelineEngine (1F1B, parameters partition)",
+              "dualpipev": "DeepSpeed DualPipeVEngine (parameters partition)",
+              "octopipe": f"OctoPipeEngine ({chosen['octopipe'].num_stages} stages, tuned plan)"}
+    measured = {}
+    print(f"{'engine':58s} {'simulated ms':>13s} {'measured ms':>12s} {'samples/s':>10s}")
+    for key, label in labels.items():
+        # a step ends when its slowest rank returns; each timed step's max over ranks, then their mean
+        steps = zip(*(r[key]["spans"] for r in ranks))
+        measured[key] = sum(max(s) for s in steps) / args.steps * 1000.0
+        print(f"{label:58s} {sim[key] * scale:13.1f} {measured[key]:12.1f} "
+              f"{args.microbatches / measured[key] * 1000.0:10.2f}")
+    print(f"with {args.cluster}'s links the simulator predicts {linked['stock']:.1f} ms vs {linked['octopipe']:.1f} ms "
+          f"unscaled ({linked['stock'] / linked['octopipe']:.2f}x)")
+    print(f"measured speedup {measured['stock'] / measured['octopipe']:.2f}x "
+          f"(simulated {sim['stock'] / sim['octopipe']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

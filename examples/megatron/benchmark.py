@@ -1,0 +1,294 @@
+"""Megatron's own interleaved 1F1B against OctoPipe on the same model and data: measured step time and tokens/s.
+
+    python examples/megatron/benchmark.py --stand-in --model nemotron-h --cluster h100x8 --microbatches 32
+    python examples/megatron/benchmark.py --stand-in --model my-model.json --plan plan.json
+
+With --stand-in (CPU), every layer of the model (a zoo name, an architecture file or any
+octopipe-model/1 file) becomes a stand-in layer that sleeps its scaled F, I and W time inside
+real Megatron model chunks (`MegatronModule`s, octopipe_plugin.adapters.megatron.standin), and
+a boundary is not used before its producer's end plus the transfer time of the bytes the real
+model sends there. One local process per pipeline rank over gloo runs, on the same chunks and
+data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.core: its
+interleaved 1F1B on Megatron's even split at its best virtual-stage count) and then OctoPipe's
+(the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through the
+executor's Megatron adapter). Both are timed from a common start instant; the simulator's
+predictions for both plans at the same scale give the simulated speedup. The last line is
+
+    measured speedup X.XXx (simulated Y.YYx)
+
+Real layers on GPUs: launch your pretrain script twice with examples/megatron/launch.py
+(`--pipeline-schedule default`, then `octopipe`) and compare Megatron's logged iteration times;
+this script's own real-layer mode is not built yet (it needs GPUs to be checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from octopipe_plugin.adapters.megatron.standin import BOUNDARY_SHAPE, DTYPE, StandInStage
+from octopipe_plugin.costs import resolve_cluster, resolve_model
+from octopipe_plugin.errors import OctoPipeError
+from octopipe_plugin.executor.dryrun import scaled_cluster, scaled_costs
+from octopipe_plugin.executor.launch import init_gloo, spawn
+from octopipe_plugin.executor.standin import standin_costs
+from octopipe_plugin.formats import plan_from_dict, plan_to_dict, read_plan
+from octopipe_plugin.schedules.registry import build_plan
+from octopipe_plugin.simulator import simulate
+
+log = logging.getLogger("benchmark")
+
+
+def parse_args(argv=None):
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="nemotron-h", help="zoo name, architecture file or octopipe-model/1 file")
+    p.add_argument("--cluster", default="h100x8", help="named cluster (<gpu>x<count>) or cluster file")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster name's)")
+    p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
+    p.add_argument("--stand-in", action="store_true", help="CPU: sleeping stand-in layers in real Megatron chunks")
+    p.add_argument("--plan", help="OctoPipe plan to run (default: tune one)")
+    p.add_argument("--tune-seconds", type=float, default=20.0, help="tuning budget when no --plan (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="tuner seed")
+    p.add_argument("--megatron-vp", type=int, default=None,
+                   help="Megatron's virtual stages per rank (default: its fastest in simulation)")
+    p.add_argument("--target-ms", type=float, default=3000.0,
+                   help="scale costs so Megatron's simulated step lasts this long (default 3000)")
+    p.add_argument("--clock", default="device", choices=("device", "wall"), help="stand-in clock (see SleepStages)")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout in seconds")
+    return p.parse_args(argv)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Run:
+    """One schedule's plan and the stand-in chunks of each of its stages."""
+
+    label: str
+    plan_doc: dict
+    stages: tuple[StandInStage, ...]
+
+
+def megatron_plan(model, cluster, microbatches: int, vp: int | None):
+    """Megatron's interleaved 1F1B on its even split: the given virtual stage count, else its fastest one."""
+    p = cluster.num_devices
+    options = [vp] if vp else [v for v in (1, 2, 3, 4) if p * v <= model.num_layers]
+    best = None
+    for v in options:
+        try:
+            plan = build_plan(model, "interleaved-1f1b", p, microbatches, stages_per_device=v, split="megatron")
+        except OctoPipeError:
+            continue
+        ms = simulate(model, cluster, plan, detail=False).step_time_ms
+        if best is None or ms < best[0]:
+            best = (ms, plan)
+    if best is None:
+        raise OctoPipeError(f"Megatron's interleaved 1F1B cannot split {model.name!r} over {p} ranks")
+    return best[1]
+
+
+def octopipe_plan(model, cluster, args):
+    """The plan to compare: the given file, or one tuned now."""
+    if args.plan:
+        return read_plan(args.plan, model.num_layers)
+    from octopipe_plugin.tuner import tune
+
+    return tune(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed).plan
+
+
+def stand_in_stages(model, plan, scale: float, fast_cluster) -> tuple[StandInStage, ...]:
+    """Per-stage stand-in layers (scaled per-layer F/I/W) and the scaled transfer time of each cut."""
+    sc = scaled_costs(model, plan, scale)
+    hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster).hop
+    last = plan.num_stages - 1
+    return tuple(
+        StandInStage(stage=s, layers=tuple((layer.fwd_ms * scale, layer.bwd_ms * scale, layer.wgrad_ms * scale)
+                                           for layer in model.layers[st.start:st.end]),
+                     hop_in_ms=hops[s - 1] if s > 0 else 0.0, hop_out_ms=hops[s] if s < last else 0.0,
+                     first=s == 0, last=s == last)
+        for s, st in enumerate(plan.stages))
+
+
+def simulated_ms(model, plan, scale: float, fast_cluster) -> float:
+    """The simulator's step time of `plan` at the stand-ins' scale."""
+    return simulate(None, fast_cluster, plan, costs=scaled_costs(model, plan, scale), detail=False).step_time_ms
+
+
+def measure(runs: list[Run], microbatches: int, clock: str, timeout_s: float) -> dict[str, float]:
+    """Run every schedule on local processes; measured step ms per label."""
+    world = plan_from_dict(runs[0].plan_doc).num_devices
+    with tempfile.TemporaryDirectory(prefix="octopipe-megatron-bench-") as out:
+        spawn(_worker, world, runs, microbatches, clock, timeout_s, out)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"), encoding="utf-8")) for r in range(world)]
+    return {run.label: 1000.0 * (max(r[run.label]["end"] for r in ranks) - ranks[0][run.label]["start"])
+            for run in runs}
+
+
+def _worker(rank: int, world: int, port: int, runs: list[Run], microbatches: int, clock: str, timeout_s: float,
+            out: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cpu_shims
+
+    if not torch.cuda.is_available():
+        cpu_shims.install()
+    from octopipe_plugin.adapters.megatron.compat import allow_megatron_training_import
+
+    allow_megatron_training_import()
+    init_gloo(rank, world, port, timeout_s)
+    times = {}
+    for run in runs:
+        step = _megatron_step if run.label == "megatron" else _octopipe_step
+        times[run.label] = _timed(step(rank, world, run, microbatches, timeout_s), clock)
+        dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
+        json.dump(times, fh)
+    dist.destroy_process_group()
+
+
+def _timed(prepared, clock: str) -> dict:
+    """A warm-up step without sleeping (opens every gloo pair), then the timed step from a common instant."""
+    step, device_clock = prepared
+    device_clock.mode = "off"
+    step()
+    dist.barrier()
+    start = torch.tensor([time.time() + 0.5], dtype=torch.float64)
+    dist.broadcast(start, src=0)
+    t0 = float(start[0])
+    device_clock.mode = clock
+    time.sleep(max(0.0, t0 - time.time()))
+    device_clock.start(t0)
+    step()
+    end = time.time()
+    return {"start": t0, "end": end, "busy": device_clock.busy_s}
+
+
+def _chunks(rank: int, world: int, run: Run, config, device_clock):
+    from octopipe_plugin.adapters.megatron.standin import standin_chunk_class
+
+    plan = plan_from_dict(run.plan_doc)
+    chunk = standin_chunk_class()
+    return plan, {s: chunk(config, run.stages[s], device_clock) for s in plan.stages_of(rank)}
+
+
+def _config(world: int, vp: int | None):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=world * (vp or 1), hidden_size=BOUNDARY_SHAPE[2], num_attention_heads=1,
+                             pipeline_dtype=DTYPE, params_dtype=DTYPE, pipeline_model_parallel_size=world,
+                             virtual_pipeline_model_parallel_size=vp, deallocate_pipeline_outputs=False,
+                             # Megatron's batched p2p gives wrong results on gloo (notes/megatron-contract.md)
+                             batch_p2p_comm=False)
+
+
+def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
+    """Megatron's own schedule (megatron.core.pipeline_parallel.get_forward_backward_func) on stand-in chunks."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from octopipe_plugin.adapters.megatron.standin import standin_forward_step
+    from octopipe_plugin.executor.clock import DeviceClock
+
+    plan = plan_from_dict(run.plan_doc)
+    vp = plan.num_stages // world
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world,
+                                             virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    device_clock = DeviceClock("off")
+    _, chunks = _chunks(rank, world, run, _config(world, vp if vp > 1 else None), device_clock)
+    model = [chunks[s] for s in sorted(chunks)]  # stage r + v*P is virtual stage v of rank r
+    for v, m in enumerate(model):
+        m.vp_stage = v
+    forward_backward = get_forward_backward_func()
+
+    def step():
+        data = [itertools.repeat(0) for _ in model]
+        forward_backward(forward_step_func=standin_forward_step, data_iterator=data if vp > 1 else data[0],
+                         model=model if vp > 1 else model[0], num_microbatches=microbatches,
+                         seq_length=BOUNDARY_SHAPE[0], micro_batch_size=BOUNDARY_SHAPE[1], forward_only=False)
+
+    return step, device_clock
+
+
+def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
+    """OctoPipe's executor running the plan's per-rank order on the same kind of stand-in chunks."""
+    from octopipe_plugin.adapters.megatron.standin import standin_forward_step
+    from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TensorMeta
+    from octopipe_plugin.executor.clock import DeviceClock
+    from octopipe_plugin.executor.forward_step import ForwardStepStages
+
+    device_clock = DeviceClock("off")
+    plan, chunks = _chunks(rank, world, run, _config(world, None), device_clock)
+    meta = TensorMeta(shape=BOUNDARY_SHAPE, dtype=DTYPE)
+    executor_box = {}
+
+    def step():
+        runner = ForwardStepStages(models=chunks, forward_step_func=standin_forward_step,
+                                   data_iterators={0: itertools.repeat(0)} if 0 in chunks else {},
+                                   num_stages=plan.num_stages, num_microbatches=microbatches,
+                                   metas=[meta] * plan.num_stages)
+        if "ex" not in executor_box:
+            executor_box["ex"] = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=timeout_s))
+        ex = executor_box["ex"]
+        ex.runner = runner
+        ex.run_step()
+
+    return step, device_clock
+
+
+def main(argv=None) -> int:
+    """Plan both schedules, run them on stand-ins, print measured and simulated figures."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    if not args.stand_in:
+        print("error: only --stand-in runs here (real layers need GPUs: see this script's docstring)",
+              file=sys.stderr)
+        return 2
+    try:
+        model = resolve_model(args.model, gpu=args.gpu or _gpu_of(args.cluster))
+        cluster = resolve_cluster(args.cluster)
+        base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
+        ours = octopipe_plan(model, cluster, args)
+    except OctoPipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    scale = args.target_ms / simulate(model, cluster, base, detail=False).step_time_ms
+    fast = scaled_cluster(cluster, scale)
+    runs = [Run(label="megatron", plan_doc=plan_to_dict(base), stages=stand_in_stages(model, base, scale, fast)),
+            Run(label="octopipe", plan_doc=plan_to_dict(ours), stages=stand_in_stages(model, ours, scale, fast))]
+    sim = {"megatron": simulated_ms(model, base, scale, fast), "octopipe": simulated_ms(model, ours, scale, fast)}
+    print(f"model {model.name}: {model.num_layers} layers, cluster {args.cluster}, {args.microbatches} micro-batches, "
+          f"costs x{scale:.3g} (stand-ins, {args.clock} clock), load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"megatron: interleaved 1F1B, {base.num_stages // base.num_devices} virtual stages per rank, even split")
+    print(f"octopipe: {ours.num_stages} stages, stage->rank {[st.device for st in ours.stages]}")
+    measured = measure(runs, args.microbatches, args.clock, args.timeout)
+    tokens = args.microbatches * _tokens_per_microbatch(model)
+    for label in ("megatron", "octopipe"):
+        print(f"{label:9s} measured step {measured[label]:8.1f} ms  simulated {sim[label]:8.1f} ms  "
+              f"tokens/s {tokens / (measured[label] / 1000.0):,.0f} (at the stand-ins' scale)")
+    print(f"measured speedup {measured['megatron'] / measured['octopipe']:.2f}x "
+          f"(simulated {sim['megatron'] / sim['octopipe']:.2f}x)")
+    return 0
+
+
+def _gpu_of(cluster_name: str) -> str:
+    from octopipe_plugin.costs.clusters import _NAME
+
+    named = _NAME.match(str(cluster_name).strip())
+    return named["gpu"] if named else "H100"
+
+
+def _tokens_per_microbatch(model) -> int:
+    arch = (model.meta or {}).get("arch") or {}
+    return int(arch.get("seq_len", 1)) * int(arch.get("micro_batch_size", 1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""examples/megatron/launch.py runs a Megatron-LM script from its checkout with OctoPipe's hooks installed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octopipe_plugin.adapters.megatron.graph import model_from_megatron
+from octopipe_plugin.formats import write_plan
+from octopipe_plugin.schedules.registry import build_plan
+
+from launch_helpers import TINY_GPT, parse
+
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = [pytest.mark.framework, pytest.mark.timeout(400)]
+
+# A stand-in for a Megatron-LM checkout's pretrain script: its argument flow is pretrain_gpt.py's in
+# 0.19.2 (its own extra_args_provider, parse_and_validate_args) and it imports a sibling module.
+SCRIPT = '''
+import json, sys
+from megatron.training.arguments import parse_and_validate_args
+import megatron.training.training as training
+from tiny_builders import NAME
+
+def add_own_args(parser):
+    parser.add_argument("--own-flag", type=int, default=0)
+    return parser
+
+if __name__ == "__main__":
+    args = parse_and_validate_args(extra_args_provider=add_own_args,
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+    print("RESULT " + json.dumps({"name": NAME, "own": args.own_flag, "schedule": args.pipeline_schedule,
+                                  "layout": args.pipeline_model_parallel_layout,
+                                  "vp": args.virtual_pipeline_model_parallel_size,
+                                  "factory": training.get_forward_backward_func.__module__}))
+'''
+
+
+def checkout(tmp_path) -> Path:
+    root = tmp_path / "Megatron-LM"
+    root.mkdir()
+    (root / "pretrain_tiny.py").write_text(SCRIPT)
+    (root / "tiny_builders.py").write_text("NAME = 'tiny'\n")
+    return root
+
+
+def launch(argv, tmp_path, world=2):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world), "RANK": "0"}
+    return subprocess.run([sys.executable, str(ROOT / "examples/megatron/launch.py"), *argv], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def result(out):
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+
+
+def test_launcher_runs_the_checkout_script_with_octopipe_arguments(tmp_path):
+    root = checkout(tmp_path)
+    model = model_from_megatron(parse(TINY_GPT, octopipe=False, validate=False))
+    write_plan(build_plan(model, "zb-v", 2, 4), tmp_path / "plan.json")
+    run = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--own-flag", "7"]
+    got = result(launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--pipeline-schedule", "octopipe",
+                         "--octopipe-plan", str(tmp_path / "plan.json")], tmp_path))
+    assert got == {"name": "tiny", "own": 7, "schedule": "octopipe", "layout": "Et|tt|tt|tL", "vp": 2,
+                   "factory": "octopipe_plugin.adapters.megatron.launch"}
+    # default schedule: Megatron's own settings, the same script path given directly
+    got = result(launch([str(root / "pretrain_tiny.py"), *run], tmp_path))
+    assert (got["schedule"], got["layout"], got["vp"]) == ("default", None, None)
+    # a plan for another pipeline size stops start-up with one message, no traceback of Megatron's
+    bad = launch([str(root / "pretrain_tiny.py"), *run[:-6], "--pipeline-model-parallel-size", "1",
+                  "--global-batch-size", "4", "--pipeline-schedule", "octopipe",
+                  "--octopipe-plan", str(tmp_path / "plan.json")], tmp_path, world=1)
+    assert bad.returncode != 0
+    assert "does not match this run: it has 2 devices but --pipeline-model-parallel-size is 1" in bad.stderr
