@@ -108,7 +108,7 @@ def octopipe_plan(model, cluster, args):
 def stand_in_stages(model, plan, scale: float, fast_cluster) -> tuple[StandInStage, ...]:
     """Per-stage stand-in layers (scaled per-layer F/I/W) and the scaled transfer time of each cut."""
     sc = scaled_costs(model, plan, scale)
-    hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster.transfer_ms).hop
+    hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster).hop
     last = plan.num_stages - 1
     return tuple(
         StandInStage(stage=s, layers=tuple((layer.fwd_ms * scale, layer.bwd_ms * scale, layer.wgrad_ms * scale)

@@ -81,6 +81,11 @@ class _Budget:
     done: int = 0
     stopped_by: str = ""
 
+    def setup_deadline(self) -> float:
+        """When setup stops early: the deadline, except with `iterations`, whose runs stay reproducible
+        (the CLI's wall-clock guard still holds the budget there)."""
+        return self.deadline if self.iterations is None else float("inf")
+
     def fraction(self) -> float:
         """Share of the budget spent, 0..1 (search steps with `iterations`, else work units)."""
         if self.iterations is not None:
@@ -182,7 +187,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         layouts.sort(key=evs.work_floor)
         first = _first_plan(ev, evs, layouts, hand)
         baselines = builtin_baselines(ev, model, nd, num_microbatches, search_ev=evs, on_result=hand.builtin,
-                                      deadline=budget.deadline)
+                                      deadline=budget.setup_deadline())
         fitting = [b.search for b in baselines if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(baselines))
@@ -242,7 +247,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
         for pol in seed_policies(lay, nd, ev.m):
-            if (found or floor is not None) and time.monotonic() >= budget.deadline:
+            if (found or floor is not None) and time.monotonic() >= budget.setup_deadline():
                 break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
             if out is not None and out.fits and out.plan is not None:

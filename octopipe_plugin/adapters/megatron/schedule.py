@@ -15,8 +15,8 @@ on every pipeline rank (broadcast from the rank that computed the loss, which un
 V-shape is not the last pp rank), tied embedding copies that share a rank are summed, and
 `config.finalize_model_grads_func` runs. Returns one loss dict per micro-batch on the last
 pipeline rank, where Megatron's train_step and evaluate reduce and log them (sent there
-from the rank that computed the loss when the plan puts it elsewhere), and [] elsewhere. `forward_only` runs every F of the plan, in
-the plan's order, keeping nothing for a backward.
+from the rank that computed the loss when the plan puts it elsewhere), and [] elsewhere.
+`forward_only` runs every F of the plan, in the plan's order, keeping nothing for a backward.
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
             raise OctoPipeError(f"pipeline rank {rank}: {runner.pending()} (stage, micro-batch) pairs still hold "
                                 "state after the step (the plan misses backward actions)")
         if not forward_only:
+            sum_local_grads(model)  # same-rank tied copies: summed before their reduction starts
+            runner.sync.sync_held()
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
         return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches)
 
@@ -152,11 +154,10 @@ def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: in
 
 
 def _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce) -> None:
-    """Token count on every rank, local tied copies summed, then Megatron's finalize_model_grads_func."""
+    """Token count on every rank (from the loss rank), then Megatron's finalize_model_grads_func."""
     num_tokens = runner.num_tokens.clone()
     loss_rank = plan.stages[-1].device
     dist.broadcast(num_tokens, group_src=loss_rank, group=pp_group)
-    sum_local_grads(model)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(model, num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=pg_collection, force_all_reduce=force_all_reduce)

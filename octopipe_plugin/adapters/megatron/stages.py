@@ -57,9 +57,11 @@ def _per_chunk(value, n: int) -> list:
 class GradSync:
     """no_sync / grad_sync / param_sync of one step, per chunk, as Megatron's interleaved schedule runs them."""
 
-    def __init__(self, config, model, last_grad_action: dict[int, object], forward_only: bool):
+    def __init__(self, config, model, last_grad_action: dict[int, object], forward_only: bool,
+                 hold: set[int] = frozenset()):
         n = len(model)
         self.model = model
+        self.hold = set(hold)  # chunks whose reduction waits for `sync_held` (same-rank tied copies)
         self.last_grad_action = last_grad_action  # chunk -> its last B/W action in this rank's list
         no_sync = config.no_sync_func
         self.shared = no_sync is not None and not isinstance(no_sync, list) and n > 1
@@ -100,15 +102,24 @@ class GradSync:
     def before_grad(self, c: int, position: int) -> None:
         """Without grad_sync_func: lift the chunk's no_sync just before its last gradient-producing action
         (DDP's hooks then start the reduction as the gradients arrive)."""
-        if self.grad_sync is None and self._is_last(c, position):
+        if self.grad_sync is None and c not in self.hold and self._is_last(c, position):
             self._lift(c)
 
     def after_grad(self, c: int, position: int) -> None:
         """With grad_sync_func: right after the chunk's last gradient-producing action, lift its no_sync
         and start its reduction (the backward itself ran under no_sync, as in Megatron's schedules)."""
-        if self.grad_sync is not None and self._is_last(c, position):
+        if self.grad_sync is not None and c not in self.hold and self._is_last(c, position):
             self._lift(c)
             self.grad_sync[c](self.model[c].parameters())
+
+    def sync_held(self) -> None:
+        """Start the reduction of the held chunks (after their tied copies' gradients were summed)."""
+        for c in sorted(self.hold):
+            self._lift(c)
+            if self.grad_sync is not None:
+                self.grad_sync[c](self.model[c].parameters())
+            elif getattr(getattr(self.model[c], "ddp_config", None), "overlap_grad_reduce", False):
+                self.model[c].start_grad_sync()  # finalize's finish_grad_sync expects it issued
 
     def _is_last(self, c: int, position: int) -> bool:
         last = self.last_grad_action.get(c)
@@ -161,7 +172,10 @@ class MegatronStages:
         for i, a in enumerate(row):
             if a.kind in (Kind.B, Kind.W):
                 last[self.chunk_of[a.stage]] = (i, a)
-        self.sync = GradSync(config, self.model, last, forward_only)
+        from .embeddings import local_copy_chunks
+
+        hold = set() if forward_only else local_copy_chunks(self.model)
+        self.sync = GradSync(config, self.model, last, forward_only, hold)
 
     # -- StageRunner -------------------------------------------------------------------------------
 

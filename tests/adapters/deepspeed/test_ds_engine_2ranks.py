@@ -18,6 +18,8 @@ LR, MOMENTUM, CLIP = 0.5, 0.9, 0.05
 M = 4
 # A V-shape: stages 0 and 3 on rank 0, 1 and 2 on rank 1; non-uniform; random order with split backward.
 V_DEVICES, V_BOUNDS = [0, 1, 1, 0], [(0, 1), (1, 5), (5, 6), (6, 9)]
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 3,
+                                         "warmup_type": "linear"}}
 # One stage per rank (DeepSpeed can express the partition, not the order).
 FLAT_BOUNDS = [(0, 3), (3, 9)]
 
@@ -38,13 +40,16 @@ def _scenarios(tmp):
         dict(name="v_fp32", config=cfg(v), eval=True, save=dict(dir=ck, tag="v3")),
         dict(name="v_ckpt", config=cfg(v), ckpt_interval=2),
         dict(name="v_mask", config=cfg(v), masked=True, ckpt_interval=2),
-        dict(name="flat_octopipe", config=cfg(flat, clip=0.0)),
+        dict(name="flat_octopipe", config=cfg(flat, clip=0.0), resize=H.MBS * 2),
         dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
+        dict(name="flat_octopipe_lr", config=cfg(flat, clip=0.0, scheduler=WARMUP)),
+        dict(name="flat_stock_lr", config=cfg(None, clip=0.0, scheduler=WARMUP), parts=[0, 3, 9]),
         dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
         dict(name="v_bf16_immediate", config=cfg(v, bf16={"enabled": True, "immediate_grad_update": True})),
         dict(name="resume_other_plan", config=cfg(flat), **resume),
         # DeepSpeed's engine clips on pipeline rank 0's gradients only: resume it unclipped
-        dict(name="resume_deepspeed_partition", config=cfg(None, clip=0.0), plain=True, pp=2, **resume),
+        dict(name="resume_deepspeed_partition", plain=True, pp=2, **resume,
+             config=cfg(None, clip=0.0, octopipe={"enabled": False, "plan": v})),  # a disabled block: stock engine
         dict(name="refuse_unmapped", config=cfg(v), load=dict(dir=ck, tag="stock3"), fatal=False),
         # a plain PipelineModule with a "tune" block: rebuilt at the plan rank 0 tunes, broadcasts and saves
         dict(name="tune_plain", plain=True, pp=2, config=H.ds_config(
@@ -115,6 +120,19 @@ def test_same_partition_as_deepspeeds_engine(runs):
 
 
 @pytest.mark.timeout(60)
+def test_lr_scheduler_steps_as_in_deepspeeds_engine(runs):
+    ours, stock = H.load(runs, "flat_octopipe_lr", 2), H.load(runs, "flat_stock_lr", 2)
+    plain = H.load(runs, "flat_octopipe", 2)
+    for a, b, c in zip(ours, stock, plain):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        assert a["losses"][1:] != pytest.approx(c["losses"][1:], rel=1e-3)  # the warm-up did change the steps
+    wa, wb = H.merged_weights(ours), H.merged_weights(stock)
+    for idx in wa:
+        for k in wa[idx]:
+            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.timeout(60)
 def test_bf16_both_gradient_modes(runs):
     plain, immediate = H.load(runs, "v_bf16", 2), H.load(runs, "v_bf16_immediate", 2)
     ref_losses, _ = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=CLIP)
@@ -150,6 +168,9 @@ def test_refusals_name_the_reason(runs):
         assert "does not record which parameters it belongs to" in err and "load_optimizer_states=False" in err
         err = (runs / f"refuse_microbatches-rank{r}.err").read_text()
         assert "$.gradient_accumulation_steps: expected the plan's micro-batch count 4" in err
+    for rep in H.load(runs, "flat_octopipe", 2):  # set_train_batch_size to 2 micro-batches: refused, M stays
+        assert "set_train_batch_size: field $.gradient_accumulation_steps: expected the plan's micro-batch count 4" \
+            in rep["resize_error"]
 
 
 @pytest.mark.timeout(60)
