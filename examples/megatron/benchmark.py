@@ -10,8 +10,8 @@ a boundary is not used before its producer's end plus the transfer time of the b
 model sends there. One local process per pipeline rank over gloo runs, on the same chunks and
 data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.core: its
 interleaved 1F1B on Megatron's even split at its best virtual-stage count) and then OctoPipe's
-(the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through the
-executor's Megatron adapter). Both are timed from a common start instant; the simulator's
+(the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through
+`make_forward_backward_func`, the schedule `--pipeline-schedule octopipe` swaps into Megatron). Both are timed from a common start instant; the simulator's
 predictions for both plans at the same scale give the simulated speedup. The last line is
 
     measured speedup X.XXx (simulated Y.YYx)
@@ -108,7 +108,7 @@ def octopipe_plan(model, cluster, args):
 def stand_in_stages(model, plan, scale: float, fast_cluster) -> tuple[StandInStage, ...]:
     """Per-stage stand-in layers (scaled per-layer F/I/W) and the scaled transfer time of each cut."""
     sc = scaled_costs(model, plan, scale)
-    hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster.transfer_ms).hop
+    hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster).hop
     last = plan.num_stages - 1
     return tuple(
         StandInStage(stage=s, layers=tuple((layer.fwd_ms * scale, layer.bwd_ms * scale, layer.wgrad_ms * scale)
@@ -218,27 +218,23 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
 
 
 def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
-    """OctoPipe's executor running the plan's per-rank order on the same kind of stand-in chunks."""
+    """OctoPipe's forward_backward_func (what --pipeline-schedule octopipe runs) on the same kind of chunks."""
+    from octopipe_plugin.adapters.megatron.schedule import ScheduleOptions, make_forward_backward_func
     from octopipe_plugin.adapters.megatron.standin import standin_forward_step
-    from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TensorMeta
     from octopipe_plugin.executor.clock import DeviceClock
-    from octopipe_plugin.executor.forward_step import ForwardStepStages
 
     device_clock = DeviceClock("off")
     plan, chunks = _chunks(rank, world, run, _config(world, None), device_clock)
-    meta = TensorMeta(shape=BOUNDARY_SHAPE, dtype=DTYPE)
-    executor_box = {}
+    model = [chunks[s] for s in plan.stages_of(rank)]  # the rank's chunks in model order = its vp stages
+    for v, m in enumerate(model):
+        m.vp_stage = v
+    forward_backward = make_forward_backward_func(plan, options=ScheduleOptions(timeout_s=timeout_s))
 
     def step():
-        runner = ForwardStepStages(models=chunks, forward_step_func=standin_forward_step,
-                                   data_iterators={0: itertools.repeat(0)} if 0 in chunks else {},
-                                   num_stages=plan.num_stages, num_microbatches=microbatches,
-                                   metas=[meta] * plan.num_stages)
-        if "ex" not in executor_box:
-            executor_box["ex"] = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=timeout_s))
-        ex = executor_box["ex"]
-        ex.runner = runner
-        ex.run_step()
+        data = [itertools.repeat(0) for _ in model]
+        forward_backward(forward_step_func=standin_forward_step, data_iterator=data, model=model,
+                         num_microbatches=microbatches, seq_length=BOUNDARY_SHAPE[0],
+                         micro_batch_size=BOUNDARY_SHAPE[1], forward_only=False)
 
     return step, device_clock
 
