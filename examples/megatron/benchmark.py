@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="nemotron-h", help="zoo name, architecture file or octopipe-model/1 file")
     p.add_argument("--cluster", default="h100x8", help="named cluster (<gpu>x<count>) or cluster file")
-    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster name's)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster's)")
     p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
     p.add_argument("--stand-in", action="store_true", help="CPU: sleeping stand-in layers in real Megatron chunks")
     p.add_argument("--plan", help="OctoPipe plan to run (default: tune one)")
@@ -248,8 +248,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        model = resolve_model(args.model, gpu=args.gpu or _gpu_of(args.cluster))
         cluster = resolve_cluster(args.cluster)
+        model = resolve_model(args.model, gpu=args.gpu or cluster.gpu or "H100")
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
         ours = octopipe_plan(model, cluster, args)
     except OctoPipeError as exc:
@@ -272,13 +272,6 @@ def main(argv=None) -> int:
     print(f"measured speedup {measured['megatron'] / measured['octopipe']:.2f}x "
           f"(simulated {sim['megatron'] / sim['octopipe']:.2f}x)")
     return 0
-
-
-def _gpu_of(cluster_name: str) -> str:
-    from octopipe_plugin.costs.clusters import _NAME
-
-    named = _NAME.match(str(cluster_name).strip())
-    return named["gpu"] if named else "H100"
 
 
 def _tokens_per_microbatch(model) -> int:

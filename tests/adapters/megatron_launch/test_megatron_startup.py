@@ -115,7 +115,7 @@ def test_tuned_on_rank0_and_broadcast(tmp_path):
     spawn(_tune_worker, 2, str(tmp_path))
     plans = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert plans[0] == plans[1] and plans[0]["num_devices"] == 2 and plans[0]["num_microbatches"] == 4
-    assert plans[0]["meta"]["tuned_for"] == {"cluster": "h100x2", "gpu": "h100"}
+    assert plans[0]["meta"]["tuned_for"] == {"cluster": "h100x2", "gpu": "H100-SXM"}
     assert json.loads((tmp_path / "ck" / PLAN_FILE).read_text()) == plans[0]  # rank 0 saved it for --load
 
 
