@@ -35,7 +35,7 @@ def parse_args(argv=None):
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gemma3", help="zoo name or model/architecture file (default gemma3)")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (default H100)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster's, else H100)")
     p.add_argument("--cluster", default="h100x8", help="named cluster (<gpu>x<count>) or cluster file")
     p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
     p.add_argument("--stand-in", action="store_true", help="sleeping stand-in layers on local CPU processes")
@@ -119,14 +119,14 @@ def main(argv=None) -> int:
     if not args.stand_in:
         print("real layers need GPUs and your own PipelineModule; on CPU run with --stand-in", file=sys.stderr)
         return 2
-    from octopipe_plugin.costs import resolve_cluster, resolve_model
+    from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
     from octopipe_plugin.executor.dryrun import zero_cost_cluster
     from octopipe_plugin.executor.launch import free_port
     from octopipe_plugin.formats import model_to_dict, plan_to_dict
     from octopipe_plugin.simulator import simulate
 
-    model = resolve_model(args.model, gpu=args.gpu)
     cluster = resolve_cluster(args.cluster)
+    model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
     divisor = max(1.0, sum(layer.state_bytes for layer in model.layers) / 18 / 2e6)  # ~2M stand-in parameters
     chosen = plans(args, model, cluster, divisor)
     # The stand-ins pass tiny tensors on one host: links cost nothing there, so the figure to compare the

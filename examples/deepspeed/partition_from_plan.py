@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from octopipe_plugin.adapters.deepspeed import load_parts
-from octopipe_plugin.costs import resolve_cluster, resolve_model
+from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.formats import write_plan
 from octopipe_plugin.schedules.registry import build_plan
@@ -40,7 +40,7 @@ def parse_args(argv=None):
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="zoo name or model/architecture file (default llama3-8b)")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (default H100)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster's, else H100)")
     p.add_argument("--cluster", default="h100x2", help="named cluster (<gpu>x<count>) or cluster file")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zb-h1"),
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
     try:
-        model = resolve_model(args.model, gpu=args.gpu)
         cluster = resolve_cluster(args.cluster)
+        model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         plan = make_plan(args, model, cluster)
         out_dir = args.out or tempfile.mkdtemp(prefix="octopipe_ds_")
         ds_config = write_files(plan, out_dir)

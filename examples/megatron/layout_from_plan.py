@@ -18,9 +18,9 @@ import shlex
 import sys
 
 from octopipe_plugin.adapters.megatron import megatron_launch_args
-from octopipe_plugin.costs import resolve_cluster, resolve_model
+from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
-from octopipe_plugin.formats import read_plan, write_plan
+from octopipe_plugin.formats import bind_plan, read_plan, write_plan
 from octopipe_plugin.schedules.registry import build_plan
 from octopipe_plugin.simulator import simulate
 
@@ -31,7 +31,7 @@ def parse_args(argv=None):
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="zoo name or model/architecture file (default llama3-8b)")
-    p.add_argument("--gpu", default="H100", help="GPU of the analytic cost model (default H100)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster's, else H100)")
     p.add_argument("--cluster", default="h100x4", help="named cluster (<gpu>x<count>) or cluster file")
     p.add_argument("--microbatches", type=int, default=16, help="micro-batches per step (default 16)")
     p.add_argument("--stages-per-device", type=int, default=2, help="virtual stages per rank (default 2)")
@@ -87,11 +87,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
     try:
-        model = resolve_model(args.model, gpu=args.gpu)
         cluster = resolve_cluster(args.cluster)
+        model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         plan = choose_plan(args, model, cluster)
         if args.output:
-            write_plan(plan, args.output)
+            write_plan(bind_plan(plan, model, cluster), args.output)
         sim = simulate(model, cluster, plan, detail=False)
         log.info("plan: %d stages on %d devices, simulated step %.1f ms, bubble %.1f%%", plan.num_stages,
                  plan.num_devices, sim.step_time_ms, 100 * sim.bubble_ratio)

@@ -9,7 +9,6 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .. import limits as L
 from ..errors import FormatError, OctoPipeError
 
 DEFAULT_GPU = "H100-SXM"

@@ -49,3 +49,12 @@ def resolve_cluster(name_or_path: str) -> Cluster:
     if len(count) > 6:  # int() of a thousand digits is slow and the number is refused anyway
         raise OctoPipeError(f"cluster {name}: expected 1..{MAX_DEVICES} devices, got {count}")
     return named_cluster(match["gpu"], int(count))
+
+
+def cost_gpu(cluster: Cluster | None, gpu: str | None = None) -> str:
+    """The GPU a model is costed for on `cluster`: `gpu` when given, else the cluster's own, else H100."""
+    if gpu:
+        return get_gpu(gpu).name
+    if cluster is not None and cluster.gpu:
+        return cluster.gpu
+    return get_gpu("H100").name

@@ -116,4 +116,20 @@ def load_model(name_or_path: str, gpu: str = "H100", **overrides) -> tuple[Model
             raise OctoPipeError(f"{src}: a cost-annotated octopipe-model file cannot take overrides {given}; "
                                 "pass an architecture file or zoo name instead")
         return model_from_dict(data, src), True
-    return build_model(_arch_of_doc(data, src, overrides), gpu), False
+    model = build_model(_arch_of_doc(data, src, overrides), gpu)
+    _check_costs(model, src)
+    return model, False
+
+
+def _check_costs(model: Model, src: str) -> None:
+    """Refuse an architecture whose costed layers leave the ranges a model file may hold (it could not be read back)."""
+    from ..limits import MAX_BYTES, MAX_LAYER_MS
+
+    for layer in model.layers:
+        worst_ms = max(layer.fwd_ms, layer.bwd_ms, layer.wgrad_ms)
+        worst_b = max(layer.state_bytes, layer.activation_bytes, layer.output_bytes)
+        if worst_ms > MAX_LAYER_MS or worst_b > MAX_BYTES:
+            raise FormatError(src, "$", f"an architecture whose layers cost at most {MAX_LAYER_MS:g} ms and "
+                                        f"{MAX_BYTES >> 50} PiB each per micro-batch",
+                              Said(f"layer {layer.name!r} at {worst_ms:.3g} ms and {worst_b / 2**50:.3g} PiB; check "
+                                   f"hidden, ffn, seq_len and vocab"))

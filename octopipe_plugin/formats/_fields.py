@@ -69,12 +69,20 @@ def is_document_path(name: str) -> bool:
     return os.path.exists(name) or name.endswith((".json", ".yaml", ".yml"))
 
 
+_GOES_TO = {  # where each document family is given on the command line
+    "octopipe-model": "to --model", "octopipe-arch": "to --model", "octopipe-cluster": "to --cluster",
+    "octopipe-plan": "as the plan (`simulate --plan FILE`, `dryrun FILE`)",
+}
+
+
 def check_format(data: dict, src: str, family: str) -> None:
     """Refuse a document whose `format` is not `family/1` (any minor version)."""
     fmt = field(data, "format", src, "$", str)
     name, _, version = fmt.partition("/")
     if name != family:
-        raise FormatError(src, "$.format", f"'{family}/1'", fmt)
+        where = _GOES_TO.get(name)
+        hint = f" (this is an {name} file: pass it {where})" if where else ""
+        raise FormatError(src, "$.format", f"'{family}/1'{hint}", fmt)
     major = version.split(".")[0]
     if major != "1":
         raise FormatError(src, "$.format", f"major version 1 of {family} (this reader knows only '{family}/1')", fmt)

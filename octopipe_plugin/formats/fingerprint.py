@@ -16,6 +16,7 @@ import json
 from dataclasses import replace
 
 from ..errors import PlanError
+from .ranges import stage_range_problem
 
 FINGERPRINT_KEY = "fingerprint"  # key of plan.meta
 _COST_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
@@ -95,10 +96,10 @@ def check_plan_binding(plan, model, cluster=None, *, source: str = "the plan",
     """
     model_src = model_source or f"model {model.name!r}"
     warnings = []
-    if plan.stages and plan.stages[-1].end != model.num_layers:
-        raise PlanError(f"{source}: its stages cover {plan.stages[-1].end} layers but {model_src} has "
-                        f"{model.num_layers}: the plan was made for another model; make one for this model with "
-                        f"`octopipe plan`")
+    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
+    if plan.stages and problem is not None:
+        raise PlanError(f"{source}: {problem.message} ({model_src}): the plan was made for another model; make one "
+                        f"for this model with `octopipe plan`")
     fp = plan.meta.get(FINGERPRINT_KEY) if isinstance(plan.meta, dict) else None
     if isinstance(fp, dict) and isinstance(fp.get("model"), dict):
         warnings += _check_model(fp["model"], model, source, model_src)

@@ -127,7 +127,7 @@ class Evaluator:
             return None
         plan = self.plan_of(layout, schedule, {"schedule": "octopipe", "policy": policy.describe()})
         clock = getattr(schedule, "clock", None)
-        if clock is None:
+        if clock is None or self.options.contention or not self.options.overlap:  # its clock is the reference one
             return self.simulated(plan, costs=sc)
         self.meter.evaluations += 1
         step, live = clock

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..errors import OutOfMemoryError
-from ..formats import validate_plan
 from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
 from .evaluate import Evaluator, Outcome
@@ -81,6 +80,11 @@ class _Budget:
     seconds: float = 0.0  # the time budget the deadline ends
     done: int = 0
     stopped_by: str = ""
+
+    def setup_deadline(self) -> float:
+        """When setup stops early: the deadline, except with `iterations`, whose runs stay reproducible
+        (the CLI's wall-clock guard still holds the budget there)."""
+        return self.deadline if self.iterations is None else float("inf")
 
     def fraction(self) -> float:
         """Share of the budget spent, 0..1 (search steps with `iterations`, else work units)."""
@@ -183,7 +187,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         layouts.sort(key=evs.work_floor)
         first = _first_plan(ev, evs, layouts, hand)
         baselines = builtin_baselines(ev, model, nd, num_microbatches, search_ev=evs, on_result=hand.builtin,
-                                      deadline=budget.deadline)
+                                      deadline=budget.setup_deadline())
         fitting = [b.search for b in baselines if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(baselines))
@@ -243,7 +247,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
         for pol in seed_policies(lay, nd, ev.m):
-            if (found or floor is not None) and time.monotonic() >= budget.deadline:
+            if (found or floor is not None) and time.monotonic() >= budget.setup_deadline():
                 break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
             if out is not None and out.fits and out.plan is not None:
@@ -346,6 +350,8 @@ def _full_of(ev, evs, layout, spec, out, table) -> Outcome | None:
 def _polish(ev, rng, hand, budget) -> None:
     """Order moves on the critical path of the plan in hand until the budget ends."""
     best = hand.outcome
+    if not budget.left(1.0 - RESULT_SHARE):
+        return  # the critical path alone is a detailed simulation: none when no polish step can follow
     slots = critical_slots(ev, best.plan)
     misses = 0
     while budget.left(1.0 - RESULT_SHARE) and misses < 200:
@@ -362,29 +368,32 @@ def _polish(ev, rng, hand, budget) -> None:
 
 
 def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> TuneResult:
-    plan, res = _without_empty_stages(ev, final.plan)
+    plan, step, bubble, peak = _without_empty_stages(ev, final)
     plan = replace(plan, schedule=tuple(tuple(row) for row in plan.schedule))  # materialise an encoded one
-    validate_plan(plan, ev.model.num_layers)  # candidates were built unchecked; the returned plan is not
     meta = dict(plan.meta)
     meta["tuner"] = {"source": source, "iterations": budget.done, "evaluations": ev.evaluations}
-    plan = replace(plan, predicted=res.summary(), meta=meta)
+    predicted = {"step_time_ms": round(step, 6), "bubble_ratio": round(bubble, 6), "peak_memory_bytes": list(peak)}
+    plan = replace(plan, predicted=predicted, meta=meta)
     bound = lower_bound(ev.model, ev.cluster.num_devices, ev.m)
-    return TuneResult(plan=plan, step_ms=res.step_time_ms, bubble=res.bubble_ratio,
-                      peak=tuple(res.peak_memory_bytes), bound=bound, baselines=tuple(baselines), source=source,
-                      iterations=budget.done, evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
+    return TuneResult(plan=plan, step_ms=step, bubble=bubble, peak=tuple(peak), bound=bound,
+                      baselines=tuple(baselines), source=source, iterations=budget.done,
+                      evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
                       stopped_by=budget.stopped_by or "converged", seeded_s=seeded_s)
 
 
-def _without_empty_stages(ev, plan):
-    """Prefer the plan without empty stages when it is no slower and still fits (it never needs more memory)."""
-    res = simulate(ev.model, ev.cluster, plan, ev.options, detail=False)
+def _without_empty_stages(ev, final: Outcome):
+    """(plan, step, bubble, peak): the plan without empty stages when no slower and still fitting, else as judged.
+
+    The plan in hand was replayed by the simulator at the full count when it was taken, so its
+    figures stand; only a pruned plan is simulated again.
+    """
+    plan = final.plan
     pruned = drop_empty_stages(plan)
-    if pruned is plan:
-        return plan, res
-    res_p = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
-    if res_p.step_time_ms <= res.step_time_ms and max(res_p.peak_memory_bytes) <= ev.cluster.memory_bytes:
-        return pruned, res_p
-    return plan, res
+    if pruned is not plan:
+        res = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
+        if res.step_time_ms <= final.step_ms and max(res.peak_memory_bytes) <= ev.cluster.memory_bytes:
+            return pruned, res.step_time_ms, res.bubble_ratio, res.peak_memory_bytes
+    return plan, final.step_ms, final.bubble, final.peak
 
 
 def _oom_message(ev, model, cluster, m, baselines) -> str:

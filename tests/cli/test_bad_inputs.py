@@ -17,7 +17,7 @@ import pytest
 
 from octopipe_plugin.costs import named_cluster, resolve_model
 from octopipe_plugin.formats import (
-    Cluster, Layer, Link, Model, bind_plan, cluster_to_dict, model_to_dict, plan_to_dict, write_cluster, write_model,
+    Cluster, Layer, Link, Model, bind_plan, cluster_to_dict, model_to_dict, write_cluster, write_model,
     write_plan,
 )
 from octopipe_plugin.schedules.registry import build_plan
@@ -56,6 +56,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     out["wide100_json"] = str(d / "wide100.json")
 
     model_doc = model_to_dict(llama3)
+    put("model_l3.json", json.dumps(model_doc))
     put("no_format.json", json.dumps({k: v for k, v in model_doc.items() if k != "format"}))
     put("empty.yaml", "")
     put("list.json", "[1, 2]")
@@ -83,6 +84,7 @@ def files(tmp_path_factory) -> dict[str, str]:
                           inter_node=Link(bandwidth_gb_per_s=100, latency_us=5), name="small4"), d / "small4.json")
     out["small4_json"] = str(d / "small4.json")
     put("deep.yaml", "base: llama3-8b\nname: deep\nnum_layers: 1100\n")
+    put("huge.yaml", "base: llama3-8b\nname: huge\nhidden: 2147483647\nheads: 1\nkv_heads: 1\nffn: 2147483647\n")
     put("deep3000.yaml", "base: llama3-8b\nname: deep3000\nnum_layers: 3000\n")
     os.makedirs(d / "a_folder", exist_ok=True)
     out["a_folder"] = str(d / "a_folder")
@@ -186,6 +188,9 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
     ("plan-given-as-model", ["simulate", "--model", "{llama3_h100x8_json}", "--cluster", "h100x8", "--schedule",
                              "1f1b", "--microbatches", "8"],
      ["field $.format", "octopipe-model/1", "this is a plan file", "--plan FILE"]),
+    ("model-file-given-as-plan", ["simulate", "--model", "llama3-8b", "--cluster", "h100x8", "--plan",
+                                  "{model_l3_json}"], ["$.format", "'octopipe-plan/1'", "this is an octopipe-model file",
+                                                       "pass it to --model"]),
     ("empty-yaml-model", ["model", "{empty_yaml}"], ["empty.yaml: field $", "the file is empty"]),
     ("list-json-model", ["model", "{list_json}"], ["list.json: field $", "got a list"]),
     ("bad-utf8-model", ["model", "{bad_utf8_json}"], ["bad_utf8.json: field $", "UTF-8"]),
@@ -197,6 +202,7 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
     ("nan-cost-model", SIM_1F1B[:2] + ["{nan_model_json}", "--cluster", "h100x8", "--schedule", "1f1b",
                                        "--microbatches", "8"], ["$.layers[0].fwd_ms", "finite", "got nan"]),
     ("huge-int-model", ["model", "{bigint_model_json}"], ["$.layers[0].state_bytes", "about 400 digits"]),
+    ("huge-architecture", ["model", "{huge_yaml}"], ["huge.yaml: field $", "at most 1e+07 ms and 1 PiB", "check hidden"]),
     ("cluster-nan-bandwidth", ["simulate", "--model", "llama3-8b", "--cluster", "{nan_bw_json}", "--schedule", "1f1b",
                                "--microbatches", "8"], ["$.intra_node.bandwidth_gb_per_s", "got nan"]),
     ("cluster-negative-latency", ["simulate", "--model", "llama3-8b", "--cluster", "{neg_latency_json}", "--schedule",

@@ -59,3 +59,43 @@ def test_standin_rejects_a_message_for_the_wrong_microbatch():
     run.backward_input(1, 3, grad)
     with pytest.raises(ExecutorError, match="expected micro-batch 3 from stage 2"):
         run.backward(1, 3, good)  # an activation where a gradient was due
+
+
+def _branched() -> Model:
+    """vision -> projector, a text embedding (a second source), and a decoder layer consuming both."""
+    kinds = ("vision", "vision", "projector", "embedding", "dense", "dense", "lm_head")
+    layers = tuple(Layer(name=f"l{i}", kind=k, fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=0.5, state_bytes=1, activation_bytes=1,
+                         output_bytes=(1 + i) << 16) for i, k in enumerate(kinds))
+    return Model(name="branched7", layers=layers, inputs={3: (), 4: (2, 3)})
+
+
+def test_standins_carry_one_payload_per_output_live_across_the_cut():
+    from octopipe_plugin.executor.standin import stage_live_outputs
+    from octopipe_plugin.formats import Stage
+
+    stages = [Stage(start=0, end=2, device=0), Stage(start=2, end=4, device=1), Stage(start=4, end=7, device=0)]
+    live = stage_live_outputs(_branched(), stages)
+    assert live == ((1,), (2, 3), ())  # the cut before the decoder carries the projector's and the embedding's outputs
+    zero = StandInCosts(fwd=(0.0,) * 3, bwd=(0.0,) * 3, wgrad=(0.0,) * 3, hop=(0.0,) * 3)
+    run = SleepStages(costs=zero, rank=1, live=live)
+    out = run.forward(1, 0, run.forward(0, 0, None))
+    assert [int(p[4]) for p in out] == [2, 3]
+    with pytest.raises(ExecutorError, match="1 payloads across boundary 1, the model graph has 2 live outputs"):
+        run.forward(2, 0, out[:1])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_dryrun_of_a_plan_cutting_a_branch(tmp_path, capsys):
+    model = _branched()
+    devs = [0, 1, 1, 0]
+    from octopipe_plugin.schedules.registry import SCHEDULES
+
+    plan = make_plan(stage_devices=devs, bounds=[(0, 2), (2, 4), (4, 5), (5, 7)], num_devices=2, num_microbatches=3,
+                     schedule=SCHEDULES["zb-v"].generate(devs, 2, 3))
+    write_model(model, tmp_path / "m.json")
+    write_plan(plan, tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--target-s", "0.2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"messages checked: {2 * 3 * 3} " in out

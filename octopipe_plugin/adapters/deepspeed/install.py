@@ -15,6 +15,8 @@ import json
 import logging
 import os
 
+import torch
+
 log = logging.getLogger(__name__)
 _MARK = "_octopipe_installed"
 
@@ -95,10 +97,13 @@ def _wrap_initialize(initialize):
             kwargs["model"] = planned
             params = kwargs.get("model_parameters")
             if params is not None:
+                # the optimizer must hold the rebuilt module's parameters, not the discarded module's
                 old = {id(p) for p in model.parameters()}
                 params = list(params)
-                if all(isinstance(p, type(next(model.parameters()))) and id(p) in old for p in params):
+                if all(isinstance(p, torch.Tensor) and id(p) in old for p in params):
                     kwargs["model_parameters"] = [p for p in planned.parameters() if p.requires_grad]
+                else:
+                    kwargs["model_parameters"] = params
         return initialize(*args, **kwargs)
 
     return wrapped
@@ -108,7 +113,9 @@ def rebuild_at_plan(model, ds_config: dict):
     """A PipelineModule's layer list rebuilt as an OctoPipePipelineModule at the config's plan."""
     from .module import OctoPipePipelineModule
 
-    if type(model).__init__ is not type(model).__mro__[1].__init__ and type(model).__name__ != "PipelineModule":
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    if type(model) is not PipelineModule:
         log.warning("octopipe: rebuilding %s from its layer list; build OctoPipePipelineModule(config=...) "
                     "directly to keep what its own __init__ adds", type(model).__name__)
     log.info("octopipe: rebuilding the PipelineModule at the plan of the config's octopipe block")

@@ -10,7 +10,6 @@ PipelineModule's tie-group construction and its checkpoint files rely on.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -18,8 +17,6 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from ...errors import OctoPipeError
 from .partition import layer_starts
-
-log = logging.getLogger(__name__)
 
 
 class OctoPipePipelineModule(PipelineModule):

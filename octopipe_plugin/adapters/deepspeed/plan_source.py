@@ -44,13 +44,9 @@ def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec
         doc[0] = plan_to_dict(_rank0_plan(layers, block, config, owners))
     dist.broadcast_object_list(doc, src=0)
     result = plan_from_dict(doc[0], "plan broadcast by rank 0")
-    pipe = _pipe_size(result)
-    check_microbatches(result.num_microbatches, gradient_accumulation_steps(config, dist.get_world_size(), pipe))
+    gas = gradient_accumulation_steps(config, dist.get_world_size(), result.num_devices)
+    check_microbatches(result.num_microbatches, gas)
     return result, block, tuple(owners) if owners is not None else None
-
-
-def _pipe_size(plan) -> int:
-    return plan.num_devices
 
 
 def _rank0_plan(layers, block: OctoPipeBlock, config: dict, owners):

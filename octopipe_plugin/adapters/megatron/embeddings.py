@@ -47,12 +47,25 @@ def embedding_ranks_fn(plan, model, tied: bool):
     return get_embedding_ranks
 
 
+def local_copy_chunks(model: Sequence[torch.nn.Module]) -> set[int]:
+    """Indices of this rank's chunks holding a word-embedding copy, when the rank holds two or more
+    (their gradients are summed before either chunk's gradient reduction may start)."""
+    _, _, holders = _holders(model)
+    return set(holders) if len(holders) > 1 else set()
+
+
 def _copies(model: Sequence[torch.nn.Module]) -> tuple[torch.nn.Parameter | None, list[torch.nn.Parameter]]:
     """(the embedding chunk's weight, the other local copies) among this rank's chunks."""
+    source, others, _ = _holders(model)
+    return source, others
+
+
+def _holders(model: Sequence[torch.nn.Module]):
+    """(embedding weight, other copies, indices of the chunks holding any of them)."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    source, others = None, []
-    for chunk in model:
+    source, others, holders = None, [], []
+    for c, chunk in enumerate(model):
         inner = get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight", return_model_obj=True)
         if inner is None:
             continue
@@ -62,11 +75,12 @@ def _copies(model: Sequence[torch.nn.Module]) -> tuple[torch.nn.Parameter | None
         weight = inner.shared_embedding_or_output_weight()
         if weight is None:
             continue
+        holders.append(c)
         if inner.pre_process:
             source = weight
         elif all(weight is not o for o in others):
             others.append(weight)
-    return source, others
+    return source, others, holders
 
 
 def tie_local_copies(model: Sequence[torch.nn.Module]) -> int:

@@ -22,6 +22,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ...errors import OctoPipeError
+from ...formats.ranges import stage_range_problem
 from .layout import GPT_SYMBOLS, EXECUTOR_HINT  # noqa: F401  (EXECUTOR_HINT re-exported for messages)
 
 _DECODER = "t"
@@ -48,9 +49,9 @@ class ChunkSpec:
 
 def stage_symbols(plan, model) -> list[list[str]]:
     """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds."""
-    if plan.stages[-1].end != model.num_layers:
-        raise OctoPipeError(f"plan covers layers [0, {plan.stages[-1].end}) but model {model.name!r} has "
-                            f"{model.num_layers}")
+    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
+    if problem is not None:
+        raise OctoPipeError(f"model {model.name!r}: {problem.message}")
     symbols = []
     for i, layer in enumerate(model.layers):
         sym = GPT_SYMBOLS.get(layer.kind)

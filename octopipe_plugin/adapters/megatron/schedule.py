@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
-from ...actions import Kind
 from .embeddings import sum_local_grads
 from .placement import plan_float16_wrappers, plan_pipeline_view
 from .stages import MegatronStages, split_phases
@@ -47,33 +46,24 @@ class ScheduleOptions:
     tags: bool = True
 
 
-def forward_only_plan(plan):
-    """The plan's F actions alone, in each device's order (an evaluation step)."""
-    rows = tuple(tuple(a for a in row if a.kind is Kind.F) for row in plan.schedule)
-    return replace(plan, schedule=rows)
-
-
 class _Executors:
-    """One executor per (plan, pipeline group): its communicators and program are made once."""
+    """One executor per pipeline group: its program, communicators (made by every rank of the world
+    together, for every pipeline, by the executor's CommCache) and buffers are made once and reused by
+    training and evaluation steps."""
 
     def __init__(self, plan, options: ScheduleOptions):
         self.plan = plan
-        self.eval_plan = forward_only_plan(plan)
         self.options = options
-        self.cache: dict[tuple[int, bool], PipelineExecutor] = {}
+        self.cache: dict[int, PipelineExecutor] = {}
 
-    def get(self, runner, rank: int, group, forward_only: bool) -> PipelineExecutor:
-        """The executor of this group and mode, bound to this step's runner."""
-        key = (id(group), forward_only)
-        ex = self.cache.get(key)
+    def get(self, runner, rank: int, group) -> PipelineExecutor:
+        """The executor of this group, bound to this step's runner."""
+        ex = self.cache.get(id(group))
         if ex is None:
-            opts = ExecutorOptions(timeout_s=self.options.timeout_s, tags=self.options.tags,
-                                   validate=not forward_only)
-            plan = self.eval_plan if forward_only else self.plan
-            ex = PipelineExecutor(plan, runner, rank=rank, group=group, device=_device(), options=opts)
-            self.cache[key] = ex
+            opts = ExecutorOptions(timeout_s=self.options.timeout_s, tags=self.options.tags)
+            ex = PipelineExecutor(self.plan, runner, rank=rank, group=group, device=_device(), options=opts)
+            self.cache[id(group)] = ex
         ex.runner = runner
-        ex.transport.meta_of = runner.boundary_meta
         return ex
 
 
@@ -121,14 +111,14 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
                                 collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases)
-        ex = executors.get(runner, rank, pp_group, forward_only)
+        ex = executors.get(runner, rank, pp_group)
         try:
             if forward_only:
                 config.grad_sync_func, config.param_sync_func = None, None
             with plan_pipeline_view(plan, rank), runner.sync:
                 if forward_only:
                     with torch.no_grad():
-                        ex.run_step()
+                        ex.run_step(forward_only=True)
                 else:
                     ex.run_step()
         finally:
@@ -137,6 +127,8 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
             raise OctoPipeError(f"pipeline rank {rank}: {runner.pending()} (stage, micro-batch) pairs still hold "
                                 "state after the step (the plan misses backward actions)")
         if not forward_only:
+            sum_local_grads(model)  # same-rank tied copies: summed before their reduction starts
+            runner.sync.sync_held()
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
         return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches)
 
@@ -162,11 +154,10 @@ def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: in
 
 
 def _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce) -> None:
-    """Token count on every rank, local tied copies summed, then Megatron's finalize_model_grads_func."""
+    """Token count on every rank (from the loss rank), then Megatron's finalize_model_grads_func."""
     num_tokens = runner.num_tokens.clone()
     loss_rank = plan.stages[-1].device
     dist.broadcast(num_tokens, group_src=loss_rank, group=pp_group)
-    sum_local_grads(model)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(model, num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=pg_collection, force_all_reduce=force_all_reduce)

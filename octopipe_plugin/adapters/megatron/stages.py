@@ -9,9 +9,11 @@ only their input GEMM at I and only their weight GEMM at W (`wgrad`), every para
 gradient reaches `main_grad` through AccumulateGrad, so DDP's hooks fire.
 
 Gradient synchronisation follows Megatron's interleaved schedule: each chunk's
-`no_sync_func` is active until just before that chunk's last gradient-producing action of
-the step (its last B or W in this rank's list), and `grad_sync_func[c]` runs right after
-it; `param_sync_func[c]` runs before the chunk's first forward.
+`no_sync_func` is active during the step; without `grad_sync_func` it is lifted just before
+the chunk's last gradient-producing action (its last B or W in this rank's list), so DDP's
+hooks start the reduction; with `grad_sync_func` that action still runs under no_sync and
+the sync is lifted and `grad_sync_func[c]` called right after it. `param_sync_func[c]` runs
+before the chunk's first forward.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from octopipe_plugin.executor.forward_step import IndexedBatches
+from octopipe_plugin.executor.data import MicroBatches
 from octopipe_plugin.executor.interface import TensorMeta
 from octopipe_plugin.actions import Kind
 
@@ -31,7 +33,7 @@ from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_
 class _BatchAt:
     """An iterator that yields batch `mb` of a chunk's stream when (and only if) the forward step reads it."""
 
-    def __init__(self, batches: IndexedBatches | None, mb: int):
+    def __init__(self, batches: MicroBatches | None, mb: int):
         self.batches, self.mb = batches, mb
 
     def __iter__(self):
@@ -55,9 +57,11 @@ def _per_chunk(value, n: int) -> list:
 class GradSync:
     """no_sync / grad_sync / param_sync of one step, per chunk, as Megatron's interleaved schedule runs them."""
 
-    def __init__(self, config, model, last_grad_action: dict[int, object], forward_only: bool):
+    def __init__(self, config, model, last_grad_action: dict[int, object], forward_only: bool,
+                 hold: set[int] = frozenset()):
         n = len(model)
         self.model = model
+        self.hold = set(hold)  # chunks whose reduction waits for `sync_held` (same-rank tied copies)
         self.last_grad_action = last_grad_action  # chunk -> its last B/W action in this rank's list
         no_sync = config.no_sync_func
         self.shared = no_sync is not None and not isinstance(no_sync, list) and n > 1
@@ -96,17 +100,38 @@ class GradSync:
         return True
 
     def before_grad(self, c: int, position: int) -> None:
-        """Lift the chunk's no_sync just before its last gradient-producing action."""
-        key = 0 if self.shared else c
-        last = self.last_overall if self.shared else self.last_grad_action.get(c)
-        if last is not None and last[0] == position and key in self.open:
-            self.open.pop(key).close()
+        """Without grad_sync_func: lift the chunk's no_sync just before its last gradient-producing action
+        (DDP's hooks then start the reduction as the gradients arrive)."""
+        if self.grad_sync is None and c not in self.hold and self._is_last(c, position):
+            self._lift(c)
 
     def after_grad(self, c: int, position: int) -> None:
-        """grad_sync of the chunk right after its last gradient-producing action."""
-        last = self.last_grad_action.get(c)
-        if self.grad_sync is not None and last is not None and last[0] == position:
+        """With grad_sync_func: right after the chunk's last gradient-producing action, lift its no_sync
+        and start its reduction (the backward itself ran under no_sync, as in Megatron's schedules)."""
+        if self.grad_sync is not None and c not in self.hold and self._is_last(c, position):
+            self._lift(c)
             self.grad_sync[c](self.model[c].parameters())
+
+    def sync_held(self) -> None:
+        """Start the reduction of the held chunks (after their tied copies' gradients were summed)."""
+        for c in sorted(self.hold):
+            self._lift(c)
+            if self.grad_sync is not None:
+                self.grad_sync[c](self.model[c].parameters())
+            elif getattr(getattr(self.model[c], "ddp_config", None), "overlap_grad_reduce", False):
+                self.model[c].start_grad_sync()  # finalize's finish_grad_sync expects it issued
+
+    def _is_last(self, c: int, position: int) -> bool:
+        last = self.last_grad_action.get(c)
+        return last is not None and last[0] == position
+
+    def _lift(self, c: int) -> None:
+        if self.shared:
+            # one no_sync for every chunk: it holds until the rank's last gradient-producing action
+            if self.last_overall is not None and self.last_grad_action.get(c) == self.last_overall and 0 in self.open:
+                self.open.pop(0).close()
+        elif c in self.open:
+            self.open.pop(c).close()
 
 
 class MegatronStages:
@@ -134,7 +159,8 @@ class MegatronStages:
         self.phases = list(phases) if phases is not None else [Phase() for _ in self.model]
         self.te = [te_modules_of(m) for m in self.model]
         iters = _per_chunk(data_iterator, len(self.model))
-        self.batches = [IndexedBatches(it) if it is not None else None for it in iters]
+        self.batches = [MicroBatches(it, 1, rank=rank, limit=num_microbatches) if it is not None else None
+                        for it in iters]
         act = TensorMeta(shape=tuple(tensor_shape), dtype=config.pipeline_dtype or torch.float32)
         self.metas = tuple(act for _ in range(self.num_stages))
         self.loss_data: dict[int, object] = {}
@@ -146,7 +172,10 @@ class MegatronStages:
         for i, a in enumerate(row):
             if a.kind in (Kind.B, Kind.W):
                 last[self.chunk_of[a.stage]] = (i, a)
-        self.sync = GradSync(config, self.model, last, forward_only)
+        from .embeddings import local_copy_chunks
+
+        hold = set() if forward_only else local_copy_chunks(self.model)
+        self.sync = GradSync(config, self.model, last, forward_only, hold)
 
     # -- StageRunner -------------------------------------------------------------------------------
 

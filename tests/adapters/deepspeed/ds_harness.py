@@ -211,6 +211,12 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
             report["eval"].append(float(engine.eval_batch(CountingIter(batches(step, dp_rank, m)))))
         report["losses"].append(float(engine.train_batch(data_iter=it)))
         report["calls"].append(it.calls)
+    if sc.get("resize") is not None:
+        try:
+            engine.set_train_batch_size(sc["resize"])
+            report["resize_error"] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            report["resize_error"] = str(exc)
     if sc.get("save") is not None:
         engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])
     report["weights"] = _weights(engine.module)

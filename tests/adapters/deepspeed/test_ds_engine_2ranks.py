@@ -38,13 +38,14 @@ def _scenarios(tmp):
         dict(name="v_fp32", config=cfg(v), eval=True, save=dict(dir=ck, tag="v3")),
         dict(name="v_ckpt", config=cfg(v), ckpt_interval=2),
         dict(name="v_mask", config=cfg(v), masked=True, ckpt_interval=2),
-        dict(name="flat_octopipe", config=cfg(flat, clip=0.0)),
+        dict(name="flat_octopipe", config=cfg(flat, clip=0.0), resize=H.MBS * 2),
         dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
         dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
         dict(name="v_bf16_immediate", config=cfg(v, bf16={"enabled": True, "immediate_grad_update": True})),
         dict(name="resume_other_plan", config=cfg(flat), **resume),
         # DeepSpeed's engine clips on pipeline rank 0's gradients only: resume it unclipped
-        dict(name="resume_deepspeed_partition", config=cfg(None, clip=0.0), plain=True, pp=2, **resume),
+        dict(name="resume_deepspeed_partition", plain=True, pp=2, **resume,
+             config=cfg(None, clip=0.0, octopipe={"enabled": False, "plan": v})),  # a disabled block: stock engine
         dict(name="refuse_unmapped", config=cfg(v), load=dict(dir=ck, tag="stock3"), fatal=False),
         # a plain PipelineModule with a "tune" block: rebuilt at the plan rank 0 tunes, broadcasts and saves
         dict(name="tune_plain", plain=True, pp=2, config=H.ds_config(
@@ -150,6 +151,9 @@ def test_refusals_name_the_reason(runs):
         assert "does not record which parameters it belongs to" in err and "load_optimizer_states=False" in err
         err = (runs / f"refuse_microbatches-rank{r}.err").read_text()
         assert "$.gradient_accumulation_steps: expected the plan's micro-batch count 4" in err
+    for rep in H.load(runs, "flat_octopipe", 2):  # set_train_batch_size to 2 micro-batches: refused, M stays
+        assert "set_train_batch_size: field $.gradient_accumulation_steps: expected the plan's micro-batch count 4" \
+            in rep["resize_error"]
 
 
 @pytest.mark.timeout(60)

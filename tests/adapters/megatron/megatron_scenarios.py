@@ -88,10 +88,13 @@ def run_case(case: dict) -> dict:
         vp = len(layout.split("|")) // pp if layout else 1
         H.init_parallel(pp, vp)
         config, chunks = _megatron_chunks(spec, layout, pp)
-    chunks = H.wrap_ddp(chunks, config)
+    overlap = bool(case.get("overlap_grad_reduce"))
+    chunks = H.wrap_ddp(chunks, config, overlap_grad_reduce=overlap)
     opt = H.make_optimizer(chunks)
     scheduler = H.make_scheduler(opt)
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    if overlap:  # as training.py sets it: each chunk's reduce-scatter starts once its gradients are final
+        config.grad_sync_func = [c.start_grad_sync for c in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     if plan is not None:

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
 M = 4
 DENSE = H.TinyGPT(num_layers=8)
-TIED = H.TinyGPT(num_layers=8, tied=True)
+# per-token loss: gradients are divided by the step's token count in finalize, which every rank learns from
+# the rank that computed the loss (rank 0 under the V-shape below, not Megatron's last pipeline rank)
+TIED = H.TinyGPT(num_layers=8, tied=True, extra={"calculate_per_token_loss": True})
 MOE = H.TinyGPT(num_layers=8, moe_layers=(2, 5), extra={"add_bias_linear": False})
 MTP = H.TinyGPT(num_layers=8, mtp=1)
 
@@ -46,13 +48,15 @@ MTP_PLAN = irregular(MTP, [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9
                      4, seed=4)
 VSHAPE_DENSE = irregular(DENSE, [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10)],
                          placement("v", 8, 4), 4, seed=6)
+VSHAPE_DP = irregular(TIED, [(0, 3), (3, 6), (6, 8), (8, 10)], placement("v", 4, 2), 2, seed=7)
 DP_PLAN = irregular(DENSE, [(0, 3), (3, 4), (4, 8), (8, 10)], [0, 1, 0, 1], 2, seed=5)
 
 REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M, eval=True),
              dict(name="tied", spec=TIED, pp=1, microbatches=M, eval=True),
              dict(name="moe", spec=MOE, pp=1, microbatches=M),
              dict(name="mtp", spec=MTP, pp=1, microbatches=M),
-             dict(name="dense_2m", spec=DENSE, pp=1, microbatches=2 * M)]
+             dict(name="dense_2m", spec=DENSE, pp=1, microbatches=2 * M),
+             dict(name="tied_2m", spec=TIED, pp=1, microbatches=2 * M)]
 PIPELINES = [
     dict(name="megatron_interleaved", spec=DENSE, pp=4, microbatches=M, layout=plan_to_layout(LOOPED, DENSE.graph()),
          eval=True, ref="dense"),
@@ -62,6 +66,12 @@ PIPELINES = [
     dict(name="octopipe_moe", spec=MOE, pp=4, microbatches=M, plan=plan_to_dict(MOE_PLAN), ref="moe"),
     dict(name="octopipe_mtp", spec=MTP, pp=4, microbatches=M, plan=plan_to_dict(MTP_PLAN), ref="mtp"),
     dict(name="octopipe_pp2_dp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN), ref="dense_2m"),
+    # each chunk's gradient reduce-scatter overlapped: no_sync held until its last B/W, grad_sync right after
+    dict(name="octopipe_pp2_dp2_overlap", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
+         overlap_grad_reduce=True, ref="dense_2m"),
+    # V-shape, tied copies on one rank, reductions overlapped: the copies' gradients are summed first
+    dict(name="octopipe_vshape_tied_dp2_overlap", spec=TIED, pp=2, microbatches=M, plan=plan_to_dict(VSHAPE_DP),
+         overlap_grad_reduce=True, ref="tied_2m"),
     # last: it sets Megatron's global arguments, once per process
     dict(name="megatron_train_step_vshape", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE_DENSE),
          train_step=True, ref="dense"),
