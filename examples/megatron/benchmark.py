@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe_plugin.adapters.megatron.standin import BOUNDARY_SHAPE, DTYPE, StandInStage
-from octopipe_plugin.costs import resolve_cluster, resolve_model
+from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.executor.dryrun import scaled_cluster, scaled_costs
 from octopipe_plugin.executor.launch import init_gloo, spawn
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cluster = resolve_cluster(args.cluster)
-        model = resolve_model(args.model, gpu=args.gpu or cluster.gpu or "H100")
+        model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
         ours = octopipe_plan(model, cluster, args)
     except OctoPipeError as exc:

@@ -135,7 +135,7 @@ def _find_plan(args, specs, facts):
 
 def tune_for_run(args, facts: RunFacts):
     """Tune a plan for this run's model and pipeline on the given cluster (what rank 0 does at start-up)."""
-    from ...costs import resolve_cluster
+    from ...costs import cost_gpu, resolve_cluster
     from ...tuner import tune
 
     cluster = resolve_cluster(args.octopipe_cluster)
@@ -143,7 +143,7 @@ def tune_for_run(args, facts: RunFacts):
         raise OctoPipeError(f"--octopipe-cluster {args.octopipe_cluster} has {cluster.num_devices} devices but the "
                             f"pipeline has {facts.pipeline_size} ranks; give one device per pipeline rank "
                             f"(e.g. h100x{facts.pipeline_size})")
-    gpu = args.octopipe_gpu or cluster.gpu or "H100"
+    gpu = cost_gpu(cluster, args.octopipe_gpu)
     model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=load_measured_costs(args.octopipe_costs),
                                 data_parallel_size=facts.data_parallel_size)
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
