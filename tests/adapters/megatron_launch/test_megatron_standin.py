@@ -52,5 +52,6 @@ def test_a_boundary_is_not_used_before_its_producer_ended_plus_the_transfer():
     with torch.no_grad():
         x.view(-1)[0] = t0 + 0.01  # the producer ended 10 ms after t0
     y = layer(x)
-    assert _stamp(y) == pytest.approx(t0 + 0.010 + 0.040 + F / 1000, abs=2e-3)
-    assert time.time() >= t0 + 0.05  # it slept until then (the device clock's rule, the simulator's)
+    # not before (producer end + transfer) + F: the simulator's rule; a loaded host may only make it later
+    assert _stamp(y) >= t0 + 0.010 + 0.040 + F / 1000 - 1e-6
+    assert time.time() >= t0 + 0.05
