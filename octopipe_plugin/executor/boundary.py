@@ -11,7 +11,7 @@ handshake (`encode_meta` / `decode_meta`) ahead of the first activation of the b
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -173,14 +173,6 @@ def unpack_grads(meta: BoundaryMeta, tensors: Sequence[torch.Tensor]):
     return unflatten(full, structure)
 
 
-def as_meta(meta) -> BoundaryMeta | None:
-    """Normalise what a runner declares (None stays None: learn the meta per step)."""
-    if meta is None:
-        return None
-    leaf_metas(meta)  # type check
-    return meta
-
-
 def same_meta(a: BoundaryMeta, b: BoundaryMeta) -> bool:
     """Whether two metas describe identical buffers (structure, shapes, dtypes, gradient flags)."""
     al, ast = leaf_metas(a)
@@ -188,7 +180,3 @@ def same_meta(a: BoundaryMeta, b: BoundaryMeta) -> bool:
     return ast == bst and all(tuple(x.shape) == tuple(y.shape) and x.dtype == y.dtype and x.needs_grad == y.needs_grad
                               for x, y in zip(al, bl))
 
-
-def mapping_or_none(value) -> Mapping | None:
-    """`value` if it is a mapping, else None (helper for loss outputs)."""
-    return value if isinstance(value, Mapping) else None

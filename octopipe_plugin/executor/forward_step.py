@@ -6,8 +6,9 @@ forward step reads its micro-batch from a data iterator, and on the last stage
 `loss_func(output)` returns the loss first (Megatron returns (loss, reduced dict) or
 (loss, num_tokens, reduced dict); both come back per micro-batch in the step's result).
 The micro-batch comes from the step's data source (`run_step(data={stage: iterator})`),
-or from `data_iterators` given at construction; each forward gets an iterator holding
-exactly its own micro-batch, since plans may run a stage's forwards out of order.
+or from `data_iterators` given at construction (one step's worth: a runner per step); each
+forward gets an iterator holding exactly its own micro-batch, since plans may run a stage's
+forwards out of order.
 """
 
 from __future__ import annotations
