@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -219,10 +220,19 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
 ]
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize("argv,fragments", [pytest.param(a, f, id=i) for i, a, f in CASES])
-def test_bad_input_is_one_clear_line_and_exit_2(files, argv, fragments):
-    done = octopipe(*[a.format(**files) if a.startswith("{") else a for a in argv])
+@pytest.fixture(scope="module")
+def outcomes(files) -> dict[str, subprocess.CompletedProcess]:
+    """Every case run once, a few at a time (each is a separate interpreter, mostly waiting on its imports)."""
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        runs = {case: pool.submit(octopipe, *[a.format(**files) if a.startswith("{") else a for a in argv])
+                for case, argv, _ in CASES}
+        return {case: run.result() for case, run in runs.items()}
+
+
+@pytest.mark.timeout(len(CASES) * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("case,argv,fragments", [pytest.param(i, a, f, id=i) for i, a, f in CASES])
+def test_bad_input_is_one_clear_line_and_exit_2(outcomes, case, argv, fragments):
+    done = outcomes[case]
     err = done.stderr.strip()
     assert done.returncode == 2, f"rc {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {err[-2000:]}"
     assert "Traceback" not in err

@@ -3,7 +3,7 @@
     "octopipe": {
       "enabled": true,                  # false (or no block): DeepSpeed runs as it always does
       "plan": "plan.json",              # an octopipe-plan/1 file ...
-      "tune": {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60, "seed": 0},  # ... or tune at start-up
+      "tune": {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60, "seed": 0, "seq_len": 4096},  # or tune
       "save_plan": "run/plan.json",     # where rank 0 writes the plan it tuned (or was given)
       "model": "model.json",            # optional octopipe-model/1 file: measured costs for tuning
       "layer_of_spec": [0, 1, 1, 2],    # optional: OctoPipe layer of each PipelineModule list entry
@@ -23,7 +23,7 @@ from ...errors import FormatError
 CONFIG_KEY = "octopipe"
 _SRC = "ds_config"
 _FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s")
-_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed")
+_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +34,7 @@ class TuneSpec:
     gpu: str = "H100"
     time_budget_s: float = 60.0
     seed: int = 0
+    seq_len: int = 2048  # tokens per sample, for the analytic costs of the layer list
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,8 +88,11 @@ def _tune(spec) -> TuneSpec:
     seed = spec.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise FormatError(_SRC, f"{where}.seed", "an integer", seed)
+    seq_len = spec.get("seq_len", 2048)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise FormatError(_SRC, f"{where}.seq_len", "a positive integer (tokens per sample)", seq_len)
     return TuneSpec(cluster=cluster, gpu=gpu, time_budget_s=_number(spec, "time_budget_s", f"{where}.time_budget_s",
-                                                                    60.0), seed=seed)
+                                                                    60.0), seed=seed, seq_len=seq_len)
 
 
 def _check_gpu(gpu: str, where: str) -> None:

@@ -22,12 +22,16 @@ from .partition import layer_starts
 class OctoPipePipelineModule(PipelineModule):
     """A PipelineModule whose stages are an OctoPipe plan's (or given `parts`, one stage per rank).
 
+    `config`: a DeepSpeed config with an enabled "octopipe" block (its plan, or tuning on rank 0);
+    `layer_costs`: costs of list entries the analytic model cannot cost, or measured ones, for
+    that tuning (graph.model_from_specs).
+
     PipelineModule.__init__ partitions (via `_partition_layers`) before it builds any layer, so the
     stages are fixed before that call and every rank builds only the layers of its own stages.
     """
 
     def __init__(self, layers, *, parts: Sequence[int] | None = None, plan=None, config: dict | None = None,
-                 layer_of_spec: Sequence[int] | None = None, **kwargs):
+                 layer_of_spec: Sequence[int] | None = None, layer_costs: dict | None = None, **kwargs):
         if "num_stages" in kwargs or "partition_method" in kwargs:
             raise OctoPipeError("OctoPipePipelineModule: num_stages and partition_method come from the plan "
                                 "(or `parts`)")
@@ -44,7 +48,8 @@ class OctoPipePipelineModule(PipelineModule):
             from .plan_source import resolve_plan
 
             self.octopipe_plan, self.octopipe_block, owners = resolve_plan(layers, plan=plan, config=config,
-                                                                            layer_of_spec=layer_of_spec)
+                                                                            layer_of_spec=layer_of_spec,
+                                                                            costs=layer_costs)
             starts = (layer_starts(owners, self.octopipe_plan.stages[-1].end) if owners is not None
                       else list(range(len(layers) + 1)))
             self._octopipe_parts = tuple(starts[st.start] for st in self.octopipe_plan.stages) + (starts[-1],)
@@ -79,6 +84,13 @@ class OctoPipePipelineModule(PipelineModule):
         self.active_stage = self.local_stages[0] if self.local_stages else None
         first = self.active_stage if self.active_stage is not None else 0
         self._set_bounds(start=parts[first], stop=parts[first + 1] if self.local_stages else parts[first])
+
+    def _synchronize_tied_weights(self) -> None:
+        """DeepSpeed's broadcast of tied weights, under no_grad: an in-place collective on a parameter in
+        grad mode leaves an autograd record that warns "c10d::broadcast_: an autograd kernel was not
+        registered" at every later backward (harmless, but noise)."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
 
     def stage_owner(self, layer_idx: int) -> int:
         """The pipeline rank that holds list entry `layer_idx` (tie groups and checkpoints ask this)."""

@@ -31,8 +31,10 @@ def gradient_accumulation_steps(ds_config: dict, world_size: int, pipe_size: int
     return int(total) // (int(mbs) * dp)
 
 
-def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec=None):
-    """(plan, block, layer_of_spec) for the module: the given plan, or the config block's plan or tuning."""
+def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec=None, costs=None):
+    """(plan, block, layer_of_spec) for the module: the given plan, or the config block's plan or tuning.
+
+    `costs` supplies layer costs for tuning (see graph.model_from_specs)."""
     if plan is not None:
         return plan, None, tuple(layer_of_spec) if layer_of_spec is not None else None
     block = parse_block(config)
@@ -41,7 +43,7 @@ def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec
     owners = layer_of_spec if layer_of_spec is not None else block.layer_of_spec
     doc = [None]
     if dist.get_rank() == 0:
-        doc[0] = plan_to_dict(_rank0_plan(layers, block, config, owners))
+        doc[0] = plan_to_dict(_rank0_plan(layers, block, config, owners, costs))
     dist.broadcast_object_list(doc, src=0)
     result = plan_from_dict(doc[0], "plan broadcast by rank 0")
     gas = gradient_accumulation_steps(config, dist.get_world_size(), result.num_devices)
@@ -49,19 +51,19 @@ def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec
     return result, block, tuple(owners) if owners is not None else None
 
 
-def _rank0_plan(layers, block: OctoPipeBlock, config: dict, owners):
+def _rank0_plan(layers, block: OctoPipeBlock, config: dict, owners, costs=None):
     """Read or tune the plan (rank 0 only) and save it where the block asks."""
     if block.plan is not None:
         result = read_plan(block.plan)
     else:
-        result = tune_at_startup(layers, block, config, owners)
+        result = tune_at_startup(layers, block, config, owners, costs)
     if block.save_plan:
         write_plan(result, block.save_plan)
         log.info("octopipe: plan written to %s", block.save_plan)
     return result
 
 
-def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners):
+def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners, costs=None):
     """Tune a plan for the module's layers on the block's cluster (called on rank 0)."""
     from ...costs import resolve_cluster, resolve_model
     from ...tuner import tune
@@ -80,7 +82,7 @@ def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners):
     else:
         from .graph import model_from_specs
 
-        model = model_from_specs(layers, gpu=spec.gpu,
+        model = model_from_specs(layers, gpu=spec.gpu, seq_len=spec.seq_len, costs=costs,
                                  micro_batch_size=int(config.get("train_micro_batch_size_per_gpu", 1)))
     expected = len(layers) if owners is None else max(owners) + 1
     if model.num_layers != expected:

@@ -32,6 +32,7 @@ def test_valid_blocks():
     ({"tune": {"cluster": "h100x4", "time_budget_s": -1}}, r"\$\.octopipe\.tune\.time_budget_s: expected a positive"),
     ({"tune": {"cluster": "h100x4", "budget": 1}}, r"\$\.octopipe\.tune\.budget: expected one of the known fields"),
     ({"plan": "p.json", "layer_of_spec": "0,1"}, r"\$\.octopipe\.layer_of_spec: expected a list"),
+    ({"tune": {"cluster": "h100x4", "seq_len": 0}}, r"\$\.octopipe\.tune\.seq_len: expected a positive integer"),
     ({"plan": "p.json", "timeout_s": 0}, r"\$\.octopipe\.timeout_s: expected a positive"),
     ({"plan": "p.json", "save_plan": ""}, r"\$\.octopipe\.save_plan: expected a file path"),
 ])
