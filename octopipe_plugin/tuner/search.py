@@ -327,11 +327,12 @@ def _neighbour(rng, ctx, layout, spec):
 def _promote(ev, evs, budget, hand) -> None:
     """Take the search's best candidates to the full count: grown periodically, else list-scheduled afresh.
 
-    The best one always goes (else the search was for nothing); the others while the budget lasts.
+    The best one goes while the wall clock allows (else the search was for nothing); the others
+    while the budget lasts.
     """
     table = ActionTable()
     for i, (_, layout, spec, out) in enumerate(hand.elite):
-        if i > 0 and not budget.left(1.0 - POLISH_SHARE):
+        if (i > 0 and not budget.left(1.0 - POLISH_SHARE)) or time.monotonic() >= budget.deadline:
             break
         hand.offer(_full_of(ev, evs, layout, spec, out, table), "octopipe", "full count")
 
