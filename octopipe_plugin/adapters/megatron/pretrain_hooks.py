@@ -21,7 +21,10 @@ def plan_to_build():
     """(plan, model graph, tied) of this run when its plan is not looped; None otherwise."""
     from megatron.training import get_args
 
-    args = get_args()
+    try:
+        args = get_args()
+    except AssertionError:  # megatron.training's arguments not set: a caller outside pretrain, pass through
+        return None
     plan = plan_of_args(args)
     if plan is None or is_looped(plan) or hybrid_pattern(args):
         return None
