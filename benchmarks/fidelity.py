@@ -1,12 +1,14 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
-Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10] [--models dense,moe,heavy-head]
+Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10]
+       [--models dense,moe,heavy-head]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
 shared one), and one with a heavy LM head (large vocabulary). Each distinct layer is profiled on
 this machine with one thread (octopipe_plugin.profile: F, I and W with the executor's split
-backward); the link between the two local ranks is measured by a gloo ping-pong. Then each plan
+backward), by both ranks at once, before and after the runs (the mean is used: the load of a
+shared machine drifts); the link between the two local ranks is measured by a gloo ping-pong. Then each plan
 (1F1B, interleaved 1F1B with two stages per device, ZB-V, and the tuner's plan for the profiled
 model) runs through the executor on 2 local processes, one thread each (this machine has 2
 cores), and its median step time is printed next to the simulator's prediction from the profiled
@@ -130,16 +132,21 @@ def _mean_model(models):
     return dataclasses.replace(first, layers=layers)
 
 
-def _profile_and_plan(rank: int, label: str, cluster: Cluster, args) -> tuple[object, list]:
-    """Both ranks profile the model at once; rank 0 averages, tunes and builds the plans; all ranks get them."""
+def _profile_both(label: str, args) -> object:
+    """Both ranks profile the model at once (as both compute during a step); the layer-wise mean of the two."""
     arch = arch_of(label)
     settings = ProfileSettings(device="cpu", warmup=2, repeats=args.repeats, use_cache=args.cache, progress=False)
     mine = profile_arch(arch, builders(arch), settings=settings).model
     gathered = [None] * DEVICES
     dist.all_gather_object(gathered, model_to_dict(mine))
+    return _mean_model([model_from_dict(d) for d in gathered])
+
+
+def _profile_and_plan(rank: int, label: str, cluster: Cluster, args) -> tuple[object, list]:
+    """Both ranks profile the model; rank 0 tunes and builds the plans; all ranks get them."""
+    model = _profile_both(label, args)
     box = [None]
     if rank == 0:
-        model = _mean_model([model_from_dict(d) for d in gathered])
         plans = plans_for(model, cluster, args.microbatches, args.tune_s)
         box[0] = (model_to_dict(model), [(name, plan_to_dict(p)) for name, p in plans])
     dist.broadcast_object_list(box, src=0)  # rank 1 waits here while rank 0 tunes
@@ -173,6 +180,10 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                 dist.barrier()
                 if i >= args.warmup:
                     times[k].append(1000 * (time.perf_counter() - t))
+        # profile again after the runs: on a shared machine the load drifts, and the mean of the profiles
+        # taken before and after describes the time the runs took place in better than either
+        after = _profile_both(label, args)
+        model = _mean_model([model, after])
         report["models"].append({
             "model": model_to_dict(model),
             "rows": [{"plan": name, "stages": plan.num_stages, "steps_ms": ts,
@@ -209,7 +220,7 @@ def main() -> None:
     load1 = os.getloadavg()
     print(f"fidelity: {DEVICES} local ranks (gloo), one thread each, {args.microbatches} micro-batches, median of "
           f"{args.steps} steps after {args.warmup} (plans interleaved step by step); profile: both ranks at once, "
-          f"median of {args.repeats} per distinct layer")
+          f"median of {args.repeats} per distinct layer, mean of the profiles before and after the runs")
     torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
     print(f"machine: {device_name(torch.device('cpu'))} per rank, {os.cpu_count()} cores; load average "
           f"{load0[0]:.2f} before, {load1[0]:.2f} after ({time.time() - t0:.0f} s)")

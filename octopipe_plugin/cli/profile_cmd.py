@@ -1,7 +1,8 @@
-"""`octopipe profile MODEL`: measure each distinct layer of a model on this device and write the cost-annotated model."""
+"""`octopipe profile MODEL`: measure each distinct layer on this device and write the cost-annotated model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 
@@ -39,24 +40,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dp", type=integer(1, L.MAX_DP), help="data-parallel size sharding the optimizer state")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any architecture field, e.g. --set hidden=512 --set num_experts=4")
-    p.add_argument("--threads", type=integer(1, 1024), help="torch intra-op threads on CPU (default: torch's; part of the cache "
-                                               "key, as it changes the timings)")
+    p.add_argument("--threads", type=integer(1, 1024),
+                   help="torch intra-op threads on CPU (default: torch's; part of the cache key, as it changes the "
+                        "timings)")
     p.add_argument("--repeats", type=integer(1, 10_000), default=10, help="timed runs per layer (the median is kept)")
     p.add_argument("--warmup", type=integer(0, 1000), default=2, help="untimed runs per layer first")
     p.add_argument("--cache-dir", help="profile cache directory (default: $OCTOPIPE_PROFILE_CACHE or "
                                        "~/.cache/octopipe/profiles)")
     p.add_argument("--no-cache", action="store_true", help="measure everything, read and write no cache")
-    p.add_argument("--progress", action=argparse_bool(), default=None, help="show a progress bar (default: on a tty)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar (default: on a tty)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the cost-annotated octopipe-model/1 JSON here")
     p.add_argument("--json", action="store_true", help="print the model JSON instead of the table")
     p.set_defaults(run=run)
-
-
-def argparse_bool():
-    """--flag / --no-flag (argparse.BooleanOptionalAction)."""
-    import argparse
-
-    return argparse.BooleanOptionalAction
 
 
 def parse_sets(items: list[str]) -> dict:

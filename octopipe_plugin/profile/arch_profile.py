@@ -98,7 +98,8 @@ def profile_arch(arch: Arch, builders: Mapping[str, Callable[[], nn.Module]], *,
     analytic = {k: layer_cost(arch, k, spec or REFERENCE_GPU) for k in missing}
     if missing:
         log.warning("profile %s: kind(s) %s not measured with %s layers: analytic model%s", arch.name,
-                    ", ".join(missing), impl, "" if spec else f" ({REFERENCE_GPU} times x {scale:.3g}, the measured ratio)")
+                    ", ".join(missing), impl,
+                    "" if spec else f" ({REFERENCE_GPU} times x {scale:.3g}, the measured ratio)")
     layers, profiles, records = [], [], []
     for name, kind in plan:
         if kind in measured:

@@ -77,7 +77,8 @@ def compare(model: Model, gpu: str | None = None) -> list[KindComparison]:
         plain = layer_cost(arch, kind, gpu_name, calibrated=False)
         cal = layer_cost(arch, kind, gpu_name)
         measured = tuple(statistics.median(getattr(l, f"{ph}_ms") for l in layers) for ph in PHASES)
-        rows.append(KindComparison(kind=kind, count=len(layers), analytic_ms=(plain.fwd_ms, plain.bwd_ms, plain.wgrad_ms),
+        rows.append(KindComparison(kind=kind, count=len(layers),
+                                   analytic_ms=(plain.fwd_ms, plain.bwd_ms, plain.wgrad_ms),
                                    calibrated_ms=(cal.fwd_ms, cal.bwd_ms, cal.wgrad_ms), measured_ms=measured))
     return rows
 

@@ -83,7 +83,8 @@ def test_calibrate_cli_compares_writes_and_model_cli_uses_it(tmp_path, capsys):
     assert main(["calibrate", str(path), "--write"]) == 0
     assert "H200      moe" in capsys.readouterr().out
     before = build_model(ARCH, "H200", calibrated=False)
-    assert main(["model", "deepseek-v3-mini", "--seq-len", "1024", "--gpu", "H200", "-o", str(tmp_path / "m.json")]) == 0
+    out = str(tmp_path / "m.json")
+    assert main(["model", "deepseek-v3-mini", "--seq-len", "1024", "--gpu", "H200", "-o", out]) == 0
     from octopipe_plugin.formats import read_model
 
     after = read_model(tmp_path / "m.json")

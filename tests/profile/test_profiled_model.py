@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from octopipe_plugin.cli import main
 from octopipe_plugin.costs import load_arch, named_cluster

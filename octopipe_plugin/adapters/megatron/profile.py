@@ -104,7 +104,8 @@ class HeadModule(nn.Module):
 
         norm_spec = get_gpt_layer_local_spec(normalization=config.normalization).submodules.input_layernorm
         self.norm = build_module(norm_spec, config=config, hidden_size=arch.hidden, eps=config.layernorm_epsilon)
-        self.output = ColumnParallelLinear(arch.hidden, arch.padded_vocab, config=config, init_method=config.init_method,
+        self.output = ColumnParallelLinear(arch.hidden, arch.padded_vocab, config=config,
+                                           init_method=config.init_method,
                                            bias=False, gather_output=False)
         g = torch.Generator().manual_seed(seed)
         labels = torch.randint(0, arch.vocab, (arch.seq_len, arch.micro_batch_size), generator=g)

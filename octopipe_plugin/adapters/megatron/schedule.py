@@ -15,8 +15,8 @@ on every pipeline rank (broadcast from the rank that computed the loss, which un
 V-shape is not the last pp rank), tied embedding copies that share a rank are summed, and
 `config.finalize_model_grads_func` runs. Returns one loss dict per micro-batch on the last
 pipeline rank, where Megatron's train_step and evaluate reduce and log them (sent there
-from the rank that computed the loss when the plan puts it elsewhere), and [] elsewhere. `forward_only` runs every F of the plan, in
-the plan's order, keeping nothing for a backward.
+from the rank that computed the loss when the plan puts it elsewhere), and [] elsewhere.
+`forward_only` runs every F of the plan, in the plan's order, keeping nothing for a backward.
 """
 
 from __future__ import annotations

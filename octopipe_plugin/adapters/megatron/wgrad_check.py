@@ -26,7 +26,8 @@ class MLPStack(torch.nn.Module):
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
-        cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=4 * hidden,
+        cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
+                                ffn_hidden_size=4 * hidden,
                                 use_cpu_initialization=True, perform_initialization=False,
                                 gradient_accumulation_fusion=False, bias_activation_fusion=False,
                                 add_bias_linear=True)
@@ -74,37 +75,48 @@ def run_split(model, x, dy, phase: Phase | None) -> torch.Tensor:
 
 
 def time_backward(hidden: int = 512, layers: int = 4, seq: int = 256, batch: int = 4, reps: int = 5) -> dict:
-    """Median wall time (ms) of forward+B, forward+I+W (split linears) and forward+I+W (plain split), and of F."""
+    """Median CPU time (ms, this process only: robust to other load) of B, and of I and W under both splits.
+
+    Each repetition runs an untimed forward, then times only the backward part(s) that follow it.
+    """
     model = MLPStack(hidden, layers)
     x, dy = _inputs(hidden, seq, batch, 1)
     phase = Phase()
     split_model = MLPStack(hidden, layers)
     enable_wgrad_split(split_model, phase)
+    params = [p for p in model.parameters() if p.requires_grad]
+    split_params = [p for p in split_model.parameters() if p.requires_grad]
+    clock = time.process_time
 
-    def fwd_b():
+    def b():
         model.zero_grad(set_to_none=True)
         out = model(x)
-        torch.autograd.backward([out], [dy])
+        t0 = clock()
+        torch.autograd.backward([out, x], [dy, torch.zeros_like(x)])  # x.grad too, as a stage's B gives it
+        return {"B": clock() - t0}
 
-    def fwd_split():
+    def split():
         split_model.zero_grad(set_to_none=True)
-        run_split(split_model, x, dy, phase)
+        out = split_model(x)
+        t0 = clock()
+        _, work = input_pass([out], [dy], [x], split_params, phase)
+        t1 = clock()
+        weight_pass(work)
+        return {"I split linears": t1 - t0, "W split linears": clock() - t1}
 
-    def fwd_plain():
+    def plain():
         model.zero_grad(set_to_none=True)
-        run_split(model, x, dy, None)
+        out = model(x)
+        t0 = clock()
+        _, work = backward_input([out], [dy], [x], params)
+        t1 = clock()
+        backward_weight(work)
+        return {"I plain split": t1 - t0, "W plain split": clock() - t1}
 
-    def fwd():
-        with torch.no_grad():
-            model(x)
-
-    out = {}
-    for name, fn in (("F", fwd), ("F+B", fwd_b), ("F+I+W split linears", fwd_split), ("F+I+W plain", fwd_plain)):
+    samples: dict[str, list[float]] = {}
+    for fn in (b, split, plain):
         fn()  # warm-up
-        times = []
         for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        out[name] = sorted(times)[len(times) // 2]
-    return out
+            for k, v in fn().items():
+                samples.setdefault(k, []).append(v * 1e3)
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}

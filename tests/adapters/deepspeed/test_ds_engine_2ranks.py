@@ -18,6 +18,8 @@ LR, MOMENTUM, CLIP = 0.5, 0.9, 0.05
 M = 4
 # A V-shape: stages 0 and 3 on rank 0, 1 and 2 on rank 1; non-uniform; random order with split backward.
 V_DEVICES, V_BOUNDS = [0, 1, 1, 0], [(0, 1), (1, 5), (5, 6), (6, 9)]
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 3,
+                                         "warmup_type": "linear"}}
 # One stage per rank (DeepSpeed can express the partition, not the order).
 FLAT_BOUNDS = [(0, 3), (3, 9)]
 
@@ -40,6 +42,8 @@ def _scenarios(tmp):
         dict(name="v_mask", config=cfg(v), masked=True, ckpt_interval=2),
         dict(name="flat_octopipe", config=cfg(flat, clip=0.0), resize=H.MBS * 2),
         dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
+        dict(name="flat_octopipe_lr", config=cfg(flat, clip=0.0, scheduler=WARMUP)),
+        dict(name="flat_stock_lr", config=cfg(None, clip=0.0, scheduler=WARMUP), parts=[0, 3, 9]),
         dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
         dict(name="v_bf16_immediate", config=cfg(v, bf16={"enabled": True, "immediate_grad_update": True})),
         dict(name="resume_other_plan", config=cfg(flat), **resume),
@@ -109,6 +113,19 @@ def test_same_partition_as_deepspeeds_engine(runs):
     _check_against_reference(ours, 0.0)
     for a, b in zip(ours, stock):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+    wa, wb = H.merged_weights(ours), H.merged_weights(stock)
+    for idx in wa:
+        for k in wa[idx]:
+            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_lr_scheduler_steps_as_in_deepspeeds_engine(runs):
+    ours, stock = H.load(runs, "flat_octopipe_lr", 2), H.load(runs, "flat_stock_lr", 2)
+    plain = H.load(runs, "flat_octopipe", 2)
+    for a, b, c in zip(ours, stock, plain):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        assert a["losses"][1:] != pytest.approx(c["losses"][1:], rel=1e-3)  # the warm-up did change the steps
     wa, wb = H.merged_weights(ours), H.merged_weights(stock)
     for idx in wa:
         for k in wa[idx]:
