@@ -267,8 +267,10 @@ def main(argv=None) -> int:
     measured = measure(runs, args.microbatches, args.clock, args.timeout)
     tokens = args.microbatches * _tokens_per_microbatch(model)
     for label in ("megatron", "octopipe"):
+        real_ms = measured[label] / scale  # the stand-ins sleep `scale` times the modelled GPU time
         print(f"{label:9s} measured step {measured[label]:8.1f} ms  simulated {sim[label]:8.1f} ms  "
-              f"tokens/s {tokens / (measured[label] / 1000.0):,.0f} (at the stand-ins' scale)")
+              f"tokens/s {tokens / (measured[label] / 1000.0):,.0f} (on the modelled GPUs: step {real_ms:.1f} ms, "
+              f"{tokens / (real_ms / 1000.0):,.0f} tokens/s)")
     print(f"measured speedup {measured['megatron'] / measured['octopipe']:.2f}x "
           f"(simulated {sim['megatron'] / sim['octopipe']:.2f}x)")
     return 0

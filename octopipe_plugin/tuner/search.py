@@ -63,7 +63,7 @@ class TuneResult:
     baselines: tuple[Baseline, ...]
     source: str  # "octopipe" or the built-in schedule it could not beat
     iterations: int
-    evaluations: int
+    evaluations: int  # candidates judged: simulated, or timed by the compiled list scheduler
     elapsed_s: float
     stopped_by: str
     seeded_s: float  # when a plan at least as good as every fitting built-in was in hand
