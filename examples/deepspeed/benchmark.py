@@ -10,8 +10,9 @@ step time and samples/s, ending with `measured speedup X.XXx (simulated Y.YYx)` 
 over the stock 1F1B engine.
 
 --stand-in (the CPU mode): every layer of the model (zoo name or model file, any layer kinds)
-becomes a SleepLayer that sleeps its F, I and W times scaled so that the stock engine's
-simulated step lasts --target-ms; its parameter is sized in proportion to the real layer, so
+becomes a SleepLayer (octopipe_plugin/executor/sleep_layer.py, the same layer and DeviceClock
+timing rule as the Megatron benchmark and the dry run) that sleeps its F, I and W times scaled
+so that the stock engine's simulated step lasts --target-ms; its parameter is sized in proportion to the real layer, so
 DeepSpeed's `parameters` partition cuts where it would cut the real model. Transfers are not
 charged (tiny tensors on one host), so the simulated column is the simulation without transfer
 costs; the prediction with the cluster's links is printed too.
@@ -51,7 +52,9 @@ def deepspeed_parts(model, num_stages: int, param_divisor: float) -> list[int]:
     """DeepSpeed's `parameters` partition of the stand-in layers (its own partition_balanced)."""
     from deepspeed.runtime.utils import partition_balanced
 
-    counts = [max(1, round(layer.state_bytes / 18 / param_divisor)) for layer in model.layers]
+    from octopipe_plugin.adapters.deepspeed.standin import standin_numel
+
+    counts = [standin_numel(layer, param_divisor) for layer in model.layers]
     return [int(x) for x in partition_balanced(weights=counts, num_parts=num_stages)]
 
 
@@ -83,11 +86,13 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
     import octopipe_plugin.deepspeed  # noqa: F401  (deepspeed.initialize builds OctoPipeEngine for a planned module)
     from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
     from octopipe_plugin.adapters.deepspeed.standin import standin_batches, standin_loss, standin_specs
+    from octopipe_plugin.executor.clock import DeviceClock
     from octopipe_plugin.formats import model_from_dict, plan_from_dict
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = model_from_dict(model_doc)
-    specs = standin_specs(model, scale, divisor)
+    clock = DeviceClock("device")  # the rank's modelled device, shared by all its stand-in layers
+    specs = standin_specs(model, scale, divisor, clock)
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": m, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0}
     builders = {
@@ -104,6 +109,7 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
         for step in range(steps + 1):
             deepspeed.comm.barrier()
             t0 = time.time()
+            clock.start(t0)
             engine.train_batch(data_iter=iter(standin_batches(m)))
             spans.append(time.time() - t0)
         times[name] = {"engine": type(engine).__name__, "spans": spans[1:]}

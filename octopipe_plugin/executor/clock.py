@@ -1,9 +1,13 @@
 """The modelled accelerator of sleeping stand-ins: when each action starts and ends on the host clock.
 
-Shared by stand-ins that run outside the executor's own SleepStages (the Megatron stand-in
-chunks of examples/megatron/benchmark.py, driven by Megatron's schedule and by OctoPipe's), so
-both schedules are timed by one rule, the simulator's: an action starts when its device is
-free and its input has landed (send time + transfer time), and lasts its cost.
+The one timing rule of every stand-in (the dry run's SleepStages, the sleeping layers of
+executor/sleep_layer.py inside Megatron chunks and DeepSpeed pipelines), the simulator's:
+an action starts when its device is free and its input has landed (send time + transfer
+time), and lasts its cost. The host may reach an action late (Python overhead, a blocking
+receive): that delays the device only when it exceeds what the queue hides, as with
+asynchronous kernels. time.sleep waking late is not the device's delay (a GPU has no
+scheduler tick): the next deadline counts from this one's, so the oversleep is taken back
+from the next sleep instead of adding up over the hundreds of sleeps of a step.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ class DeviceClock:
         self.mode = mode
         self.free = 0.0  # when the device finishes its last action
         self.busy_s = 0.0
+        self.owed = 0.0  # how far the host trails the device clock because a sleep woke late
 
     def start(self, t0: float) -> None:
         """Start the device at the shared start instant."""
         self.free = t0
         self.busy_s = 0.0
+        self.owed = 0.0
 
     def work(self, ms: float, ready_at: float = 0.0) -> float:
         """Run one action of `ms` that may not start before `ready_at`; returns its end time."""
@@ -48,9 +54,12 @@ class DeviceClock:
             end = time.time()
             self.busy_s += end - start
             return end
+        arrived = time.time()
         start = max(self.free, ready_at)
-        sleep_until(start + ms / 1000.0)
-        end = max(start + ms / 1000.0, time.time())  # a host later than the deadline delays the device
+        # a host later than the deadline delays the device, by its own lateness, not by earlier oversleeps
+        end = max(start + ms / 1000.0, arrived - self.owed)
+        sleep_until(end)
+        self.owed = max(0.0, time.time() - end)
         self.free = end
         self.busy_s += ms / 1000.0
         return end

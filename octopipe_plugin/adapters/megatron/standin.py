@@ -1,14 +1,12 @@
-"""Stand-in Megatron model chunks: real `MegatronModule` chunks whose layers sleep their (scaled) costs.
+"""Stand-in Megatron model chunks: real `MegatronModule` chunks of the core's sleeping layers.
 
 Any schedule that drives Megatron chunks (Megatron's own interleaved 1F1B, OctoPipe's) can run
 them: each chunk takes its pipeline input through `set_input_tensor`, the first chunk reads
 its micro-batch from the data iterator, the last returns what a loss function reduces. Each
-layer of the model graph becomes one stand-in layer of its F, I and W time; the boundary
-tensor carries the time its producer finished, and a chunk does not use its input before
-that time plus the transfer time of the cut (the bytes the real model sends there), on the
-rank's DeviceClock (executor/clock.py, the simulator's timing rule). I and W are separate
-autograd nodes (the input path and the parameter path), so a fused backward (B) runs both
-and a split backward runs I at I and W at W, as zero-bubble pipelines do, nothing twice.
+layer of the model graph becomes one `SleepLayer` (executor/sleep_layer.py: F, I and W on
+separate autograd paths, on the rank's DeviceClock), the same layer the DeepSpeed benchmark
+and the executor's timing rule use, so both benchmarks compare executors, not stand-ins.
+The first layer of a chunk waits for the transfer into it, the last charges the one out.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ import torch
 from torch import nn
 
 from ...executor.clock import DeviceClock
+from ...executor.sleep_layer import DTYPE, SleepLayer
 
 BOUNDARY_SHAPE = (1, 1, 4)  # (sequence, micro-batch, hidden) of every stand-in boundary: the stamp is element 0
-DTYPE = torch.float64  # a host time stamp needs float64's precision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,60 +32,6 @@ class StandInStage:
     hop_out_ms: float  # this stage -> the next one (its gradient comes back over the same link)
     first: bool
     last: bool
-
-
-def _stamp(t: torch.Tensor) -> float:
-    return float(t.reshape(-1)[0]) if t.numel() else 0.0
-
-
-def _stamped(end: float) -> torch.Tensor:
-    out = torch.zeros(BOUNDARY_SHAPE, dtype=DTYPE)
-    out.view(-1)[0] = end
-    return out
-
-
-class _InputPath(torch.autograd.Function):
-    """F on the way forward, I on the way back; passes the producer's end time along in the tensor."""
-
-    @staticmethod
-    def forward(ctx, x, clock, f_ms, i_ms, hop_in_ms, hop_out_ms):
-        ctx.clock, ctx.i_ms, ctx.hop_out_ms = clock, i_ms, hop_out_ms
-        return _stamped(clock.work(f_ms, _stamp(x) + hop_in_ms / 1000.0))
-
-    @staticmethod
-    def backward(ctx, grad):
-        end = ctx.clock.work(ctx.i_ms, _stamp(grad) + ctx.hop_out_ms / 1000.0)
-        return _stamped(end), None, None, None, None, None
-
-
-class _WeightPath(torch.autograd.Function):
-    """W: the weight gradient, reached only from the parameter (so I never runs it)."""
-
-    @staticmethod
-    def forward(ctx, weight, clock, w_ms):
-        ctx.clock, ctx.w_ms = clock, w_ms
-        return torch.zeros_like(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.clock.work(ctx.w_ms)
-        return torch.zeros_like(grad), None, None
-
-
-class StandInLayer(nn.Module):
-    """One model-graph layer: sleeps F forward, I for the input gradient, W for its weight gradient."""
-
-    def __init__(self, clock: DeviceClock, f_ms: float, i_ms: float, w_ms: float, hop_in_ms: float = 0.0,
-                 hop_out_ms: float = 0.0):
-        super().__init__()
-        self.clock, self.f_ms, self.i_ms, self.w_ms = clock, f_ms, i_ms, w_ms
-        self.hop_in_ms, self.hop_out_ms = hop_in_ms, hop_out_ms
-        self.weight = nn.Parameter(torch.zeros(1, dtype=DTYPE))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The stamped output; adding the zero weight path ties W to this layer's backward."""
-        y = _InputPath.apply(x, self.clock, self.f_ms, self.i_ms, self.hop_in_ms, self.hop_out_ms)
-        return y + _WeightPath.apply(self.weight, self.clock, self.w_ms)
 
 
 def standin_chunk_class():
@@ -106,12 +50,12 @@ def standin_chunk_class():
             self.input_tensor = None
             n = len(spec.layers)
             self.layers = nn.ModuleList(
-                StandInLayer(clock, f, i, w, hop_in_ms=spec.hop_in_ms if k == 0 else 0.0,
+                SleepLayer(clock, f, i, w, hop_in_ms=spec.hop_in_ms if k == 0 else 0.0,
                              hop_out_ms=spec.hop_out_ms if k == n - 1 else 0.0)
                 for k, (f, i, w) in enumerate(spec.layers))
             # an empty stage still hands its input on (and its gradient back) through one free layer
             if not n:
-                self.layers.append(StandInLayer(clock, 0.0, 0.0, 0.0, spec.hop_in_ms, spec.hop_out_ms))
+                self.layers.append(SleepLayer(clock, 0.0, 0.0, 0.0, spec.hop_in_ms, spec.hop_out_ms))
 
         share_embeddings_and_output_weights = False  # stand-ins tie no weights (what GPTModel answers untied)
 
