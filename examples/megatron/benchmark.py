@@ -10,8 +10,8 @@ a boundary is not used before its producer's end plus the transfer time of the b
 model sends there. One local process per pipeline rank over gloo runs, on the same chunks and
 data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.core: its
 interleaved 1F1B on Megatron's even split at its best virtual-stage count) and then OctoPipe's
-(the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through the
-executor's Megatron adapter). Both are timed from a common start instant; the simulator's
+(the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through
+`make_forward_backward_func`, the schedule `--pipeline-schedule octopipe` swaps into Megatron). Both are timed from a common start instant; the simulator's
 predictions for both plans at the same scale give the simulated speedup. The last line is
 
     measured speedup X.XXx (simulated Y.YYx)
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe_plugin.adapters.megatron.standin import BOUNDARY_SHAPE, DTYPE, StandInStage
-from octopipe_plugin.costs import resolve_cluster, resolve_model
+from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.executor.dryrun import scaled_cluster, scaled_costs
 from octopipe_plugin.executor.launch import init_gloo, spawn
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="nemotron-h", help="zoo name, architecture file or octopipe-model/1 file")
     p.add_argument("--cluster", default="h100x8", help="named cluster (<gpu>x<count>) or cluster file")
-    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster name's)")
+    p.add_argument("--gpu", default=None, help="GPU of the analytic cost model (default: the cluster's)")
     p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
     p.add_argument("--stand-in", action="store_true", help="CPU: sleeping stand-in layers in real Megatron chunks")
     p.add_argument("--plan", help="OctoPipe plan to run (default: tune one)")
@@ -218,27 +218,23 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
 
 
 def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
-    """OctoPipe's executor running the plan's per-rank order on the same kind of stand-in chunks."""
+    """OctoPipe's forward_backward_func (what --pipeline-schedule octopipe runs) on the same kind of chunks."""
+    from octopipe_plugin.adapters.megatron.schedule import ScheduleOptions, make_forward_backward_func
     from octopipe_plugin.adapters.megatron.standin import standin_forward_step
-    from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TensorMeta
     from octopipe_plugin.executor.clock import DeviceClock
-    from octopipe_plugin.executor.forward_step import ForwardStepStages
 
     device_clock = DeviceClock("off")
     plan, chunks = _chunks(rank, world, run, _config(world, None), device_clock)
-    meta = TensorMeta(shape=BOUNDARY_SHAPE, dtype=DTYPE)
-    executor_box = {}
+    model = [chunks[s] for s in plan.stages_of(rank)]  # the rank's chunks in model order = its vp stages
+    for v, m in enumerate(model):
+        m.vp_stage = v
+    forward_backward = make_forward_backward_func(plan, options=ScheduleOptions(timeout_s=timeout_s))
 
     def step():
-        runner = ForwardStepStages(models=chunks, forward_step_func=standin_forward_step,
-                                   data_iterators={0: itertools.repeat(0)} if 0 in chunks else {},
-                                   num_stages=plan.num_stages, num_microbatches=microbatches,
-                                   metas=[meta] * plan.num_stages)
-        if "ex" not in executor_box:
-            executor_box["ex"] = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=timeout_s))
-        ex = executor_box["ex"]
-        ex.runner = runner
-        ex.run_step()
+        data = [itertools.repeat(0) for _ in model]
+        forward_backward(forward_step_func=standin_forward_step, data_iterator=data, model=model,
+                         num_microbatches=microbatches, seq_length=BOUNDARY_SHAPE[0],
+                         micro_batch_size=BOUNDARY_SHAPE[1], forward_only=False)
 
     return step, device_clock
 
@@ -252,8 +248,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        model = resolve_model(args.model, gpu=args.gpu or _gpu_of(args.cluster))
         cluster = resolve_cluster(args.cluster)
+        model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
         ours = octopipe_plan(model, cluster, args)
     except OctoPipeError as exc:
@@ -271,18 +267,13 @@ def main(argv=None) -> int:
     measured = measure(runs, args.microbatches, args.clock, args.timeout)
     tokens = args.microbatches * _tokens_per_microbatch(model)
     for label in ("megatron", "octopipe"):
+        real_ms = measured[label] / scale  # the stand-ins sleep `scale` times the modelled GPU time
         print(f"{label:9s} measured step {measured[label]:8.1f} ms  simulated {sim[label]:8.1f} ms  "
-              f"tokens/s {tokens / (measured[label] / 1000.0):,.0f} (at the stand-ins' scale)")
+              f"tokens/s {tokens / (measured[label] / 1000.0):,.0f} (on the modelled GPUs: step {real_ms:.1f} ms, "
+              f"{tokens / (real_ms / 1000.0):,.0f} tokens/s)")
     print(f"measured speedup {measured['megatron'] / measured['octopipe']:.2f}x "
           f"(simulated {sim['megatron'] / sim['octopipe']:.2f}x)")
     return 0
-
-
-def _gpu_of(cluster_name: str) -> str:
-    from octopipe_plugin.costs.clusters import _NAME
-
-    named = _NAME.match(str(cluster_name).strip())
-    return named["gpu"] if named else "H100"
 
 
 def _tokens_per_microbatch(model) -> int:

@@ -41,10 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     script, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
     sys.path.insert(0, os.path.dirname(script))  # the script's own imports (gpt_builders, model_provider, megatron)
     from octopipe_plugin.adapters.megatron.launch import install
+    from octopipe_plugin.errors import OctoPipeError
 
     install()
     sys.argv = [script, *rest]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except OctoPipeError as exc:  # a plan that does not fit the run: one message, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def summary(result, model, cluster, costs: str = "") -> str:
         f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stages}",
         *([f"  idle devices   {len(idle)} hold no layers: {describe_devices(idle)}"] if idle else []),
         f"  peak memory    {peaks} GiB (limit {cluster.memory_bytes / 2**30:.1f} GiB)",
-        f"  search         {result.iterations} steps, {result.evaluations} simulations, "
+        f"  search         {result.iterations} steps, {result.evaluations} evaluations, "
         f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",
     ])
 

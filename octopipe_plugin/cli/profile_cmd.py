@@ -99,12 +99,13 @@ def run(args) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.impl == "megatron":
-        from ..adapters.megatron.profile import megatron_builders, megatron_inputs, use_transformer_engine
+        from ..adapters.megatron import profile as megatron_profile  # the adapter is where megatron is imported
 
-        builders = megatron_builders(arch, device, dtype, spec=args.megatron_spec)
-        te = use_transformer_engine(args.megatron_spec, device)
+        builders = megatron_profile.megatron_builders(arch, device, dtype, spec=args.megatron_spec)
+        te = megatron_profile.use_transformer_engine(args.megatron_spec, device)
         impl = "megatron-te" if te else "megatron-local"  # part of each layer's signature, hence the cache key
-        inputs, extra = megatron_inputs(arch, dtype), ("megatron-core",) + (("transformer-engine",) if te else ())
+        inputs = megatron_profile.megatron_inputs(arch, dtype)
+        extra = ("megatron-core",) + (("transformer-engine",) if te else ())
     else:
         from ..profile.torch_layers import builders as torch_builders
 

@@ -32,6 +32,7 @@ class WeightWork:
     # parameters on a branch that never meets the input's path (e.g. a text embedding beside a
     # vision input): no intermediate captures their gradient, so W starts from the outputs
     rest: tuple = ()
+    incoming: tuple = ()  # the output gradients I started from (received buffers the executor reuses)
 
 
 def backward_input(
@@ -62,7 +63,7 @@ def backward_input(
     grouped = set().union(*(g["params"] for g in groups)) if groups else set()
     leftover = tuple(p for p, fn in zip(params, map(_get_grad_fn_or_grad_acc, params)) if fn not in grouped)
     rest = (tuple(outputs), tuple(grad_outputs), leftover) if leftover else ()
-    return tuple(dinputs), WeightWork(groups=groups, params=tuple(params), rest=rest)
+    return tuple(dinputs), WeightWork(groups=groups, params=tuple(params), rest=rest, incoming=tuple(grad_outputs))
 
 
 def _capture(group: dict, i: int):
@@ -90,7 +91,7 @@ def backward_weight(work: WeightWork, sink: str = "direct") -> None:
                                       allow_unused=True)
             for p, dw in zip(leftover, dws):
                 if dw is not None:
-                    accumulate_grad(p, dw)
+                    accumulate_grad(p, owned_grad(dw, work.incoming))
     for group in work.groups:
         edges, grads = [], []
         for captured, node in zip(group["grads"], group["intermediates"]):
@@ -112,11 +113,20 @@ def backward_weight(work: WeightWork, sink: str = "direct") -> None:
                 else:
                     dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
                     for acc, dw in zip(accs, dws):
-                        accumulate_grad(owner[acc], dw)
+                        accumulate_grad(owner[acc], owned_grad(dw, work.incoming))
         finally:
             for h in handles:
                 h.remove()
         group.clear()
+
+
+def owned_grad(g: torch.Tensor, incoming) -> torch.Tensor:
+    """`g`, or a copy when it shares memory with an incoming gradient (the executor reuses those buffers, and
+    a parameter added straight onto the output gets that very tensor as its gradient)."""
+    ptr = g.untyped_storage().data_ptr()
+    if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in incoming):
+        return g.clone()
+    return g
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .boundary import flatten, unflatten
 from .interface import LossOutput
-from .split_backward import accumulate_grad, backward_input, backward_weight
+from .split_backward import accumulate_grad, backward_input, backward_weight, owned_grad
 
 GRAD_SINKS = ("direct", "autograd")
 
@@ -180,7 +180,7 @@ class TorchStages:
                 grads = torch.autograd.grad(outs, params + ins, gs, allow_unused=True)
                 for p, g in zip(params, grads):
                     if g is not None:
-                        accumulate_grad(p, _owned(g, incoming))
+                        accumulate_grad(p, owned_grad(g, incoming))
                 for t, g in zip(ins, grads[len(params):]):
                     _add(dx, t, g)
         return self._dx(x, dx) if stage > 0 else None
@@ -249,10 +249,3 @@ def _add(dx: dict, t: torch.Tensor, g) -> None:
     prev = dx.get(id(t))
     dx[id(t)] = g if prev is None else prev + g
 
-
-def _owned(g: torch.Tensor, incoming: list) -> torch.Tensor:
-    """`g`, or a copy when it shares memory with a received gradient (the executor reuses those buffers)."""
-    for t in incoming:
-        if g.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-            return g.clone()
-    return g

@@ -63,7 +63,7 @@ class TuneResult:
     baselines: tuple[Baseline, ...]
     source: str  # "octopipe" or the built-in schedule it could not beat
     iterations: int
-    evaluations: int
+    evaluations: int  # candidates judged: simulated, or timed by the compiled list scheduler
     elapsed_s: float
     stopped_by: str
     seeded_s: float  # when a plan at least as good as every fitting built-in was in hand
@@ -327,11 +327,12 @@ def _neighbour(rng, ctx, layout, spec):
 def _promote(ev, evs, budget, hand) -> None:
     """Take the search's best candidates to the full count: grown periodically, else list-scheduled afresh.
 
-    The best one always goes (else the search was for nothing); the others while the budget lasts.
+    The best one goes while the wall clock allows (else the search was for nothing); the others
+    while the budget lasts.
     """
     table = ActionTable()
     for i, (_, layout, spec, out) in enumerate(hand.elite):
-        if i > 0 and not budget.left(1.0 - POLISH_SHARE):
+        if (i > 0 and not budget.left(1.0 - POLISH_SHARE)) or time.monotonic() >= budget.deadline:
             break
         hand.offer(_full_of(ev, evs, layout, spec, out, table), "octopipe", "full count")
 

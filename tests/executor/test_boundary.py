@@ -127,3 +127,32 @@ def test_split_backward_reaches_parameters_on_a_branch_off_the_input_path_once()
     expected = torch.zeros(5, 3, dtype=torch.float64)
     expected[[1, 4]] = 2.0
     torch.testing.assert_close(emb.weight.grad, expected)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_direct_sink_never_keeps_a_received_gradient_buffer_as_a_parameter_gradient(split):
+    from octopipe_plugin.executor import TorchStages
+
+    class AddBias(torch.nn.Module):
+        """out = x + b with b of the output's shape: autograd hands b the output gradient itself."""
+
+        def __init__(self):
+            super().__init__()
+            self.b = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * 2 + self.b
+
+    run = TorchStages(modules={0: AddBias()}, num_stages=2, num_microbatches=1, grad_sink="direct",
+                      load_input=lambda mb: torch.ones(2, 3, dtype=torch.float64))
+    run.forward(0, 0, None)
+    received = torch.full((2, 3), 3.0, dtype=torch.float64)  # stands for the executor's kept receive buffer
+    if split:
+        run.backward_input(0, 0, received)
+        run.backward_weight(0, 0)
+    else:
+        run.backward(0, 0, received)
+    b = run.modules[0].b
+    assert b.grad.untyped_storage().data_ptr() != received.untyped_storage().data_ptr()
+    received.fill_(0.0)  # the next step's receive rewrites the buffer
+    assert torch.equal(b.grad, torch.full((2, 3), 3.0, dtype=torch.float64))

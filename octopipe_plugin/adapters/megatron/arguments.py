@@ -34,7 +34,7 @@ def add_octopipe_args(parser):
                        help="cluster to tune for at start-up: '<gpu>x<P>' (e.g. h100x8) or an octopipe-cluster/1 "
                             "file with one device per pipeline rank")
     group.add_argument("--octopipe-gpu", default=None,
-                       help="GPU of the analytic cost model (default: the cluster name's GPU, else H100)")
+                       help="GPU of the analytic cost model (default: the cluster's GPU, else H100)")
     group.add_argument("--octopipe-tune-seconds", type=float, default=30.0,
                        help="tuning time budget on rank 0 (default 30)")
     group.add_argument("--octopipe-tune-iterations", type=int, default=None,

@@ -113,6 +113,12 @@ def standin_chunk_class():
             if not n:
                 self.layers.append(StandInLayer(clock, 0.0, 0.0, 0.0, spec.hop_in_ms, spec.hop_out_ms))
 
+        share_embeddings_and_output_weights = False  # stand-ins tie no weights (what GPTModel answers untied)
+
+        def shared_embedding_or_output_weight(self):
+            """No embedding / output weight to keep in sync between ranks."""
+            return None
+
         def set_input_tensor(self, input_tensor):
             """Megatron's hand-over of the pipeline input (a list of one tensor, or the tensor)."""
             if isinstance(input_tensor, (list, tuple)):

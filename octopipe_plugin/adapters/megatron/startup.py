@@ -82,6 +82,13 @@ def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, sou
     else:
         problems.append(f"its {plan.num_stages} stages are not a multiple of the {plan.num_devices} pipeline ranks; "
                         "Megatron builds the same number of model chunks on every rank")
+    if not is_looped(plan):
+        # megatron.training builds chunk v of rank r as stage r + v*P (get_model / the model builders): the
+        # plan's own map needs placement.plan_model_provider and mapped_layout, which pretrain does not call yet
+        problems.append(f"it places stages on ranks {[st.device for st in plan.stages]} (not looped: stage i on rank "
+                        f"i % {plan.num_devices}); inside megatron.training's pretrain OctoPipe runs looped plans "
+                        "for now (non-uniform stages, any per-rank order); other maps run through "
+                        "octopipe_plugin.adapters.megatron.placement in your own training loop")
     if problems:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {source} does not match this run: "
                             + "; ".join(problems))
@@ -128,8 +135,7 @@ def _find_plan(args, specs, facts):
 
 def tune_for_run(args, facts: RunFacts):
     """Tune a plan for this run's model and pipeline on the given cluster (what rank 0 does at start-up)."""
-    from ...costs import resolve_cluster
-    from ...costs.clusters import _NAME
+    from ...costs import cost_gpu, resolve_cluster
     from ...tuner import tune
 
     cluster = resolve_cluster(args.octopipe_cluster)
@@ -137,16 +143,37 @@ def tune_for_run(args, facts: RunFacts):
         raise OctoPipeError(f"--octopipe-cluster {args.octopipe_cluster} has {cluster.num_devices} devices but the "
                             f"pipeline has {facts.pipeline_size} ranks; give one device per pipeline rank "
                             f"(e.g. h100x{facts.pipeline_size})")
-    named = _NAME.match(str(args.octopipe_cluster).strip())
-    gpu = args.octopipe_gpu or (named["gpu"] if named else "H100")
+    gpu = cost_gpu(cluster, args.octopipe_gpu)
     model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=load_measured_costs(args.octopipe_costs),
                                 data_parallel_size=facts.data_parallel_size)
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
                   seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations)
-    plan = result.plan
+    plan = result.plan if is_looped(result.plan) else _fastest_looped(result, model, facts)
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu}}
     return replace(plan, meta=meta)
+
+
+def is_looped(plan) -> bool:
+    """Whether stage i runs on rank i % P (the placement megatron.training's model builders make)."""
+    return all(st.device == s % plan.num_devices for s, st in enumerate(plan.stages))
+
+
+def _fastest_looped(result, model, facts):
+    """The fastest fitting looped built-in of a tuning run (its tuned plan used another stage->rank map)."""
+    from ...schedules.registry import build_plan
+
+    looped = [b for b in result.baselines if b.outcome is not None and b.outcome.fits
+              and b.name in ("interleaved-zb", "interleaved-1f1b", "zb-h1", "1f1b", "gpipe")]
+    if not looped:
+        raise OctoPipeError("the tuned plan places stages off the looped map and no looped schedule fits memory; "
+                            "inside megatron.training OctoPipe runs looped plans for now")
+    best = min(looped, key=lambda b: b.outcome.step_ms)
+    log.warning("octopipe: the tuned plan (%.1f ms) uses a stage->rank map megatron.training cannot build yet; "
+                "running the fastest looped plan instead: %s on the %s split, %d stages per rank (%.1f ms)",
+                result.step_ms, best.name, best.split, best.stages_per_device, best.outcome.step_ms)
+    return build_plan(model, best.name, facts.pipeline_size, facts.num_microbatches,
+                      stages_per_device=best.stages_per_device, split=best.split)
 
 
 def _model_name(args) -> str:

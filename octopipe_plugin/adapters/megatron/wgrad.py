@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge
 
-from octopipe_plugin.executor.split_backward import _get_grad_fn_or_grad_acc, backward_input
+from octopipe_plugin.executor.split_backward import _get_grad_fn_or_grad_acc, backward_input, owned_grad
 
 INPUT, WEIGHT = "input", "weight"
 
@@ -203,8 +203,44 @@ def _deliver(work) -> None:
         else:
             sink.extend(_walk(group))
         group.clear()
+    sink.extend(_walk_rest(work))
     if sink:
-        torch.autograd.backward([e for e, _ in sink], [g for _, g in sink])
+        # a received gradient buffer (reused by the executor next step) must not become a parameter's .grad
+        incoming = getattr(work, "incoming", ())
+        torch.autograd.backward([e for e, _ in sink], [owned_grad(g, incoming) for _, g in sink])
+
+
+def _walk_rest(work) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """Parameters on a branch that never meets the input's path (no intermediate captured their gradient):
+    walked from the outputs with the linears' whole backward (none in a GPT chunk; kept for other models)."""
+    rest = getattr(work, "rest", ())
+    if not rest:
+        return []
+    outputs, grad_outputs, leftover = rest
+    phases = {id(p): p for p in _phases_in(outputs)}
+    saved = {k: p.value for k, p in phases.items()}
+    for p in phases.values():
+        p.value = None
+    try:
+        dws = torch.autograd.grad(list(outputs), list(leftover), list(grad_outputs), allow_unused=True)
+    finally:
+        for k, p in phases.items():
+            p.value = saved[k]
+    return [(GradientEdge(_get_grad_fn_or_grad_acc(p), 0), d) for p, d in zip(leftover, dws) if d is not None]
+
+
+def _phases_in(outputs) -> list:
+    """The Phase objects of the split linears reachable from `outputs` (walks the graph once)."""
+    seen, stack, found = set(), [t.grad_fn for t in outputs if t.grad_fn is not None], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "octopipe_split", False):
+            found.append(node.phase)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
 
 
 def _direct_weight_grad(node, grad_output) -> list[tuple[GradientEdge, torch.Tensor]]:

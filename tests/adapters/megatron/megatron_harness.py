@@ -32,6 +32,7 @@ class TinyGPT:
     num_experts: int = 4
     mtp: int = 0
     tied: bool = False
+    bf16: bool = False  # Megatron's Float16Module around each chunk, fp32 main params in the optimizer
     three_tuple_loss: bool = True
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
 
@@ -83,6 +84,8 @@ def make_config(spec: TinyGPT, pp: int, layout=None, **over):
                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
     if spec.mtp:
         kw.update(mtp_num_layers=spec.mtp, mtp_loss_scaling_factor=0.1)
+    if spec.bf16:
+        kw.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     if layout is not None:
         kw["pipeline_model_parallel_layout"] = layout
     kw.update(spec.extra)
@@ -150,21 +153,28 @@ def seed_by_global_name(model, tied: bool = False) -> None:
 
 
 def wrap_ddp(chunks, config, overlap_grad_reduce: bool = False):
-    """Megatron's DDP around each chunk, buffers laid out for the distributed optimizer."""
+    """Megatron's DDP around each chunk (inside a Float16Module for bf16), buffers for the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=overlap_grad_reduce,
+    if config.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16,
+                                               overlap_grad_reduce=overlap_grad_reduce,
                                                use_distributed_optimizer=True, bucket_size=None)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                     disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
 
 
 def make_optimizer(chunks):
-    """Megatron's distributed Adam over the DDP chunks."""
+    """Megatron's distributed Adam over the DDP chunks (fp32 main parameters for bf16 models)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.utils import get_model_config
 
+    bf16 = get_model_config(chunks[0]).bf16
     cfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=True,
-                          bf16=False, fp16=False, params_dtype=torch.float32, clip_grad=1.0)
+                          bf16=bf16, fp16=False, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                          clip_grad=1.0)
     return get_megatron_optimizer(cfg, chunks)
 
 
@@ -235,8 +245,9 @@ def gathered_weights(chunks, group=None) -> dict[str, torch.Tensor]:
     mine = {}
     for c in chunks:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
+        inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
         for name, p in global_names(inner).items():
-            mine.setdefault(name, p.detach().clone())
+            mine.setdefault(name, p.detach().float().clone())
     allw = [None] * dist.get_world_size(group)
     dist.all_gather_object(allw, mine, group=group)
     out = {}

@@ -16,6 +16,7 @@ from octopipe_plugin.schedules.registry import build_plan
 from launch_helpers import TINY_GPT, parse
 
 ROOT = Path(__file__).resolve().parents[3]
+STAGES = [(0, 2), (2, 4), (4, 6), (6, 8)]  # non-uniform in layers: E+t, t+t, t+t, t+L
 PATCH = ROOT / "patches" / "megatron-core-0.19.2-octopipe.patch"
 pytestmark = [pytest.mark.framework, pytest.mark.timeout(180)]
 
@@ -44,7 +45,7 @@ def test_patched_megatron_takes_octopipe_arguments_and_schedule(tmp_path):
     applied = subprocess.run(["patch", "-p1", "-i", str(PATCH)], cwd=copy, capture_output=True, text=True, timeout=60)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     model = model_from_megatron(parse(TINY_GPT, octopipe=False, validate=False))
-    write_plan(build_plan(model, "zb-v", 2, 4), tmp_path / "plan.json")
+    write_plan(build_plan(model, "interleaved-zb", 2, 4, stages_per_device=2, boundaries=STAGES), tmp_path / "plan.json")
     job = {"world": 2, "argv": TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
                                            "--tokenizer-type", "NullTokenizer",
                                            "--pipeline-schedule", "octopipe", "--octopipe-plan",

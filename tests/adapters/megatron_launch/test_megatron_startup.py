@@ -21,14 +21,16 @@ def tiny_model():
     return model_from_megatron(parse(TINY_GPT, octopipe=False, validate=False))
 
 
-def plan_file(tmp_path, schedule="zb-v", devices=2, microbatches=4, name="plan.json", **kw):
+def plan_file(tmp_path, schedule="interleaved-zb", devices=2, microbatches=4, name="plan.json", **kw):
+    """A looped plan with split backward (I/W) on the stages E+t | t+t | t+t | t+L."""
     path = tmp_path / name
+    kw = kw or {"stages_per_device": 2, "boundaries": [(0, 2), (2, 4), (4, 6), (6, 8)]}
     write_plan(build_plan(tiny_model(), schedule, devices, microbatches, **kw), path)
     return str(path)
 
 
 def test_plan_stages_become_megatrons_layout_and_virtual_stages(tmp_path):
-    path = plan_file(tmp_path)  # ZB-V: stages 0..3 on ranks 0,1,1,0
+    path = plan_file(tmp_path)  # interleaved zero-bubble: stages 0..3 on ranks 0,1,0,1
     args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
                              "--pipeline-schedule", "octopipe", "--octopipe-plan", path, "--save", str(tmp_path / "ck"), "--save-interval", "1"],
                  world=2)
@@ -37,7 +39,8 @@ def test_plan_stages_become_megatrons_layout_and_virtual_stages(tmp_path):
     # Megatron's validate_args accepted the layout and derived VP = 4 stages / 2 ranks from it
     assert args.pipeline_model_parallel_layout == "Et|tt|tt|tL"
     assert args.virtual_pipeline_model_parallel_size == 2 and args.num_layers == 6
-    assert args.octopipe_plan["stages"][3] == {"layers": [6, 8], "device": 0}
+    assert args.octopipe_plan["stages"][3] == {"layers": [6, 8], "device": 1}
+    assert "3I0" in args.octopipe_plan["schedule"][1]  # the plan's split backward travels with it
     assert json.loads((tmp_path / "ck" / PLAN_FILE).read_text())["stages"] == args.octopipe_plan["stages"]
 
 
@@ -74,6 +77,13 @@ def test_a_plan_that_does_not_match_the_run_stops_startup_with_one_message(tmp_p
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
+def test_a_v_shape_plan_is_refused_inside_pretrain_until_its_map_is_built(tmp_path):
+    path = plan_file(tmp_path, schedule="zb-v", name="v.json", stages_per_device=2)
+    with pytest.raises(OctoPipeError, match=r"places stages on ranks \[0, 1, 1, 0\] \(not looped"):
+        parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule",
+                          "octopipe", "--octopipe-plan", path], world=2, validate=False)
+
+
 def test_stage_arguments_next_to_a_plan_are_refused(tmp_path):
     path = plan_file(tmp_path)
     with pytest.raises(OctoPipeError, match="the plan sets the pipeline stages; drop --pipeline-model-parallel-layout"):
@@ -105,7 +115,7 @@ def test_tuned_on_rank0_and_broadcast(tmp_path):
     spawn(_tune_worker, 2, str(tmp_path))
     plans = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert plans[0] == plans[1] and plans[0]["num_devices"] == 2 and plans[0]["num_microbatches"] == 4
-    assert plans[0]["meta"]["tuned_for"] == {"cluster": "h100x2", "gpu": "h100"}
+    assert plans[0]["meta"]["tuned_for"] == {"cluster": "h100x2", "gpu": "H100-SXM"}
     assert json.loads((tmp_path / "ck" / PLAN_FILE).read_text()) == plans[0]  # rank 0 saved it for --load
 
 
