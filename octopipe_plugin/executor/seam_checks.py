@@ -107,9 +107,12 @@ def check_case(rank: int, case: dict, timeout_s: float = 30.0, device: str = "cp
     owned = {f"{s}.{n}": p for s in mine for n, p in runner.modules[s].named_parameters()}
     counter = AccumulationCounter(owned) if case["sink"] == "autograd" else None
     done: list[int] = []
+    at_callback: dict[int, list] = {}
 
     def last_backward(stage: int) -> None:
         done.append(stage)
+        # what a framework would start reducing now: it must already be the step's final gradient
+        at_callback[stage] = [None if p.grad is None else p.grad.clone() for p in runner.modules[stage].parameters()]
 
     opts = ExecutorOptions(timeout_s=timeout_s, tags=case.get("tags", True))
     with NewGroupCounter() as groups:
@@ -135,6 +138,10 @@ def check_case(rank: int, case: dict, timeout_s: float = 30.0, device: str = "cp
             _check_outputs(label, seq, last in mine, result, evaluation, ref_loss, m)
             _check_grads(label, seq, plan, layers, ref, mine)
             assert sorted(done) == sorted(mine), f"{label}: last-backward calls {done}, stages {mine}"
+            for s in mine:
+                for g, p in zip(at_callback[s], runner.modules[s].parameters()):
+                    assert g is not None and torch.equal(g, p.grad), \
+                        f"{label}: stage {s}'s gradients changed after on_last_backward"
             if counter is not None:
                 for name in owned:
                     assert counter.acc[name] == m and counter.post[name] == m, \

@@ -11,13 +11,13 @@ many ranks fit on a laptop's few cores.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..simulator.costs import hop_times
+from .clock import DeviceClock
 from .errors import ExecutorError
 from .interface import TensorMeta
 
@@ -32,12 +32,6 @@ class StandInCosts:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     hop: tuple[float, ...]  # hop[s]: stage s -> s+1 (and the gradient back)
-
-
-def _sleep_until(deadline: float) -> None:
-    delay = deadline - time.time()
-    if delay > 0:
-        time.sleep(delay)
 
 
 class SleepStages:
@@ -57,16 +51,25 @@ class SleepStages:
         self.costs = costs
         self.rank = rank
         self.clock = clock
+        self.device = DeviceClock(clock)  # the timing rule every stand-in shares (executor/clock.py)
         self.num_stages = len(costs.fwd)
         # live[s]: the layers whose outputs cross the boundary after stage s (one payload each)
         self.live = live if live is not None else tuple((s,) for s in range(self.num_stages))
-        self.busy_s = 0.0
         self.checked = 0
-        self.free = 0.0  # when the modelled device finishes its last action (device clock)
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds of modelled work so far."""
+        return self.device.busy_s
+
+    @property
+    def free(self) -> float:
+        """When the modelled device finishes its last action (device clock)."""
+        return self.device.free
 
     def start(self, t0: float) -> None:
         """Start the device clock at the shared start instant."""
-        self.free = t0
+        self.device.start(t0)
 
     def boundary_meta(self, stage: int) -> tuple[TensorMeta, ...]:
         """One 5-number payload per output live across the boundary."""
@@ -93,19 +96,7 @@ class SleepStages:
 
     def _work(self, ms: float, ready_at: float = 0.0) -> float:
         """Sleep one action; returns its end time (which the payload carries on)."""
-        if self.clock == "wall":
-            _sleep_until(ready_at)
-            start = time.time()
-            _sleep_until(start + ms / 1000.0)
-            end = time.time()
-            self.busy_s += end - start
-            return end
-        start = max(self.free, ready_at)
-        _sleep_until(start + ms / 1000.0)
-        end = max(start + ms / 1000.0, time.time())  # a host later than the deadline delays the device
-        self.free = end
-        self.busy_s += ms / 1000.0
-        return end
+        return self.device.work(ms, ready_at)
 
     def _payload(self, mb: int, stage: int, grad: bool, sent: float) -> tuple[torch.Tensor, ...]:
         boundary = stage - 1 if grad else stage

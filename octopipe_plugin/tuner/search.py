@@ -6,7 +6,13 @@ budget in *work units* (actions list-scheduled or simulated), never in seconds. 
 the budget becomes `time_budget_s * WORK_RATE` work units, which on the reference 2-core
 machine takes about the budget; the same seed and budget then give the same plan on any
 machine fast enough to do that work within the budget. A wall-clock guard still stops a
-slower machine at the budget (logged, since that run may differ).
+slower machine at the budget (logged, since that run may differ); it scales with each
+phase's share, so the later phases keep their time.
+
+Phases: a first own plan; the built-ins (ranked on the search count, then taken to the full
+count fastest first); the own seeds; the search (at SEARCH_FACTOR micro-batches per device
+when the step has more); the search's best taken to the full count; polish. The fastest
+fitting full-count plan so far is always in hand (the progress bar shows it, Ctrl-C returns it).
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ from dataclasses import dataclass, field, replace
 from ..errors import OutOfMemoryError
 from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
+from .encoded import ActionTable
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
 from .listsched import Policy
 from .moves import Context, pick_move
-from .encoded import ActionTable
 from .periodic import extend_schedule, scale_policy
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages

@@ -56,3 +56,17 @@ def install() -> None:
 
     arguments.parse_args = parse_args_with_octopipe(arguments.parse_args)
     training.get_forward_backward_func = get_forward_backward_func
+    install_model_hooks()
+
+
+def install_model_hooks() -> None:
+    """Model construction under plans with any stage->rank map (pretrain_hooks; looped plans pass through)."""
+    import megatron.core.parallel_state as parallel_state
+    import megatron.training.training as training
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from .pretrain_hooks import wrap_get_model, wrap_gpt_builder, wrap_initialize_model_parallel
+
+    parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
+    training.get_model = wrap_get_model(training.get_model)
+    wrap_gpt_builder(GPTModelBuilder)

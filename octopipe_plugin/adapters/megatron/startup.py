@@ -7,6 +7,8 @@ hybrid pattern's segments) comes from the plan's stages. The plan is, in this or
 on rank 0 for `--octopipe-cluster` and broadcast (the process group is then opened here,
 as Megatron would open it, and Megatron reuses it). Rank 0 saves the plan next to the
 checkpoint (`--save`). A plan that does not match the run stops start-up with one message.
+A plan whose stage->rank map is not looped also installs the model-construction hooks
+(pretrain_hooks.py) so Megatron builds the plan's chunks.
 """
 
 from __future__ import annotations
@@ -39,9 +41,14 @@ def resolve_octopipe_plan(args):
     specs = layer_specs(args)
     facts = run_facts(args)
     plan, source = _find_plan(args, specs, facts)
-    check_plan_matches_run(plan, specs, facts, source=source)
+    check_plan_matches_run(plan, specs, facts, source=source, hybrid=bool(hybrid_pattern(args)))
     _apply_stages(args, plan, specs)
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
+    if not is_looped(plan):
+        # Megatron's model construction is round-robin: let the plan's map decide it (patch route included)
+        from .launch import install_model_hooks
+
+        install_model_hooks()
     _save_next_to_checkpoint(args, plan)
     return args
 
@@ -52,7 +59,8 @@ def plan_of_args(args):
     return plan_from_dict(doc, "<args.octopipe_plan>") if doc else None
 
 
-def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan") -> None:
+def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",
+                           hybrid: bool = False) -> None:
     """Refuse, in one message, a plan whose model, pipeline size or micro-batch count differ from the run's."""
     problems = []
     if plan.stages[-1].end != len(specs):
@@ -82,13 +90,11 @@ def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, sou
     else:
         problems.append(f"its {plan.num_stages} stages are not a multiple of the {plan.num_devices} pipeline ranks; "
                         "Megatron builds the same number of model chunks on every rank")
-    if not is_looped(plan):
-        # megatron.training builds chunk v of rank r as stage r + v*P (get_model / the model builders): the
-        # plan's own map needs placement.plan_model_provider and mapped_layout, which pretrain does not call yet
+    if not is_looped(plan) and hybrid:
+        # GPT chunks follow any map (pretrain_hooks); a HybridModel's chunks come from its '|' segments round-robin
         problems.append(f"it places stages on ranks {[st.device for st in plan.stages]} (not looped: stage i on rank "
-                        f"i % {plan.num_devices}); inside megatron.training's pretrain OctoPipe runs looped plans "
-                        "for now (non-uniform stages, any per-rank order); other maps run through "
-                        "octopipe_plugin.adapters.megatron.placement in your own training loop")
+                        f"i % {plan.num_devices}); a hybrid (Mamba) model's chunks follow the looped map only "
+                        "(non-uniform stages and any per-rank order are fine)")
     if problems:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {source} does not match this run: "
                             + "; ".join(problems))
@@ -148,7 +154,9 @@ def tune_for_run(args, facts: RunFacts):
                                 data_parallel_size=facts.data_parallel_size)
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
                   seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations)
-    plan = result.plan if is_looped(result.plan) else _fastest_looped(result, model, facts)
+    plan = result.plan
+    if hybrid_pattern(args) and not is_looped(plan):
+        plan = _fastest_looped(result, model, facts)
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu}}
     return replace(plan, meta=meta)
@@ -167,9 +175,9 @@ def _fastest_looped(result, model, facts):
               and b.name in ("interleaved-zb", "interleaved-1f1b", "zb-h1", "1f1b", "gpipe")]
     if not looped:
         raise OctoPipeError("the tuned plan places stages off the looped map and no looped schedule fits memory; "
-                            "inside megatron.training OctoPipe runs looped plans for now")
+                            "a hybrid (Mamba) model's chunks follow the looped map only")
     best = min(looped, key=lambda b: b.outcome.step_ms)
-    log.warning("octopipe: the tuned plan (%.1f ms) uses a stage->rank map megatron.training cannot build yet; "
+    log.warning("octopipe: the tuned plan (%.1f ms) uses a stage->rank map a hybrid model cannot be built on; "
                 "running the fastest looped plan instead: %s on the %s split, %d stages per rank (%.1f ms)",
                 result.step_ms, best.name, best.split, best.stages_per_device, best.outcome.step_ms)
     return build_plan(model, best.name, facts.pipeline_size, facts.num_microbatches,

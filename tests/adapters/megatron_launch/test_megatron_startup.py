@@ -77,11 +77,23 @@ def test_a_plan_that_does_not_match_the_run_stops_startup_with_one_message(tmp_p
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
-def test_a_v_shape_plan_is_refused_inside_pretrain_until_its_map_is_built(tmp_path):
+def test_a_v_shape_plan_for_a_hybrid_model_is_refused(tmp_path):
+    argv = ["--hybrid-layer-pattern", "M*-M*-", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
+            "--position-embedding-type", "rope", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    model = model_from_megatron(parse(argv, octopipe=False, validate=False))
+    write_plan(build_plan(model, "zb-v", 2, 4), tmp_path / "hv.json")
+    with pytest.raises(OctoPipeError, match=r"places stages on ranks \[0, 1, 1, 0\] \(not looped.*hybrid"):
+        parse(argv + ["--pipeline-schedule", "octopipe", "--octopipe-plan", str(tmp_path / "hv.json")], world=2,
+              validate=False)
+
+
+def test_a_v_shape_plan_for_a_gpt_model_is_taken(tmp_path):
     path = plan_file(tmp_path, schedule="zb-v", name="v.json", stages_per_device=2)
-    with pytest.raises(OctoPipeError, match=r"places stages on ranks \[0, 1, 1, 0\] \(not looped"):
-        parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule",
-                          "octopipe", "--octopipe-plan", path], world=2, validate=False)
+    args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule",
+                             "octopipe", "--octopipe-plan", path], world=2)
+    assert [st["device"] for st in args.octopipe_plan["stages"]] == [0, 1, 1, 0]
+    assert args.virtual_pipeline_model_parallel_size == 2  # the chunks themselves follow the map (pretrain_hooks)
 
 
 def test_stage_arguments_next_to_a_plan_are_refused(tmp_path):

@@ -1,0 +1,124 @@
+"""Model construction inside megatron.training's pretrain under a plan whose stage->rank map is not looped.
+
+Megatron builds chunk v of pipeline rank r as stage r + v*P: `get_model` (model_provider
+scripts) and the 0.19.2 model builders (`GPTModelBuilder`, the cfg_container route) derive
+pre/post_process, the layer offsets and the embedding group from that rule. Under a V-shape
+or any other map these wrappers let the plan decide instead, with the adapter's placement
+functions: the plan's `MappedLayout` in the TransformerConfig, each chunk's pre/post flags,
+the ranks that really hold word-embedding copies, same-rank tied copies made equal, and the
+Float16Module casts on the plan's first and last stages. Looped plans pass straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .graph import hybrid_pattern, model_from_megatron
+from .startup import is_looped, plan_of_args
+
+
+def plan_to_build():
+    """(plan, model graph, tied) of this run when its plan is not looped; None otherwise."""
+    from megatron.training import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:  # megatron.training's arguments not set: a caller outside pretrain, pass through
+        return None
+    plan = plan_of_args(args)
+    if plan is None or is_looped(plan) or hybrid_pattern(args):
+        return None
+    return plan, model_from_megatron(args), not getattr(args, "untie_embeddings_and_output_weights", False)
+
+
+def wrap_initialize_model_parallel(original):
+    """initialize_model_parallel with the plan's embedding ranks (Megatron's {first, last} deadlocks under a V)."""
+    if getattr(original, "octopipe", False):
+        return original
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args, **kwargs):
+        found = plan_to_build()
+        if found is not None:
+            from .embeddings import embedding_ranks_fn
+
+            kwargs["get_embedding_ranks"] = embedding_ranks_fn(*found)
+        return original(*args, **kwargs)
+
+    initialize_model_parallel.octopipe = True
+    return initialize_model_parallel
+
+
+def wrap_get_model(original):
+    """get_model building the plan's chunks through the script's model_provider."""
+    if getattr(original, "octopipe", False):
+        return original
+
+    @functools.wraps(original)
+    def get_model(model_provider_func, *args, **kwargs):
+        found = plan_to_build()
+        if found is None:
+            return original(model_provider_func, *args, **kwargs)
+        from megatron.core import parallel_state
+
+        from .placement import plan_float16_wrappers, plan_model_provider
+
+        plan, graph, _ = found
+        model = original(plan_model_provider(plan, graph, model_provider_func), *args, **kwargs)
+        plan_float16_wrappers(model, plan, parallel_state.get_pipeline_model_parallel_rank())
+        return model
+
+    get_model.octopipe = True
+    return get_model
+
+
+def wrap_gpt_builder(builder_cls) -> None:
+    """GPTModelBuilder.build_model / build_distributed_models building the plan's chunks (in place, once)."""
+    if getattr(builder_cls.build_model, "octopipe", False):
+        return
+    build_model, build_distributed = builder_cls.build_model, builder_cls.build_distributed_models
+
+    @functools.wraps(build_model)
+    def build_chunk(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        found = plan_to_build()
+        if found is None:
+            return build_model(self, pg_collection, pre_process=pre_process, post_process=post_process,
+                               vp_stage=vp_stage)
+        from .placement import apply_layout, chunk_specs, mapped_layout, plan_pipeline_view
+
+        plan, graph, _ = found
+        rank = pg_collection.pp.rank()
+        config = self._model_config.transformer
+        if getattr(config.pipeline_model_parallel_layout, "stage_devices", None) is None:
+            apply_layout(config, mapped_layout(plan, graph))
+        spec = chunk_specs(plan, graph, rank)[vp_stage or 0]
+        with plan_pipeline_view(plan, rank):
+            return build_model(self, pg_collection, pre_process=spec.pre_process, post_process=spec.post_process,
+                               vp_stage=vp_stage)
+
+    @functools.wraps(build_distributed)
+    def build_distributed_models(self, pg_collection, *args, **kwargs):
+        found = plan_to_build()
+        if found is not None and not getattr(self, "octopipe_hooks", False):
+            from .embeddings import tie_local_copies
+            from .placement import plan_float16_wrappers
+
+            plan = found[0]
+            rank = pg_collection.pp.rank()
+            def tie(model):
+                tie_local_copies(model)
+                return model
+
+            def casts(model):
+                plan_float16_wrappers(model, plan, rank)
+                return model
+
+            # Megatron's own hook points around the DDP / Float16Module wrapping (compose_hooks: list in, list out)
+            self._model_config.pre_wrap_hooks = [*(self._model_config.pre_wrap_hooks or []), tie]
+            self._model_config.post_wrap_hooks = [*(self._model_config.post_wrap_hooks or []), casts]
+            self.octopipe_hooks = True
+        return build_distributed(self, pg_collection, *args, **kwargs)
+
+    build_chunk.octopipe = True
+    builder_cls.build_model = build_chunk
+    builder_cls.build_distributed_models = build_distributed_models
