@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# The analytic model applies the shipped calibration (octopipe_plugin/costs/calibration.json) once a
+# GPU run has filled it: tests of the cost formulas must see the GPU table's efficiencies, and no
+# test may write the user's profile cache. Subprocesses inherit both.
+_SCRATCH = tempfile.mkdtemp(prefix="octopipe-tests-")
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
+os.environ.setdefault("OCTOPIPE_CALIBRATION", os.path.join(_SCRATCH, "no-calibration.json"))
+os.environ.setdefault("OCTOPIPE_PROFILE_CACHE", os.path.join(_SCRATCH, "profile-cache"))
 
 # DeepSpeed's CPU accelerator maps a 66 MiB shared-memory all-reduce buffer per rank and never
 # unlinks it: without this, every multi-rank DeepSpeed test leaves its buffers in /dev/shm
