@@ -8,6 +8,7 @@ interleaved repeat by repeat, so a slow spell of a shared machine hits every pha
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,13 @@ class LayerProfile:
     input: dict
     output: dict
     allocated_bytes: int | None = None  # CUDA allocator growth over the forward (output included), GPU only
+    # median over repeats of (I + W) / B, each repeat's three taken back to back: how well the split adds up
+    split_ratio: float | None = None
 
     def to_dict(self) -> dict:
         """JSON form (the cache's record)."""
         d = {k: getattr(self, k) for k in ("activation_bytes", "output_bytes", "params", "state_bytes", "input",
-                                           "output", "allocated_bytes")}
+                                           "output", "allocated_bytes", "split_ratio")}
         d.update({k: getattr(self, k).to_dict() for k in ("fwd", "bwd", "wgrad", "fused")})
         return d
 
@@ -48,7 +51,8 @@ class LayerProfile:
         times = {k: Timing.from_dict(d[k]) for k in ("fwd", "bwd", "wgrad", "fused")}
         return LayerProfile(**times, activation_bytes=int(d["activation_bytes"]), output_bytes=int(d["output_bytes"]),
                             params=int(d["params"]), state_bytes=int(d["state_bytes"]), input=d["input"],
-                            output=d["output"], allocated_bytes=d.get("allocated_bytes"))
+                            output=d["output"], allocated_bytes=d.get("allocated_bytes"),
+                            split_ratio=d.get("split_ratio"))
 
 
 def _fused_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None, params: list,
@@ -115,12 +119,14 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
         g = torch.ones_like(out)
         return timer.timed(lambda: _fused_backward(out, g, xi if float_in else None, params, grad_sink))[1]
 
-    f, i, w, b = [], [], [], []
+    f, i, w, b, ratios = [], [], [], [], []
     for r in range(warmup + repeats):
         tf, ti, tw = split_sample()
         tb = fused_sample()
         if r >= warmup:
             f.append(tf), i.append(ti), w.append(tw), b.append(tb)
+            if tb > 0:
+                ratios.append((ti + tw) / tb)
     act, out = _activation(module, fresh(), device)
     allocated = _allocated(module, fresh(), device)
     for p in params:
@@ -130,7 +136,8 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
     return LayerProfile(fwd=summarise(f), bwd=summarise(i), wgrad=summarise(w),
                         fused=summarise(b), activation_bytes=act, output_bytes=out.numel() * out.element_size(),
                         params=n, state_bytes=int(state), input=tensor_meta(x), output=tensor_meta(out),
-                        allocated_bytes=allocated)
+                        allocated_bytes=allocated,
+                        split_ratio=statistics.median(ratios) if ratios else None)
 
 
 def _activation(module: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[int, torch.Tensor]:

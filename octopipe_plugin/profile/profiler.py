@@ -113,7 +113,8 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
             del module, x
             profiles.append(prof)
             records.append({"signature": signature, "key": key[:16], "cache": how,
-                            "fused_bwd_ms": prof.fused.median_ms, "input": prof.input, "params": prof.params,
+                            "fused_bwd_ms": prof.fused.median_ms, "split_ratio": prof.split_ratio,
+                            "input": prof.input, "params": prof.params,
                             "spread": {"fwd": round(prof.fwd.spread, 4), "bwd": round(prof.bwd.spread, 4),
                                        "wgrad": round(prof.wgrad.spread, 4)}})
             prev_out = prof.output

@@ -23,11 +23,12 @@ def mlp(h: int = 256) -> nn.Module:
 
 
 def split_ratio(module: nn.Module, x: torch.Tensor, attempts: int = 5) -> float:
-    """(I + W) / B from medians; re-measured up to `attempts` times while a busy machine skews it."""
+    """Median over repeats of (I + W) / B, each repeat's phases back to back (a load spike hits them alike);
+    re-measured up to `attempts` times while a busy machine still skews it."""
     ratio = float("nan")
     for _ in range(attempts):
         p = measure_layer(module, x, CPU, warmup=2, repeats=15)
-        ratio = (p.bwd.median_ms + p.wgrad.median_ms) / p.fused.median_ms
+        ratio = p.split_ratio
         if abs(ratio - 1.0) <= 0.15:
             break
     return ratio
