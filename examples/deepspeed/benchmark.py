@@ -107,8 +107,12 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=list(module.parameters()))
         spans = []
         for step in range(steps + 1):
+            # a common start instant: boundaries carry device-clock times across ranks (the Megatron benchmark's rule)
             deepspeed.comm.barrier()
-            t0 = time.time()
+            start = torch.tensor([time.time() + 0.2], dtype=torch.float64)
+            torch.distributed.broadcast(start, src=0)
+            t0 = float(start[0])
+            time.sleep(max(0.0, t0 - time.time()))
             clock.start(t0)
             engine.train_batch(data_iter=iter(standin_batches(m)))
             spans.append(time.time() - t0)
