@@ -1,4 +1,4 @@
-"""The sleeping stand-in layer (both framework benchmarks) and its DeviceClock: F, I and W each sleep once, transfers wait."""
+"""The sleeping stand-in layer of both benchmarks and its DeviceClock: F, I and W each sleep once, transfers wait."""
 
 import time
 
