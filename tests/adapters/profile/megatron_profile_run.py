@@ -2,72 +2,22 @@
 
 Test-only CUDA shims (megatron-core 0.19.2's local attention asks for a CUDA device for its
 scratch buffer and its causal mask, the MoE dispatcher a side stream; its RNG tracker forks
-the CUDA generator): each is redirected to the CPU here,
-never in the plugin. They live in this throw-away process so no other test sees them.
+the CUDA generator) come from tests/adapters/megatron/megatron_cpu_shims.py, never the plugin;
+they are installed in this throw-away process so no other test sees them.
 """
 
-import contextlib
 import json
+import os
 import sys
 
 import torch
 
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.synchronize = lambda *a, **k: None
+# The shims are the Megatron tests' own (one copy): loaded from their folder, not the plugin.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron"))
+import megatron_cpu_shims  # noqa: E402
+
+megatron_cpu_shims.install()
 torch.set_num_threads(1)
-
-
-class _NullStream:
-    """A CPU stand-in for a CUDA stream (the MoE all-to-all dispatcher makes one): all work is in order."""
-
-    def wait_stream(self, other):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def record_event(self, event=None):
-        return _NullEvent()
-
-
-class _NullEvent:
-    """A CPU stand-in for a CUDA event: already complete."""
-
-    def synchronize(self):
-        return None
-
-    def wait(self, stream=None):
-        return None
-
-    def query(self):
-        return True
-
-    def record(self, stream=None):
-        return None
-
-
-torch.cuda.Event = lambda *a, **k: _NullEvent()
-torch.cuda.Stream = lambda *a, **k: _NullStream()
-torch.cuda.current_stream = lambda *a, **k: _NullStream()
-torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-
-
-def _on_cpu(factory):
-    """A tensor factory whose device='cuda' means the CPU (Megatron builds its causal mask on 'cuda')."""
-    def call(*args, **kwargs):
-        if "cuda" in str(kwargs.get("device", "")):
-            kwargs["device"] = "cpu"
-        return factory(*args, **kwargs)
-
-    return call
-
-
-for _name in ("ones", "zeros", "empty", "arange", "full"):
-    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
-
-import megatron.core.tensor_parallel.random as rnd  # noqa: E402
-
-rnd.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 
 from octopipe_plugin.adapters.megatron.profile import megatron_builders, megatron_inputs  # noqa: E402
 from octopipe_plugin.costs import load_arch  # noqa: E402
