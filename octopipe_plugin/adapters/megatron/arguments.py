@@ -7,6 +7,8 @@
     --octopipe-plan PATH                     an octopipe-plan/1 file to run
     --octopipe-cluster NAME|PATH             tune a plan at start-up for this cluster (rank 0, broadcast)
     --octopipe-gpu, --octopipe-tune-seconds, --octopipe-tune-iterations, --octopipe-seed, --octopipe-costs
+    --octopipe-profile                       measure the layer kinds on this device before tuning (rank 0)
+    --octopipe-profile-repeats, --octopipe-profile-cache
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def add_octopipe_args(parser):
     group.add_argument("--octopipe-costs", default=None, metavar="PATH",
                        help="measured per-layer costs (JSON: layer name or kind -> {fwd_ms, bwd_ms, wgrad_ms, ...}) "
                             "that replace the analytic ones")
+    group.add_argument("--octopipe-profile", action="store_true",
+                       help="before tuning at start-up, measure one real Megatron layer of each kind on this device "
+                            "(rank 0; cached on disk) and tune on those costs (not with --octopipe-plan)")
+    group.add_argument("--octopipe-profile-repeats", type=int, default=10,
+                       help="timed repeats per layer kind for --octopipe-profile (default 10)")
+    group.add_argument("--octopipe-profile-cache", default=None, metavar="DIR",
+                       help="profile cache folder for --octopipe-profile (default: the profiler's)")
     return parser
 
 

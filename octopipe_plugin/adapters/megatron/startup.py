@@ -23,6 +23,7 @@ from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .layout import GPT_SYMBOLS, HYBRID_SYMBOLS
+from .startup_profile import merge_costs, profiled_costs
 
 log = logging.getLogger("octopipe.megatron")
 
@@ -35,6 +36,13 @@ _STAGE_FLAGS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_
 
 def resolve_octopipe_plan(args):
     """Under `--pipeline-schedule octopipe`: find, check and apply the plan (args.octopipe_plan); returns args."""
+    if getattr(args, "octopipe_profile", False):
+        if getattr(args, "pipeline_schedule", "default") != "octopipe":
+            raise OctoPipeError("--octopipe-profile measures costs to tune an OctoPipe plan; it needs "
+                                "--pipeline-schedule octopipe and --octopipe-cluster")
+        if args.octopipe_plan:
+            raise OctoPipeError(f"--octopipe-profile measures costs to tune a plan at start-up, but --octopipe-plan "
+                                f"{args.octopipe_plan} gives the plan; drop one of them")
     if getattr(args, "pipeline_schedule", "default") != "octopipe":
         return args
     _refuse_stage_args(args)
@@ -139,8 +147,11 @@ def _find_plan(args, specs, facts):
     return _tune_on_rank0(args, specs, facts), f"the plan tuned for {args.octopipe_cluster}"
 
 
-def tune_for_run(args, facts: RunFacts):
-    """Tune a plan for this run's model and pipeline on the given cluster (what rank 0 does at start-up)."""
+def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
+    """Tune a plan for this run's model and pipeline on the given cluster (what rank 0 does at start-up).
+
+    `profiled`: kind -> measured cost fields (--octopipe-profile); the --octopipe-costs file goes on top.
+    """
     from ...costs import cost_gpu, resolve_cluster
     from ...tuner import tune
 
@@ -150,7 +161,8 @@ def tune_for_run(args, facts: RunFacts):
                             f"pipeline has {facts.pipeline_size} ranks; give one device per pipeline rank "
                             f"(e.g. h100x{facts.pipeline_size})")
     gpu = cost_gpu(cluster, args.octopipe_gpu)
-    model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=load_measured_costs(args.octopipe_costs),
+    measured = merge_costs(profiled or {}, load_measured_costs(args.octopipe_costs))
+    model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=measured,
                                 data_parallel_size=facts.data_parallel_size)
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
                   seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations)
@@ -158,7 +170,8 @@ def tune_for_run(args, facts: RunFacts):
     if hybrid_pattern(args) and not is_looped(plan):
         plan = _fastest_looped(result, model, facts)
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
-            "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu}}
+            "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
+                          **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
     return replace(plan, meta=meta)
 
 
@@ -192,13 +205,24 @@ def _tune_on_rank0(args, specs, facts):
     """Rank 0 tunes, every rank receives the plan (or rank 0's error) over the default process group."""
     import torch.distributed as dist
 
+    profiled, failure = None, None
+    if getattr(args, "octopipe_profile", False) and int(getattr(args, "rank", 0) or 0) == 0:
+        # before the run's group opens: the profiler's one-rank group and parallel state are gone after it
+        try:
+            profiled = profiled_costs(args, name=_model_name(args))
+        except OctoPipeError as exc:
+            failure = str(exc)
     if facts.pipeline_size * facts.data_parallel_size == 1 and not dist.is_initialized():
-        return tune_for_run(args, facts)
+        if failure:
+            raise OctoPipeError(failure)
+        return tune_for_run(args, facts, profiled)
     _open_process_group(args)
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = {"plan": plan_to_dict(tune_for_run(args, facts))}
+            if failure:
+                raise OctoPipeError(failure)
+            box[0] = {"plan": plan_to_dict(tune_for_run(args, facts, profiled))}
         except OctoPipeError as exc:
             box[0] = {"error": str(exc)}
     dist.broadcast_object_list(box, src=0)
