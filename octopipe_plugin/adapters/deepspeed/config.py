@@ -3,7 +3,8 @@
     "octopipe": {
       "enabled": true,                  # false (or no block): DeepSpeed runs as it always does
       "plan": "plan.json",              # an octopipe-plan/1 file ...
-      "tune": {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60, "seed": 0, "seq_len": 4096},  # or tune
+      "tune": {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60, "seed": 0, "seq_len": 4096,  # or tune
+               "profile": true, "profile_repeats": 10, "profile_input": [1, 4096]},  # measure layers first
       "save_plan": "run/plan.json",     # where rank 0 writes the plan it tuned (or was given)
       "model": "model.json",            # optional octopipe-model/1 file: measured costs for tuning
       "layer_of_spec": [0, 1, 1, 2],    # optional: OctoPipe layer of each PipelineModule list entry
@@ -23,7 +24,7 @@ from ...errors import FormatError
 CONFIG_KEY = "octopipe"
 _SRC = "ds_config"
 _FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s")
-_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len")
+_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len", "profile", "profile_repeats", "profile_input")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +36,9 @@ class TuneSpec:
     time_budget_s: float = 60.0
     seed: int = 0
     seq_len: int = 2048  # tokens per sample, for the analytic costs of the layer list
+    profile: bool = False  # measure the layer list on this device (profiler, disk-cached) and tune on that
+    profile_repeats: int = 10  # timed runs per distinct layer when profiling
+    profile_input: tuple[int, ...] | None = None  # shape of a float first-layer input; None: token ids
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,8 +95,21 @@ def _tune(spec) -> TuneSpec:
     seq_len = spec.get("seq_len", 2048)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise FormatError(_SRC, f"{where}.seq_len", "a positive integer (tokens per sample)", seq_len)
+    profile = spec.get("profile", False)
+    if not isinstance(profile, bool):
+        raise FormatError(_SRC, f"{where}.profile", "true or false (measure the layers before tuning)", profile)
+    repeats = spec.get("profile_repeats", 10)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise FormatError(_SRC, f"{where}.profile_repeats", "a positive integer (timed runs per layer)", repeats)
+    shape = spec.get("profile_input")
+    if shape is not None and (not isinstance(shape, list) or not shape or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise FormatError(_SRC, f"{where}.profile_input",
+                          "the shape of the first layer's input, a list of positive integers", shape)
     return TuneSpec(cluster=cluster, gpu=gpu, time_budget_s=_number(spec, "time_budget_s", f"{where}.time_budget_s",
-                                                                    60.0), seed=seed, seq_len=seq_len)
+                                                                    60.0), seed=seed, seq_len=seq_len,
+                    profile=profile, profile_repeats=repeats,
+                    profile_input=tuple(shape) if shape is not None else None)
 
 
 def _check_gpu(gpu: str, where: str) -> None:

@@ -79,6 +79,8 @@ def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners, costs=No
     m = gradient_accumulation_steps(config, world, pipe)
     if block.model is not None:
         model = resolve_model(block.model, gpu=spec.gpu)
+    elif spec.profile:
+        model = profile_specs(layers, spec, micro_batch_size=int(config.get("train_micro_batch_size_per_gpu", 1)))
     else:
         from .graph import model_from_specs
 
@@ -92,3 +94,45 @@ def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners, costs=No
              spec.cluster, m, spec.time_budget_s)
     result = tune(model, cluster, m, time_budget_s=spec.time_budget_s, seed=spec.seed).plan
     return replace(result, model=result.model or model.name)
+
+
+def profile_specs(layers, spec, *, micro_batch_size: int = 1):
+    """The layer list measured on this device (`tune.profile`): a Model whose layers say source "measured"."""
+    import torch
+
+    from ...profile import ProfileSettings
+    from .profile import profile_layer_list
+
+    if spec.profile_input is not None:
+        shape = spec.profile_input
+
+        def example(device):
+            return torch.randn(*shape, device=device, generator=torch.Generator().manual_seed(0)).to(device)
+    else:
+        vocab = _first_vocab(layers)
+
+        def example(device):
+            gen = torch.Generator().manual_seed(0)
+            return torch.randint(0, vocab, (micro_batch_size, spec.seq_len), generator=gen).to(device)
+
+    result = profile_layer_list(layers, example, name="deepspeed-pipeline",
+                                settings=ProfileSettings(repeats=spec.profile_repeats))
+    log.info("octopipe: profiled %d layers (%d measured, %d from the cache) on %s", result.stats.layers,
+             result.stats.measured, result.stats.cache_hits, result.model.meta["profile"]["device"])
+    return result.model
+
+
+def _first_vocab(layers) -> int:
+    """Vocabulary size of a first-entry embedding, whose token ids are the default profiling input."""
+    from torch import nn
+
+    first = layers[0] if layers else None
+    typ = getattr(first, "typename", None) or type(first)
+    if isinstance(typ, type) and issubclass(typ, nn.Embedding):
+        if isinstance(first, nn.Embedding):
+            return first.num_embeddings
+        args, kwargs = tuple(first.module_args), dict(first.module_kwargs)
+        return int(kwargs.get("num_embeddings", args[0] if args else 1))
+    raise FormatError("ds_config", f"$.{CONFIG_KEY}.tune.profile_input",
+                      "the shape of the first layer's input (its first entry is no embedding, so token ids "
+                      "cannot serve)", None)
