@@ -66,4 +66,43 @@ def test_real_profiler_at_startup(tmp_path):
     assert all(first["measured"][k]["fwd_ms"] > 0 for k in ("dense", "lm_head"))
     assert first["plan_meta"]["tuned_for"]["profiled_kinds"] == ["dense", "embedding", "lm_head"]
     assert not first["left_open"]  # Megatron's own initialisation starts from nothing
-    assert first["cached"] and second["cached"] == first["cached"]  # the second start-up read the cache
+    # the second start-up read the cache: the same entries and the very same figures (a re-measure differs)
+    assert first["cached"] and second["cached"] == first["cached"]
+    assert second["measured"] == first["measured"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_rank0_profiles_then_the_plan_is_broadcast(tmp_path):
+    from octopipe_plugin.executor.launch import spawn
+
+    spawn(_profile_worker, 2, str(tmp_path))
+    plans = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert plans[0] == plans[1] and plans[0]["num_devices"] == 2
+    assert plans[0]["meta"]["tuned_for"]["profiled_kinds"] == ["dense", "embedding", "lm_head"]
+
+
+def _profile_worker(rank, world, port, out):
+    # a spawned process of its own: the CPU shims stay in it
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "megatron"))
+    import megatron_cpu_shims
+
+    megatron_cpu_shims.install()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from launch_helpers import parse as parse_in_child
+
+    args = parse_in_child(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+                                      "--pipeline-schedule", "octopipe", "--octopipe-cluster", "h100x2",
+                                      "--octopipe-tune-iterations", "5", "--distributed-backend", "gloo",
+                                      "--octopipe-profile", "--octopipe-profile-repeats", "1",
+                                      "--octopipe-profile-cache", os.path.join(out, "cache")],
+                          world=world, rank=rank, validate=False)
+    assert dist.is_initialized() and dist.get_world_size() == world  # the run's group, not the profiler's
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(args.octopipe_plan, fh)
+    dist.destroy_process_group()
