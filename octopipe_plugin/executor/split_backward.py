@@ -10,6 +10,7 @@ in-place `detach_()`, which fails on view outputs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -93,19 +94,8 @@ def backward_weight(work: WeightWork, sink: str = "direct") -> None:
                 if dw is not None:
                     accumulate_grad(p, owned_grad(dw, work.incoming))
     for group in work.groups:
-        edges, grads = [], []
-        for captured, node in zip(group["grads"], group["intermediates"]):
-            for i, g in enumerate(captured or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        handles = []
-        if len(group["intermediates"]) > 1:
-            # An intermediate below another would count the upper one's gradient twice:
-            # pin every intermediate's incoming gradient to what I captured there.
-            for captured, node in zip(group["grads"], group["intermediates"]):
-                handles.append(node.register_prehook(lambda _g, sg=captured: sg))
-        try:
+        edges, grads = captured_edges(group)
+        with pinned_intermediates(group):
             if edges:
                 accs = list(group["params"])
                 if sink == "autograd":
@@ -114,10 +104,33 @@ def backward_weight(work: WeightWork, sink: str = "direct") -> None:
                     dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
                     for acc, dw in zip(accs, dws):
                         accumulate_grad(owner[acc], owned_grad(dw, work.incoming))
-        finally:
-            for h in handles:
-                h.remove()
         group.clear()
+
+
+def captured_edges(group) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    """The edges into a parameter group's intermediates and the gradients I captured on them."""
+    edges, grads = [], []
+    for captured, node in zip(group["grads"], group["intermediates"]):
+        for i, g in enumerate(captured or ()):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(g)
+    return edges, grads
+
+
+@contextmanager
+def pinned_intermediates(group):
+    """While W walks a group: every intermediate's incoming gradient is pinned to what I captured there."""
+    handles = []
+    if len(group["intermediates"]) > 1:
+        # an intermediate below another would otherwise count the upper one's gradient twice
+        for captured, node in zip(group["grads"], group["intermediates"]):
+            handles.append(node.register_prehook(lambda _g, sg=captured: sg))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def owned_grad(g: torch.Tensor, incoming) -> torch.Tensor:

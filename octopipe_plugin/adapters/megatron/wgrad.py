@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge
 
-from octopipe_plugin.executor.split_backward import _get_grad_fn_or_grad_acc, backward_input, owned_grad
+from octopipe_plugin.executor.split_backward import (
+    _get_grad_fn_or_grad_acc,
+    backward_input,
+    captured_edges,
+    owned_grad,
+    pinned_intermediates,
+)
 
 INPUT, WEIGHT = "input", "weight"
 
@@ -258,26 +264,12 @@ def _direct_weight_grad(node, grad_output) -> list[tuple[GradientEdge, torch.Ten
 
 def _walk(group) -> list[tuple[GradientEdge, torch.Tensor]]:
     """Parameter gradients of one group by walking the engine from its captured intermediates."""
-    edges, grads = [], []
-    for captured, node in zip(group["grads"], group["intermediates"]):
-        for i, g in enumerate(captured or ()):
-            if g is not None:
-                edges.append(GradientEdge(node, i))
-                grads.append(g)
+    edges, grads = captured_edges(group)
     if not edges:
         return []
-    handles = []
-    if len(group["intermediates"]) > 1:
-        # an intermediate below another would count the upper one's gradient twice:
-        # pin every intermediate's incoming gradient to what I captured there
-        for captured, node in zip(group["grads"], group["intermediates"]):
-            handles.append(node.register_prehook(lambda _g, sg=captured: sg))
-    try:
+    with pinned_intermediates(group):
         accs = list(group["params"])
         dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
     return [(GradientEdge(a, 0), d) for a, d in zip(accs, dws) if d is not None]
 
 
