@@ -106,6 +106,14 @@ def test_hidden_and_mask_boundary(runs):
     _check_against_reference(H.load(runs, "v_mask", 2), CLIP, masked=True)
 
 
+def _assert_same_weights(ours, stock):
+    """Every layer's weights after the steps equal between the two engines' runs."""
+    wa, wb = H.merged_weights(ours), H.merged_weights(stock)
+    for idx in wa:
+        for k in wa[idx]:
+            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.timeout(60)
 def test_same_partition_as_deepspeeds_engine(runs):
     ours, stock = H.load(runs, "flat_octopipe", 2), H.load(runs, "flat_stock", 2)
@@ -113,10 +121,7 @@ def test_same_partition_as_deepspeeds_engine(runs):
     _check_against_reference(ours, 0.0)
     for a, b in zip(ours, stock):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
-    wa, wb = H.merged_weights(ours), H.merged_weights(stock)
-    for idx in wa:
-        for k in wa[idx]:
-            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-6, rtol=1e-6)
+    _assert_same_weights(ours, stock)
 
 
 @pytest.mark.timeout(60)
@@ -126,10 +131,7 @@ def test_lr_scheduler_steps_as_in_deepspeeds_engine(runs):
     for a, b, c in zip(ours, stock, plain):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
         assert a["losses"][1:] != pytest.approx(c["losses"][1:], rel=1e-3)  # the warm-up did change the steps
-    wa, wb = H.merged_weights(ours), H.merged_weights(stock)
-    for idx in wa:
-        for k in wa[idx]:
-            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-6, rtol=1e-6)
+    _assert_same_weights(ours, stock)
 
 
 @pytest.mark.timeout(60)
