@@ -10,11 +10,11 @@ import pytest
 import torch.multiprocessing as mp
 
 from octopipe_plugin.executor import ExecutorError, ExecutorOptions, PipelineExecutor
-from octopipe_plugin.executor.checks import toy_runner
+from octopipe_plugin.testing.checks import toy_runner
 from octopipe_plugin.executor.launch import free_port, init_gloo
-from octopipe_plugin.executor.toy import ToySpec, build_layers
+from octopipe_plugin.testing.toy import ToySpec, build_layers
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 
 SPEC = ToySpec()
 

@@ -16,7 +16,7 @@ def _check(rank, world, port, out_path):
     from megatron.core.tensor_parallel import layers
 
     from octopipe_plugin.adapters.megatron.wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
-    from octopipe_plugin.adapters.megatron.wgrad_check import MLPStack, _inputs, run_split
+    from octopipe_plugin.testing.megatron_wgrad import MLPStack, _inputs, run_split
     from octopipe_plugin.executor.launch import init_gloo
 
     init_gloo(rank, world, port)

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from octopipe_plugin.executor.split_backward import backward_input, backward_weight
+from ..executor.split_backward import backward_input, backward_weight
 
-from .wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
+from ..adapters.megatron.wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
 
 
 class MLPStack(torch.nn.Module):
