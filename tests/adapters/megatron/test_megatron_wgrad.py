@@ -16,7 +16,7 @@ def _check(rank, world, port, out_path):
     from megatron.core.tensor_parallel import layers
 
     from octopipe_plugin.adapters.megatron.wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
-    from octopipe_plugin.testing.megatron_wgrad import MLPStack, _inputs, run_split
+    from octopipe_plugin.testing.megatron_wgrad import MLPStack, _inputs, counting_gemms, run_split
     from octopipe_plugin.executor.launch import init_gloo
 
     init_gloo(rank, world, port)
@@ -48,16 +48,17 @@ def _check(rank, world, port, out_path):
         acc.register_hook(lambda *a, i=i: fired.__setitem__(i, fired.get(i, 0) + 1))
         p._keep_acc = acc  # hooks live on the accumulator: keep it alive
     results = {}
-    for mb in range(2):  # two micro-batches: gradients accumulate, hooks fire once per micro-batch
-        out = model(x)
-        (dx,), work = input_pass([out], [dy], [x], params, phase)
-        results.setdefault("fired_after_I", []).append(sum(fired.values()))
-        weight_pass(work)
-        results.setdefault("fired_after_W", []).append(dict(fired))
-        torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
+    with counting_gemms() as gemms:
+        for mb in range(2):  # two micro-batches: gradients accumulate, hooks fire once per micro-batch
+            out = model(x)
+            (dx,), work = input_pass([out], [dy], [x], params, phase)
+            results.setdefault("fired_after_I", []).append(sum(fired.values()))
+            weight_pass(work)
+            results.setdefault("fired_after_W", []).append(dict(fired))
+            torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, 2 * q.grad, rtol=1e-6, atol=1e-7, msg=name)
-    results.update(plain_calls=plain_calls, phase=(phase.forward_calls, phase.input_gemms, phase.weight_gemms),
+    results.update(plain_calls=plain_calls, phase=(gemms.forward_calls, gemms.input_gemms, gemms.weight_gemms),
                    nparams=len(params))
     torch.save(results, out_path)
     dist.destroy_process_group()
