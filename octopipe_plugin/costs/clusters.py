@@ -8,7 +8,7 @@ from ..errors import OctoPipeError
 from ..formats._fields import is_document_path
 from ..formats.cluster import Cluster, Link, read_cluster
 from ..limits import MAX_DEVICES
-from .gpus import get_gpu
+from ..gpus import get_gpu
 
 DEVICES_PER_NODE = 8
 # Small-message p2p latency: NCCL over NVLink within a node, over InfiniBand (GPUDirect RDMA) across nodes.
