@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from ..errors import OctoPipeError
-from ..formats._fields import is_document_path
+from ..formats.fields import is_document_path
 from ..formats.cluster import Cluster, Link, read_cluster
 from ..limits import MAX_DEVICES
 from ..gpus import get_gpu

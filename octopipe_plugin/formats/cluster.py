@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._fields import check_format, check_value, field, load_json, write_json
+from .fields import check_format, check_value, field, load_json, write_json
 from .. import limits as L
 from ..errors import FormatError
 from ..gpus import GPUS, known_gpu
