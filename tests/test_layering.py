@@ -10,6 +10,7 @@ import its own tier and the tiers below, never one above.
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -232,3 +233,14 @@ def test_the_walker_sees_lazy_and_relative_imports():
     # seam_checks' in-function `from ..costs import resolve_model`
     assert f"{PKG}.costs" in graph[f"{PKG}.testing.seam_checks"]
     assert any(m == f"{PKG}.adapters.megatron.wgrad" for m, _, _ in framework_imports())
+
+
+def test_design_doc_shows_this_tier_table():
+    """docs/design.md's "Layers" table names the same tier for every module as TIERS."""
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    doc = {}
+    for tier, cell in re.findall(r"^\| (\d+) \| ([^|]*) \|", section, flags=re.M):
+        for name in re.findall(r"`([\w.]+)/?`", cell):
+            doc[name] = int(tier)
+    assert doc == TIERS, f"docs/design.md tiers {doc} differ from TIERS {TIERS}"
