@@ -35,7 +35,10 @@ API (what the Megatron and DeepSpeed adapters build on):
 from .comm_cache import CommCache, default_cache
 from .engine import ExecutorOptions, PipelineExecutor, StepResult, forward_plan
 from .errors import ExecutorError
-from .interface import LossOutput, StageRunner, TensorMeta
+from .interface import LossOutput, RunnerInterfaceError, StageRunner, TensorMeta, check_runner
+from .lowered import LoweredPlan, first_rank, loss_rank, lowered_plan
+from .nccl_rules import check_nccl_rules
+from .posting import format_lowered
 from .program import RankProgram, Step, build_program
 from .torch_stage import TorchStages
 from .validate import check_runnable
@@ -43,5 +46,6 @@ from .validate import check_runnable
 __all__ = [
     "CommCache", "default_cache", "ExecutorOptions", "PipelineExecutor", "StepResult", "forward_plan",
     "ExecutorError", "LossOutput", "StageRunner", "TensorMeta", "RankProgram", "Step", "build_program",
-    "TorchStages", "check_runnable",
+    "TorchStages", "check_runnable", "RunnerInterfaceError", "check_runner", "LoweredPlan", "lowered_plan",
+    "loss_rank", "first_rank", "check_nccl_rules", "format_lowered",
 ]
