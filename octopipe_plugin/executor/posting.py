@@ -90,7 +90,8 @@ def format_ops(ops, rank: int, *, compact: bool = False) -> str:
     return "\n".join(lines)
 
 
-def format_lowered(lowered, *, warm: bool = False, compact: bool = False) -> str:
-    """The text form of a `LoweredPlan`'s training program (compute and comm, in posting order)."""
-    pairs = lowered.my_pairs if warm else ()
+def format_lowered(lowered, *, warm=False, compact: bool = False) -> str:
+    """The text form of a `LoweredPlan`'s program (compute and comm, in posting order); `warm`: True (its own
+    directions) or the directions the executor warmed before the step, in order."""
+    pairs = lowered.my_pairs if warm is True else tuple(warm or ())
     return format_ops(rank_ops(lowered.program, pairs), lowered.rank, compact=compact)
