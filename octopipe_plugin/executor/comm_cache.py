@@ -31,6 +31,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .errors import ExecutorError
 from .lowered import plan_key, plan_pairs
 
 __all__ = ["CommCache", "default_cache", "group_key", "plan_key", "reusable"]
@@ -97,8 +98,12 @@ class CommCache:
 
 def _warm(g, pair: tuple[int, int], me: int, device, timeout_s: float) -> None:
     """One element from pair[0] to pair[1] on `g`, plainly and batched: NCCL creates both communicators now."""
-    dev = torch.device("cpu") if dist.get_backend(g) == "gloo" else torch.device(device)
+    backend = dist.get_backend(g)
+    dev = torch.device("cpu") if backend == "gloo" else torch.device(device)
     src, dst = pair
+    if backend == "nccl" and dev.type == "cpu":
+        raise ExecutorError(f"rank {me}: warming the direction group r{src}->r{dst}: backend nccl moves device "
+                            f"tensors, the executor's device is cpu (pass PipelineExecutor(device=...))", rank=me)
     peer = dist.get_group_rank(g, dst if me == src else src)
     buf = torch.zeros(1, device=dev)
     bound = datetime.timedelta(seconds=timeout_s)
