@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from ..actions import Action, Kind
-from ..schedules.messages import Message, plan_messages
+from ..schedules.messages import Message, messages_by_action, plan_messages
 from .program import RankProgram, build_program
 
 _CACHE_SIZE = 64  # plans x ranks x prefetch kept; a process runs a handful (training, evaluation counts)
@@ -28,6 +28,38 @@ _CACHE_SIZE = 64  # plans x ranks x prefetch kept; a process runs a handful (tra
 def plan_key(plan) -> tuple:
     """What identifies a plan's messages and programs: devices, stages and every device's list."""
     return (plan.num_devices, plan.stages, plan.schedule)
+
+
+class _Key:
+    """A plan_key with its hash computed once: hashing a long schedule costs one Python call per action."""
+
+    __slots__ = ("value", "hash")
+
+    def __init__(self, value: tuple):
+        self.value = value
+        self.hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and (
+            self.value is other.value or self.value == other.value)
+
+
+_keys: OrderedDict = OrderedDict()  # id(plan) -> (plan, its _Key); holding the plan keeps its id unique
+
+
+def cache_key(plan) -> _Key:
+    """The hashable key of `plan` in the lowering caches (plan_key, hashed once per plan object)."""
+    held = _keys.get(id(plan))
+    if held is not None and held[0] is plan:
+        return held[1]
+    key = _Key(plan_key(plan))
+    _keys[id(plan)] = (plan, key)
+    if len(_keys) > _CACHE_SIZE:
+        _keys.popitem(last=False)
+    return key
 
 
 def first_rank(plan) -> int:
@@ -104,6 +136,7 @@ class LoweredPlan:
 
 
 _messages: OrderedDict = OrderedDict()
+_by_action: OrderedDict = OrderedDict()
 _lowered: OrderedDict = OrderedDict()
 
 
@@ -122,7 +155,12 @@ def plan_message_map(plan) -> Mapping[tuple[int, int], tuple[Message, ...]]:
     """`plan_messages(plan)` computed once per plan (read-only, tuples)."""
     def make():
         return MappingProxyType({pair: tuple(msgs) for pair, msgs in sorted(plan_messages(plan).items())})
-    return _remember(_messages, plan_key(plan), make)
+    return _remember(_messages, cache_key(plan), make)
+
+
+def _message_of_action(plan) -> tuple[dict, dict]:
+    """(message each action sends, message each action receives), once per plan (every rank reads them)."""
+    return _remember(_by_action, cache_key(plan), lambda: messages_by_action(plan, plan_message_map(plan)))
 
 
 def plan_pairs(plan) -> tuple[tuple[int, int], ...]:
@@ -134,12 +172,12 @@ def lowered_plan(plan, rank: int, prefetch: int = 2) -> LoweredPlan:
     """Rank `rank`'s lowered share of `plan` (receives posted `prefetch` actions ahead), built once."""
     if not 0 <= rank < plan.num_devices:
         raise ValueError(f"lowered_plan: rank: expected 0..{plan.num_devices - 1}, got {rank}")
-    return _remember(_lowered, (plan_key(plan), rank, prefetch), lambda: _lower(plan, rank, prefetch))
+    return _remember(_lowered, (cache_key(plan), rank, prefetch), lambda: _lower(plan, rank, prefetch))
 
 
 def _lower(plan, rank: int, prefetch: int) -> LoweredPlan:
     messages = plan_message_map(plan)
-    program = build_program(plan, rank, prefetch, messages=messages)
+    program = build_program(plan, rank, prefetch, messages=messages, by_action=_message_of_action(plan))
     last: dict[int, int] = {}
     for i, step in enumerate(program.steps):
         if step.action.rule.weight_grad:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import DeadlockError, PlanError
-from .lowered import lowered_plan, plan_key
+from .lowered import cache_key, lowered_plan
 from .posting import Op, OpKind, describe, rank_ops
 from .program import RankProgram
 
@@ -51,7 +51,7 @@ class NcclReplay:
 def check_nccl_rules(plan, *, prefetch: int = 2, pair_groups: bool = True, eager: bool = True,
                      host_waits: bool = True) -> None:
     """Raise DeadlockError (naming every stuck rank and what it waits on) if one step of `plan` hangs under NCCL."""
-    key = (plan_key(plan), prefetch, pair_groups, eager, host_waits)
+    key = (cache_key(plan), prefetch, pair_groups, eager, host_waits)
     if key in _passed:
         return
     programs = [lowered_plan(plan, r, prefetch).program for r in range(plan.num_devices)]
