@@ -52,19 +52,25 @@ class KindRule:
     activation: int  # +1: the stage's activation of m becomes live; -1: it is freed; 0: unchanged
     phase: str  # every (stage, micro-batch) runs each phase once, in exactly one of its forms
     form: str  # the set of kinds that together run the phase
+    # its action finishes the parameter gradients of (s, m): a stage's last such action in a step is where
+    # its weight gradients are final (the executor's `last_backward`, a framework's gradient reduction)
+    weight_grad: bool
 
 
 RULES: Mapping[Kind, KindRule] = MappingProxyType({
     Kind.F: KindRule(kind=Kind.F, noun="forward", receives=Flow.ACT, after=None, sends=Flow.ACT,
-                     cost=("fwd",), activation=1, phase="forward", form="forward"),
+                     cost=("fwd",), activation=1, phase="forward", form="forward", weight_grad=False),
     # B waits for its stage's own F (autograd needs the saved activation) and the next stage's gradient
     Kind.B: KindRule(kind=Kind.B, noun="backward", receives=Flow.GRAD, after=Kind.F, sends=Flow.GRAD,
-                     cost=("bwd", "wgrad"), activation=-1, phase="backward", form="fused"),
+                     cost=("bwd", "wgrad"), activation=-1, phase="backward", form="fused",
+                     weight_grad=True),
     # I is B without the weight gradient: it keeps the activation, which W still reads
     Kind.I: KindRule(kind=Kind.I, noun="input-gradient", receives=Flow.GRAD, after=Kind.F, sends=Flow.GRAD,
-                     cost=("bwd",), activation=0, phase="backward", form="split"),
+                     cost=("bwd",), activation=0, phase="backward", form="split",
+                     weight_grad=False),
     Kind.W: KindRule(kind=Kind.W, noun="weight-gradient", receives=None, after=Kind.I, sends=None,
-                     cost=("wgrad",), activation=-1, phase="backward", form="split"),
+                     cost=("wgrad",), activation=-1, phase="backward", form="split",
+                     weight_grad=True),
 })
 
 

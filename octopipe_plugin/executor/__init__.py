@@ -6,12 +6,19 @@ API (what the Megatron and DeepSpeed adapters build on):
   cache=None, on_last_backward=None)`: one rank's share of `plan` over the ranks of
   `group`. The plan is validated and checked for deadlock before anything is sent.
   `on_last_backward(stage)` runs right after a stage's last B or W of a training step (its
-  weight gradients are final: start its gradient reduction there).
-- `run_step(data=None, *, forward_only=False) -> StepResult`: `data` is this step's data
-  source: one iterable of micro-batches shared by the rank's stages, a mapping
-  stage -> iterable (Megatron's per-chunk iterators), or None (the runner loads its own);
-  each forward gets micro-batch mb as `batch`. `forward_only` (evaluation) runs only the
-  plan's forwards in the plan's order, keeps no activations and sends no gradients.
+  weight gradients are final: start its gradient reduction there); a runner method that
+  accepts `last_backward=` is told so *before* that call. The runner's interface is checked
+  here (`check_runner`: one `RunnerInterfaceError` naming class, method and what is missing).
+- `run_step(data=None, *, forward_only=False, num_microbatches=None) -> StepResult`: `data`
+  is this step's data source: one iterable of micro-batches shared by the rank's stages, a
+  mapping stage -> iterable (Megatron's per-chunk iterators), or None (the runner loads its
+  own); each forward gets micro-batch mb as `batch`. `forward_only` (evaluation) runs only
+  the plan's forwards in the plan's order (`forward_plan`; with another `num_microbatches`,
+  in (micro-batch, stage) order), keeps no activations and sends no gradients.
+- `lowered_plan(plan, rank) -> LoweredPlan`: everything derived from the plan for one rank,
+  built once (messages, programs, pairs, `last_backward`, `first_rank`, `loss_rank`);
+  `format_lowered` prints its program; `check_nccl_rules(plan)` replays a step under NCCL's
+  rules.
   `StepResult.outputs[mb]` is the last stage's `LossOutput` (scaled loss, `num_tokens`,
   the loss function's dict in `logs`, its own return value in `raw`); `loss`,
   `losses`, `logs` and `num_tokens` summarise them (empty / None off the last stage).
@@ -28,14 +35,18 @@ API (what the Megatron and DeepSpeed adapters build on):
   gloo with `ExecutorOptions(pair_groups=True)`), made once per rank pair for every
   pipeline of the world (collective over the default group: every rank constructs its
   executors at the same point), and receive buffers kept per (plan, group), so later
-  steps and further executors on the same plan open no communicator. Received tensors
-  are valid until the next step.
+  steps and further executors on the same plan open no communicator; each direction group
+  is warmed when made, all ranks in the world's sorted pair order (`eager_comms`). Received
+  tensors are valid until the next step.
 """
 
 from .comm_cache import CommCache, default_cache
 from .engine import ExecutorOptions, PipelineExecutor, StepResult, forward_plan
 from .errors import ExecutorError
-from .interface import LossOutput, StageRunner, TensorMeta
+from .interface import LossOutput, RunnerInterfaceError, StageRunner, TensorMeta, check_runner
+from .lowered import LoweredPlan, first_rank, loss_rank, lowered_plan
+from .nccl_rules import check_nccl_rules
+from .posting import format_lowered
 from .program import RankProgram, Step, build_program
 from .torch_stage import TorchStages
 from .validate import check_runnable
@@ -43,5 +54,6 @@ from .validate import check_runnable
 __all__ = [
     "CommCache", "default_cache", "ExecutorOptions", "PipelineExecutor", "StepResult", "forward_plan",
     "ExecutorError", "LossOutput", "StageRunner", "TensorMeta", "RankProgram", "Step", "build_program",
-    "TorchStages", "check_runnable",
+    "TorchStages", "check_runnable", "RunnerInterfaceError", "check_runner", "LoweredPlan", "lowered_plan",
+    "loss_rank", "first_rank", "check_nccl_rules", "format_lowered",
 ]

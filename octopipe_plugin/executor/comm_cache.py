@@ -9,25 +9,35 @@ second plan using the same pairs) opens no communicator. `torch.distributed`'s
 `use_local_synchronization` is not used: its group names count the groups each process
 made so far, which differ between pipeline groups.
 
+NCCL creates a communicator at its first operation and blocks until both ranks arrive, so
+communicators first touched inside a step deadlock 1F1B-like plans (rank r first waits in
+the GRAD direction with r+1 while r+1 first waits in the ACT one; `nccl_rules` replays it).
+`direction_groups(warm_up=True)` therefore initialises every direction group right away:
+each rank runs a one-element exchange on each group it belongs to, in the sorted order of
+the world's (src, dst) pairs. All ranks walk the same sorted list, so the smallest pair not
+yet warmed always has both its ranks waiting on it: the warm-up cannot deadlock. Both
+operations the transport lanes use are warmed: a plain isend/irecv (NCCL's per-pair
+communicator) and a `batch_isend_irecv` (the group's own communicator, the batched lane).
+
 Receive buffers are kept per (plan, process group) and message, and reused by the next
 step when the shape and dtype still fit.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 
 import torch
 import torch.distributed as dist
 
-from ..schedules.messages import plan_messages
+from .errors import ExecutorError
+from .lowered import plan_key, plan_pairs
+
+__all__ = ["CommCache", "default_cache", "group_key", "plan_key", "reusable"]
 
 log = logging.getLogger(__name__)
-
-
-def plan_key(plan) -> tuple:
-    """What identifies a plan's messages: devices, stages and every device's list."""
-    return (plan.num_devices, plan.stages, plan.schedule)
+WARM_UP_TIMEOUT_S = 300.0  # both ranks of a pair reach the warm-up at executor construction, close in time
 
 
 def group_key(group) -> str:
@@ -44,6 +54,7 @@ class CommCache:
         self.groups: dict[tuple[int, int], object] = {}
         self.buffers: dict[tuple, dict] = {}
         self.groups_created = 0
+        self.warmed: list[tuple[int, int]] = []  # global (src, dst) pairs this rank warmed, in warm-up order
 
     def _check_world(self) -> None:
         """Forget everything made for an earlier default process group (destroyed and re-initialised)."""
@@ -52,26 +63,57 @@ class CommCache:
             self._world = world
             self.groups.clear()
             self.buffers.clear()
+            self.warmed.clear()
 
     def buffers_of(self, plan, group) -> dict:
         """The receive-buffer store of (plan, group): message key -> tensor, kept across steps."""
         self._check_world()
         return self.buffers.setdefault((plan_key(plan), group_key(group)), {})
 
-    def direction_groups(self, plan, group=None) -> dict[tuple[int, int], object]:
+    def direction_groups(self, plan, group=None, *, warm_up: bool = True, device="cpu",
+                         timeout_s: float = WARM_UP_TIMEOUT_S) -> dict[tuple[int, int], object]:
         """(src, dst) group ranks -> the process group of that direction. Collective over the default group:
-        every rank of the world calls it at the same point (each with its own pipeline group and plan)."""
+        every rank of the world calls it at the same point (each with its own pipeline group and plan).
+        `warm_up`: initialise every direction group of this rank now, in the world's sorted pair order."""
         self._check_world()
-        mine = sorted({tuple(_global(group, r) for r in pair) for pair in plan_messages(plan)})
+        pairs = plan_pairs(plan)
+        mine = sorted({tuple(_global(group, r) for r in pair) for pair in pairs})
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        for pair in sorted({tuple(p) for ranks in everyone for p in ranks}):
+        world_pairs = sorted({tuple(p) for ranks in everyone for p in ranks})
+        for pair in world_pairs:
             if pair not in self.groups:
                 # both directions of a pair hold the same two ranks; each is its own communicator
                 self.groups[pair] = dist.new_group(ranks=sorted(pair))
                 self.groups_created += 1
         log.debug("direction groups: %d made in this process so far", self.groups_created)
-        return {pair: self.groups[tuple(_global(group, r) for r in pair)] for pair in plan_messages(plan)}
+        if warm_up:
+            me, done = dist.get_rank(), set(self.warmed)
+            for pair in world_pairs:  # one order on every rank: see the module docstring
+                if me in pair and pair not in done:
+                    _warm(self.groups[pair], pair, me, device, timeout_s)
+                    self.warmed.append(pair)
+        return {pair: self.groups[tuple(_global(group, r) for r in pair)] for pair in pairs}
+
+
+def _warm(g, pair: tuple[int, int], me: int, device, timeout_s: float) -> None:
+    """One element from pair[0] to pair[1] on `g`, plainly and batched: NCCL creates both communicators now."""
+    backend = dist.get_backend(g)
+    dev = torch.device("cpu") if backend == "gloo" else torch.device(device)
+    src, dst = pair
+    if backend == "nccl" and dev.type == "cpu":
+        raise ExecutorError(f"rank {me}: warming the direction group r{src}->r{dst}: backend nccl moves device "
+                            f"tensors, the executor's device is cpu (pass PipelineExecutor(device=...))", rank=me)
+    peer = dist.get_group_rank(g, dst if me == src else src)
+    buf = torch.zeros(1, device=dev)
+    bound = datetime.timedelta(seconds=timeout_s)
+    if me == src:
+        op, work = dist.isend, dist.isend(buf, group=g, group_dst=peer)
+    else:
+        op, work = dist.irecv, dist.irecv(buf, group=g, group_src=peer)
+    work.wait(timeout=bound)
+    for work in dist.batch_isend_irecv([dist.P2POp(op, buf, group=g, group_peer=peer)]):
+        work.wait(timeout=bound)
 
 
 def _global(group, rank: int) -> int:

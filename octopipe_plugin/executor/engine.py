@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -14,9 +14,13 @@ from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
 from .errors import ExecutorError
-from .interface import LossOutput
-from .program import RankProgram, build_program, local_input_key, local_output_key
-from .validate import check_runnable, is_forward_only
+from .interface import LAST_BACKWARD, RUNNER_METHODS, LossOutput, check_runner
+from .lowered import LoweredPlan, forward_plan, lowered_plan
+from .nccl_rules import check_nccl_rules
+from .program import RankProgram, local_input_key, local_output_key
+from .validate import check_runnable
+
+__all__ = ["ExecutorOptions", "PipelineExecutor", "StepResult", "forward_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +37,10 @@ class ExecutorOptions:
     pair_groups: bool | None = None
     # keep receive buffers for the next step (and the next executor on the same plan and group)
     reuse_buffers: bool = True
+    # initialise every per-direction communicator when the executor is built, all ranks in one global order
+    # (sorted pair, direction); False leaves NCCL to create each at its first use inside a step, which
+    # deadlocks 1F1B-like plans (executor.nccl_rules refuses such a plan on a non-gloo backend)
+    eager_comms: bool = True
 
 
 @dataclass(kw_only=True)
@@ -65,18 +73,17 @@ class StepResult:
         return [out.logs for _, out in sorted(self.outputs.items())]
 
 
-def forward_plan(plan):
-    """The plan with only its F actions (evaluation): every device keeps its forwards in the same order."""
-    return replace(plan, schedule=tuple(tuple(a for a in row if a.kind is Kind.F) for row in plan.schedule))
-
-
 class PipelineExecutor:
     """Runs `plan`'s actions for one rank, driving `runner` (a StageRunner) and the transport.
 
-    `on_last_backward(stage)` is called right after the stage's last B or W of a training step
-    (its weight gradients are complete), so a framework can start that stage's gradient
-    reduction while other stages still compute. Communicators and receive buffers come from
-    `cache` (the process-wide `default_cache()` unless given).
+    The runner's interface is checked here (`interface.check_runner`), against the kinds of
+    this rank's actions. A runner method that accepts `last_backward=` is told, before it
+    runs, whether the call is its stage's last weight-gradient action of a training step;
+    `on_last_backward(stage)` is called right after that action (its weight gradients are
+    complete), so a framework can start that stage's gradient reduction while other stages
+    still compute. Communicators and receive buffers come from `cache` (the process-wide
+    `default_cache()` unless given). Everything derived from the plan is `self.lowered`
+    (`executor.lowered.lowered_plan`).
     """
 
     def __init__(self, plan, runner, *, rank: int | None = None, group=None, device="cpu",
@@ -89,6 +96,11 @@ class PipelineExecutor:
         self.runner = runner
         self.on_last_backward = on_last_backward
         self.rank = dist.get_rank(group) if rank is None else rank
+        if not 0 <= self.rank < plan.num_devices:
+            raise ExecutorError(f"rank {self.rank}: the plan has devices 0..{plan.num_devices - 1}", rank=self.rank)
+        self.lowered: LoweredPlan = lowered_plan(plan, self.rank, self.options.prefetch)
+        # before any message: a runner that cannot take the executor's calls fails here, not at its first action
+        self.binding = check_runner(runner, {a.kind for a in plan.schedule[self.rank]} | {Kind.F})
         size = dist.get_world_size(group)
         if size != plan.num_devices:
             raise ExecutorError(f"rank {self.rank}: plan has {plan.num_devices} devices, process group has {size} ranks",
@@ -96,51 +108,68 @@ class PipelineExecutor:
         self.cache = cache or default_cache()
         self.device = torch.device(device)
         self.group = group
-        self.evaluation_only = is_forward_only(plan)
-        self.programs: dict[bool, RankProgram] = {False: build_program(plan, self.rank, self.options.prefetch)}
-        self.last_backward = _last_backward(self.programs[False])
+        self.evaluation_only = self.lowered.forward_only
+        gloo = dist.get_backend(group) == "gloo"
         use_pairs = self.options.pair_groups
         if use_pairs is None:
-            use_pairs = dist.get_backend(group) != "gloo"
-        self.pair_groups = self.cache.direction_groups(plan, group) if use_pairs else None
+            use_pairs = not gloo
+        if self.options.validate and not gloo:
+            # NCCL creates communicators lazily and orders each one's operations: refuse a hang before any send
+            check_nccl_rules(plan, prefetch=self.options.prefetch, pair_groups=use_pairs,
+                             eager=self.options.eager_comms)
+        self.pair_groups = (self.cache.direction_groups(plan, group, warm_up=self.options.eager_comms,
+                                                        device=self.device, timeout_s=self.options.timeout_s)
+                            if use_pairs else None)
         self.buffers = self.cache.buffers_of(plan, group) if self.options.reuse_buffers else None
-        self._transports: dict[bool, Transport] = {}
+        self._transports: dict[tuple[bool, int], Transport] = {}
 
     @property
     def transport(self) -> Transport:
         """The transport of training steps (of evaluation steps for a forward-only plan)."""
-        return self._transport(self.evaluation_only)
+        return self._transport(self._lowered_for(self.evaluation_only, None))
 
-    def _transport(self, forward_only: bool) -> Transport:
-        tp = self._transports.get(forward_only)
+    def program(self, forward_only: bool = False, num_microbatches: int | None = None) -> RankProgram:
+        """This rank's program of a training step, or of an evaluation step of `num_microbatches`."""
+        return self._lowered_for(forward_only, num_microbatches).program
+
+    def _lowered_for(self, forward_only: bool, num_microbatches: int | None) -> LoweredPlan:
+        m = self.plan.num_microbatches if num_microbatches is None else num_microbatches
+        if forward_only or self.evaluation_only:
+            return self.lowered.forward(m)
+        if m != self.plan.num_microbatches:
+            raise ExecutorError(f"rank {self.rank}: a training step runs the plan's {self.plan.num_microbatches} "
+                                f"micro-batches, got num_microbatches={m} (only evaluation, forward_only=True, "
+                                f"may use another count)", rank=self.rank)
+        return self.lowered
+
+    def _transport(self, low: LoweredPlan) -> Transport:
+        key = (low.forward_only, low.plan.num_microbatches)
+        tp = self._transports.get(key)
         if tp is None:
-            prog = self._program(forward_only)
-            tp = self._transports[forward_only] = Transport(
+            prog = low.program
+            tp = self._transports[key] = Transport(
                 rank=self.rank, num_stages=self.plan.num_stages, recv_order=prog.recv_order,
                 send_order=prog.send_order, device=self.device, timeout_s=self.options.timeout_s, group=self.group,
                 pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers)
         return tp
 
-    def _program(self, forward_only: bool) -> RankProgram:
-        if forward_only not in self.programs:
-            self.programs[True] = build_program(forward_plan(self.plan), self.rank, self.options.prefetch)
-        return self.programs[forward_only]
-
-    def run_step(self, data=None, *, forward_only: bool = False) -> StepResult:
+    def run_step(self, data=None, *, forward_only: bool = False, num_microbatches: int | None = None) -> StepResult:
         """Run every action of this rank once (only the forwards when `forward_only`).
 
         `data` is the step's data source: None (the runner loads its own), one iterable of
         micro-batches shared by this rank's stages, or a mapping stage -> iterable; each
-        forward gets micro-batch mb of it as `batch`.
+        forward gets micro-batch mb of it as `batch`. An evaluation (`forward_only`) may run
+        another `num_microbatches` than the plan's (`lowered.forward_plan`).
         """
         forward_only = forward_only or self.evaluation_only  # a plan of forwards only is an evaluation plan
+        low = self._lowered_for(forward_only, num_microbatches)
         ns = self.plan.num_stages
         result = StepResult(forward_only=forward_only)
-        batches = StepData(data, self.plan.stages_of(self.rank), self.plan.num_microbatches, self.rank)
+        batches = StepData(data, self.plan.stages_of(self.rank), low.plan.num_microbatches, self.rank)
         local: dict[tuple[str, int, int], object] = {}
-        tp = self._transport(forward_only)
+        tp = self._transport(low)
         tp.begin({s: self.runner.boundary_meta(s) for s in range(ns - 1)}, forward_only)
-        for i, step in enumerate(self._program(forward_only).steps):
+        for i, step in enumerate(low.program.steps):
             tp.post_upto(step.post_upto)
             a = step.action
             if step.recv is not None:
@@ -148,8 +177,9 @@ class PipelineExecutor:
             else:
                 key = local_input_key(a, ns)
                 inp = local.pop(key) if key is not None else None
+            last = not forward_only and low.is_last_backward(i, a)
             start = time.time()
-            out = self._run(a, inp, batches, forward_only)
+            out = self._run(a, inp, batches, forward_only, last)
             result.timeline.append((a, start, time.time()))
             if a.kind is Kind.F and a.stage == ns - 1:
                 result.outputs[a.microbatch] = _loss_output(out, self.rank, a)
@@ -158,32 +188,22 @@ class PipelineExecutor:
                     tp.send(step.send, out, a)
                 else:
                     local[local_output_key(a, ns)] = out
-            if not forward_only and self.on_last_backward is not None and self.last_backward.get(a.stage) == i:
+            if last and self.on_last_backward is not None:
                 self.on_last_backward(a.stage)
             tp.reap()
         tp.finish()
         tp.reset()
         return result
 
-    def _run(self, a: Action, inp, batches: StepData, forward_only: bool):
+    def _run(self, a: Action, inp, batches: StepData, forward_only: bool, last: bool):
         r, s, mb = self.runner, a.stage, a.microbatch
         if a.kind is Kind.F:
             return r.forward(s, mb, inp, batch=batches.get(s, mb), forward_only=forward_only)
-        if a.kind is Kind.B:
-            return r.backward(s, mb, inp)
-        if a.kind is Kind.I:
-            return r.backward_input(s, mb, inp)
-        return r.backward_weight(s, mb)
-
-
-def _last_backward(program: RankProgram) -> dict[int, int]:
-    """Stage -> index of its last weight-gradient action (B or W) in the rank's program: after it, the
-    stage's weight gradients are final."""
-    out: dict[int, int] = {}
-    for i, step in enumerate(program.steps):
-        if "wgrad" in step.action.rule.cost:
-            out[step.action.stage] = i
-    return out
+        name = RUNNER_METHODS[a.kind]
+        kw = {LAST_BACKWARD: last} if name in self.binding.takes_last_backward else {}
+        if a.kind is Kind.W:
+            return r.backward_weight(s, mb, **kw)
+        return getattr(r, name)(s, mb, inp, **kw)
 
 
 def _loss_output(out, rank: int, action: Action) -> LossOutput:

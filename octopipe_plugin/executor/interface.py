@@ -8,10 +8,15 @@ their own model, data and loss conventions.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
+
+from ..actions import Kind
+from ..errors import OctoPipeError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,6 +79,14 @@ class StageRunner(Protocol):
       recomputing anything `backward_input` already computed.
     - Each call frees what its (stage, mb) no longer needs. Received tensors are the
       executor's buffers: valid until the end of the step (they are reused by the next).
+    - Optional: a `backward` / `backward_input` / `backward_weight` that accepts a
+      `last_backward` keyword (or **kwargs) gets `last_backward=True` on the call that is its
+      stage's last weight-gradient action of the training step (the kind table's
+      `weight_grad`: B or W), False on the others, *before* it runs (e.g. to let the last
+      micro-batch's backward start the gradient reduction). Runners without it are called as
+      before; `PipelineExecutor(on_last_backward=)` still fires after that call.
+    - `check_runner` refuses, when the executor is built, a runner whose methods cannot take
+      these calls.
     """
 
     def boundary_meta(self, stage: int):
@@ -91,3 +104,71 @@ class StageRunner(Protocol):
 
     def backward(self, stage: int, mb: int, grad_output):
         """Run B: input and parameter gradients in one pass."""
+
+
+class RunnerInterfaceError(OctoPipeError, TypeError):
+    """A stage runner lacks a method, or a parameter, that the executor will call it with."""
+
+
+# The runner method each kind of action calls (the positional parameters after `self`).
+RUNNER_METHODS: Mapping[Kind, str] = MappingProxyType({
+    Kind.F: "forward", Kind.B: "backward", Kind.I: "backward_input", Kind.W: "backward_weight"})
+_POSITIONAL = MappingProxyType({
+    "boundary_meta": ("stage",), "forward": ("stage", "mb", "inputs"), "backward": ("stage", "mb", "grad_output"),
+    "backward_input": ("stage", "mb", "grad_output"), "backward_weight": ("stage", "mb")})
+_KEYWORDS = MappingProxyType({"forward": ("batch", "forward_only")})  # always passed
+LAST_BACKWARD = "last_backward"  # passed where the method accepts it
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunnerBinding:
+    """What `check_runner` found: the methods that take `last_backward=`."""
+
+    takes_last_backward: frozenset[str]
+
+
+def check_runner(runner, kinds) -> RunnerBinding:
+    """Refuse (RunnerInterfaceError, one line naming class, method and what is missing) a runner that cannot
+    take the calls the executor makes for actions of `kinds`; say which methods take `last_backward=`."""
+    cls = type(runner).__name__
+    names = ["boundary_meta"] + [RUNNER_METHODS[k] for k in Kind if k in set(kinds)]
+    takes = set()
+    for name in names:
+        method = getattr(runner, name, None)
+        if not callable(method):
+            raise RunnerInterfaceError(f"stage runner {cls}: has no method {name}(): the executor calls "
+                                       f"{_call(name)} (see executor.interface.StageRunner)")
+        try:
+            sig = inspect.signature(method)
+        except (TypeError, ValueError):  # a builtin or C callable without a signature: trust it
+            continue
+        problem = _mismatch(sig, name)
+        if problem is not None:
+            raise RunnerInterfaceError(f"stage runner {cls}: {name}{sig} {problem}: the executor calls "
+                                       f"{_call(name)} (see executor.interface.StageRunner)")
+        if name in ("backward", "backward_input", "backward_weight") and _accepts(sig, LAST_BACKWARD):
+            takes.add(name)
+    return RunnerBinding(takes_last_backward=frozenset(takes))
+
+
+def _call(name: str) -> str:
+    kws = [f"{k}=..." for k in _KEYWORDS.get(name, ())]
+    return f"{name}({', '.join(list(_POSITIONAL[name]) + kws)})"
+
+
+def _accepts(sig: inspect.Signature, keyword: str) -> bool:
+    p = sig.parameters.get(keyword)
+    if p is not None:
+        return p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    return any(q.kind is q.VAR_KEYWORD for q in sig.parameters.values())
+
+
+def _mismatch(sig: inspect.Signature, name: str) -> str | None:
+    missing = [k for k in _KEYWORDS.get(name, ()) if not _accepts(sig, k)]
+    if missing:
+        return "lacks the keyword" + ("s " if len(missing) > 1 else " ") + ", ".join(f"{k}=" for k in missing)
+    try:
+        sig.bind(*_POSITIONAL[name], **{k: None for k in _KEYWORDS.get(name, ())})
+    except TypeError as exc:
+        return f"cannot take {len(_POSITIONAL[name])} positional arguments ({exc})"
+    return None

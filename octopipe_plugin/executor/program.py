@@ -36,17 +36,19 @@ class RankProgram:
     send_order: dict[int, tuple[Message, ...]]  # peer -> messages to it, in per-peer order
 
 
-def build_program(plan, rank: int, prefetch: int = 2) -> RankProgram:
+def build_program(plan, rank: int, prefetch: int = 2, *, messages=None, by_action=None) -> RankProgram:
     """Lower `plan` for `rank`; receives are posted `prefetch` actions ahead of their consumer.
 
     Posting is a per-peer prefix: to post a message, every earlier message from that peer is
     posted too. This is what keeps the order rule intact and never deadlocks: a prefix only
-    holds messages the sender produces before the one needed.
+    holds messages the sender produces before the one needed. `messages` is the plan's
+    `plan_messages` when the caller has them, `by_action` its `messages_by_action` (executor.lowered
+    computes both once per plan).
     """
-    pairs = plan_messages(plan)
+    pairs = plan_messages(plan) if messages is None else messages
     recv_order = {src: tuple(msgs) for (src, dst), msgs in pairs.items() if dst == rank}
     send_order = {dst: tuple(msgs) for (src, dst), msgs in pairs.items() if src == rank}
-    sends, recvs = messages_by_action(plan)
+    sends, recvs = messages_by_action(plan, pairs) if by_action is None else by_action
     position = {msg: (src, i) for src, msgs in recv_order.items() for i, msg in enumerate(msgs)}
     row = plan.schedule[rank]
     need = [position.get(recvs.get(a)) for a in row]

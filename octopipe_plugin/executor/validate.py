@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from ..formats import Cluster, Link, validate_plan
-from ..actions import Kind
 from ..simulator import StageCosts, simulate
+from .lowered import is_forward_only
+from .nccl_rules import check_nccl_rules
+
+__all__ = ["check_runnable", "is_forward_only"]
 
 
-def is_forward_only(plan) -> bool:
-    """Whether a plan holds forwards only (an evaluation plan)."""
-    return all(a.kind is Kind.F for row in plan.schedule for a in row)
-
-
-def check_runnable(plan) -> None:
+def check_runnable(plan, *, nccl: bool = False, eager_comms: bool = True, prefetch: int = 2) -> None:
     """Raise PlanError / DeadlockError unless every device of `plan` can run its whole list.
+
+    `nccl`: also replay one step under NCCL's rules (`nccl_rules.check_nccl_rules`, per-direction
+    communicators, created eagerly unless `eager_comms=False`, receives posted `prefetch` ahead).
 
     A plan of forwards only (evaluation) is checked as such. The simulator's dependency
     semantics are exactly the executor's (a device blocks only on inputs, sends never
@@ -28,3 +29,5 @@ def check_runnable(plan) -> None:
     link = Link(bandwidth_gb_per_s=1.0, latency_us=1.0)
     cluster = Cluster(num_devices=nd, devices_per_node=nd, memory_bytes=1, intra_node=link, inter_node=link)
     simulate(None, cluster, plan, costs=costs, detail=False)
+    if nccl:
+        check_nccl_rules(plan, prefetch=prefetch, pair_groups=True, eager=eager_comms)

@@ -82,11 +82,12 @@ def _message_of(plan, index, a: Action, num_stages: int) -> Message | None:
     return Message(flow, a.microbatch, a.stage, dst_stage, src, dst, a, consumer)
 
 
-def messages_by_action(plan) -> tuple[dict[Action, Message], dict[Action, Message]]:
-    """(message each action sends, message each action receives) for one plan."""
+def messages_by_action(plan, messages=None) -> tuple[dict[Action, Message], dict[Action, Message]]:
+    """(message each action sends, message each action receives) for one plan (`messages`: its
+    `plan_messages`, when the caller has them already)."""
     sends: dict[Action, Message] = {}
     recvs: dict[Action, Message] = {}
-    for msgs in plan_messages(plan).values():
+    for msgs in (plan_messages(plan) if messages is None else messages).values():
         for msg in msgs:
             sends[msg.producer] = msg
             recvs[msg.consumer] = msg
