@@ -349,8 +349,8 @@ def local_stages_worker(rank: int, world: int, port: int, backend: str, device_n
     plan = make_plan(stage_devices=devs, bounds=random_bounds(len(CHECK.layers), 3, random.Random(1)), num_devices=1,
                      num_microbatches=4, schedule=sample_schedule(devs, 1, 4, random.Random(2)))
     checks = [_grads_match(plan, 0, device, x) for x in EXCHANGES]
-    _write(out, "local.json", {"ok": all(c[0] for c in checks),
-                               "detail": f"3 stages on {device}: " + ", ".join(f"{d} ({x})" for x, (_, d) in zip(EXCHANGES, checks))})
+    detail = ", ".join(f"{d} ({x})" for x, (_, d) in zip(EXCHANGES, checks))
+    _write(out, "local.json", {"ok": all(c[0] for c in checks), "detail": f"3 stages on {device}: {detail}"})
     dist.destroy_process_group()
 
 
