@@ -91,9 +91,8 @@ class Transport:
             raise ValueError(f"exchange {self.exchange!r}: expected one of {', '.join(EXCHANGES)}")
         groups = {id(g): g for g in (group, *self.pair_groups.values()) if g is not None}
         self.lane = make_lane(backend=backend, device=self.device, timeout_s=timeout_s, rank=rank,
-                              groups=tuple(groups.values()))
-        if hasattr(self.lane, "watchdog"):
-            self.lane.watchdog.to_global = lambda r: dist.get_global_rank(group, r) if group is not None else r
+                              groups=tuple(groups.values()),
+                              to_global=lambda r: dist.get_global_rank(group, r) if group is not None else r)
         self.tags = tags and backend == "gloo"
         self.keep_buffers = buffers is not None
         self.buffers = {} if buffers is None else buffers
@@ -115,8 +114,7 @@ class Transport:
             self.buffers.clear()  # reuse_buffers=False: this step's receives get buffers of their own
         self.declared = dict(declared)
         self.forward_only = forward_only
-        if hasattr(self.lane, "begin"):
-            self.lane.begin()
+        self.lane.begin()
 
     def reset(self) -> None:
         """Forget the previous step's bookkeeping (all its operations have completed)."""

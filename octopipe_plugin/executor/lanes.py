@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .watchdog import Watchdog
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)  # compared by identity: it holds a tensor
 class Request:
     """One tensor to move: `isend` (send=True) or `irecv` of `wire` with `peer` (its rank in `group`) under `tag`."""
 
@@ -106,6 +106,9 @@ class PlainLane:
 
     def _before_sends(self, requests) -> None:
         pass
+
+    def begin(self) -> None:
+        """Start a step (nothing to order on the host)."""
 
     def wait(self, t: Transfer, watch) -> None:
         """Wait for every operation of `t`, each for at most the timeout (raises what the backend raises)."""
@@ -213,10 +216,15 @@ class CudaLane(PlainLane):
         self.watchdog.stop()
 
 
-def make_lane(*, backend: str, device: torch.device, timeout_s: float, rank: int, groups=()) -> PlainLane:
-    """The lane for a backend and a device: the one place that decides the backend mode."""
+def make_lane(*, backend: str, device: torch.device, timeout_s: float, rank: int, groups=(),
+              to_global=None) -> PlainLane:
+    """The lane for a backend and a device: the one place that decides the backend mode.
+
+    `groups` are aborted by the CUDA lane's watchdog on a failure; `to_global` maps a peer's rank in the
+    executor's group to its global rank (the heartbeat's key)."""
     if device.type == "cuda" and backend == "gloo":
         return StagedLane(device, timeout_s)  # gloo moves host memory: stage device tensors through it
     if device.type == "cuda":
-        return CudaLane(device, timeout_s, Watchdog(rank=rank, timeout_s=timeout_s, groups=groups))
+        return CudaLane(device, timeout_s, Watchdog(rank=rank, timeout_s=timeout_s, groups=groups,
+                                                    to_global=to_global))
     return PlainLane(device, timeout_s)

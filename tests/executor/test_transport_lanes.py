@@ -227,3 +227,52 @@ def test_a_peer_killed_mid_step_ends_the_survivors_with_the_named_error(tmp_path
         assert ("from rank 1" in got["error"] or "to rank 1" in got["error"]), got
         assert "peer died or left" in got["error"], got  # the closed socket, not the executor's bound
         assert got["elapsed"] < timeout_s, got
+
+
+# ----- what goes in one batch
+
+
+class _RecordingLane:
+    """A lane that records each batch it is asked to issue; `coalesces` as NCCL does (one work per batch)."""
+
+    def __init__(self, coalesces: bool):
+        self.coalesces = coalesces
+        self.batches: list[list] = []
+
+    def issue_batch(self, requests):
+        self.batches.append(list(requests))
+        return ("one-work",) if self.coalesces else tuple(f"work{len(self.batches)}.{i}" for i in range(len(requests)))
+
+
+@pytest.mark.parametrize("coalesces", [True, False])
+def test_a_batch_keeps_each_communicators_order_and_a_coalesced_one_holds_one_received_message(coalesces):
+    from octopipe_plugin.executor.comm import Transport
+    from octopipe_plugin.executor.lanes import Request, Transfer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        tp = Transport(rank=0, num_stages=2, recv_order={}, send_order={}, device="cpu", timeout_s=5,
+                       exchange="batched")
+        tp.lane = _RecordingLane(coalesces)
+        g_in, g_out = object(), object()  # the two direction communicators with peer 1
+
+        def transfer(name, send, group, n=1):
+            reqs = tuple(Request(send=send, wire=torch.zeros(1), group=group, peer=1, tag=0) for _ in range(n))
+            return Transfer(name, (), reqs)
+
+        r1, s1, r2, s2 = transfer("r1", False, g_in, 2), transfer("s1", True, g_out), transfer("r2", False, g_in), \
+            transfer("s2", True, g_out, 2)
+        tp.queued = [r1, s1, r2, s2]
+        tp.flush()
+        names = [[next(t.msg for t in (r1, s1, r2, s2) if any(r is q for q in t.requests)) for r in batch]
+                 for batch in tp.lane.batches]
+        if coalesces:  # one completion per batch: a consumer of r1 must not wait for r2
+            assert names == [["r1", "r1"], ["s1", "s2", "s2"], ["r2"]]
+            assert r1.works == ("one-work",) and s1.works == s2.works == ("one-work",)
+        else:  # gloo: one work per request, one batch per (communicator, peer), order kept in each
+            assert names == [["r1", "r1", "r2"], ["s1", "s2", "s2"]]
+            assert r1.works == ("work1.0", "work1.1") and r2.works == ("work1.2",) and s2.works == ("work2.1",
+                                                                                                     "work2.2")
+        assert not tp.queued
+    finally:
+        dist.destroy_process_group()
