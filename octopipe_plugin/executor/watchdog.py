@@ -23,9 +23,8 @@ _KEY = "octopipe/heartbeat/{}"
 class Heartbeat:
     """This rank's beat in the store, and the last change seen of each peer's."""
 
-    def __init__(self, rank: int, dead_after_s: float):
+    def __init__(self, rank: int):
         self.rank = rank
-        self.dead_after_s = dead_after_s
         self.count = 0
         self.seen: dict[int, tuple[bytes, float]] = {}
         try:
@@ -86,7 +85,7 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
-        beat = Heartbeat(self.to_global(self.rank), self.dead_after_s)
+        beat = Heartbeat(self.to_global(self.rank))
         next_beat = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -95,7 +94,11 @@ class Watchdog:
                     beat.beat()
                     next_beat = now + self.beat_s
                 self._check(now, beat)
-            except Exception as exc:  # the store is gone: its host (rank 0 of the world) died
+            except Exception as exc:  # the store is gone: its host (rank 0 of the world) died or finished
+                with self._lock:
+                    waiting = bool(self._watched)
+                if not waiting:
+                    return  # nothing in flight (a run that ended): stop quietly, abort nothing
                 self._fail(None, f"the process group's store is unreachable ({exc}): its rank died")
             if self.failure is not None:
                 return
