@@ -41,9 +41,8 @@ KNOWN_CYCLES = {
     frozenset({"adapters.megatron.embeddings", "adapters.megatron.placement"}),
     frozenset({"adapters.megatron.launch", "adapters.megatron.pretrain_hooks", "adapters.megatron.startup"}),
 }
-# Runtime -> testing imports known to be on their way out: executor/gpu_check.py (the GPU
-# self-check, scripts/gpu_check.sh) moves to testing/ on the "comm" branch. Same rule: may only shrink.
-KNOWN_TESTING_IMPORTS = {"executor.gpu_check"}
+# Runtime -> testing imports known to be on their way out (none left). Same rule: may only shrink.
+KNOWN_TESTING_IMPORTS: set[str] = set()
 
 
 def _short(name: str) -> str:
