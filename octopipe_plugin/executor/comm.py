@@ -40,7 +40,8 @@ from .lanes import Request, Transfer, make_lane
 
 _HANDSHAKE = TensorMeta(shape=(META_BYTES,), dtype=torch.uint8, requires_grad=False)
 EXCHANGES = ("message", "batched")
-# the faster exchange per backend, measured by benchmarks/exchange_lanes.py (gloo); NCCL: see the docs
+# gloo: both exchanges measure the same (benchmarks/exchange_lanes.py; gloo does not coalesce a batch), the
+# per-message one posts earlier; NCCL: not measured yet (scripts/gpu_check.sh checks both)
 DEFAULT_EXCHANGE = {"gloo": "message", "nccl": "message"}
 
 
