@@ -25,10 +25,10 @@ import torch.multiprocessing as mp
 
 from octopipe_plugin.actions import Kind
 from octopipe_plugin.executor import ExecutorError, ExecutorOptions, PipelineExecutor
-from octopipe_plugin.executor.checks import toy_runner
+from octopipe_plugin.testing.checks import toy_runner
 from octopipe_plugin.executor.launch import free_port, init_gloo, spawn
-from octopipe_plugin.executor.plans import make_plan, random_bounds
-from octopipe_plugin.executor.toy import ToySpec, build_layers, reference_step
+from octopipe_plugin.testing.plans import make_plan, random_bounds
+from octopipe_plugin.testing.toy import ToySpec, build_layers, reference_step
 from octopipe_plugin.formats import plan_from_dict, plan_to_dict
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 
