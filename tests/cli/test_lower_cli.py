@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from octopipe_plugin.cli import main
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 from octopipe_plugin.formats import write_plan
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from octopipe_plugin.actions import Kind
 from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TensorMeta, TorchStages, default_cache
 from octopipe_plugin.executor.launch import init_gloo, spawn
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 
 P, M, M_EVAL, WIDTH = 4, 4, 6, 3

@@ -15,7 +15,7 @@ from octopipe_plugin.executor import lowered as lowered_mod
 from octopipe_plugin.executor.comm_cache import plan_key as cache_plan_key
 from octopipe_plugin.executor.lowered import loss_rank, plan_pairs
 from octopipe_plugin.executor.nccl_rules import check_nccl_rules
-from octopipe_plugin.executor.plans import make_plan, random_plan
+from octopipe_plugin.testing.plans import make_plan, random_plan
 from octopipe_plugin.executor.posting import format_lowered
 from octopipe_plugin.schedules.messages import MsgKind, plan_messages
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from octopipe_plugin.errors import DeadlockError
 from octopipe_plugin.executor import check_runnable, lowered_plan
 from octopipe_plugin.executor.nccl_rules import check_nccl_rules, replay
-from octopipe_plugin.executor.plans import make_plan, placement, sample_schedule
+from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 
 
