@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .. import limits as L
 from ..errors import FormatError, OctoPipeError
 
 DEFAULT_GPU = "H100-SXM"
@@ -174,3 +175,57 @@ def keep_on_failure(write, path: str, plan=None) -> list[str]:
         except OSError as exc:
             msg += f"; keeping it in a temporary file failed too ({exc.strerror or exc})"
     return [msg]
+
+
+def add_headroom_option(p) -> None:
+    """--memory-headroom: memory left free on every device (headroom.py says why the default)."""
+    from ..headroom import DEFAULT, HELP
+
+    p.add_argument("--memory-headroom", type=_headroom_type, default=DEFAULT, metavar="GIB|FRACTION", help=HELP)
+
+
+def _headroom_type(text: str):
+    from ..headroom import parse_headroom
+
+    try:
+        return parse_headroom(text, "")
+    except OctoPipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
+
+
+_headroom_type.__name__ = "headroom"
+
+
+def apply_headroom(args, cluster):
+    """The cluster with --memory-headroom kept free on every device."""
+    from ..headroom import with_headroom
+
+    return with_headroom(cluster, args.memory_headroom)
+
+
+def add_constraint_options(p) -> None:
+    """The options that restrict plans to what the user's runtime accepts (tuner/constraints.py)."""
+    from ..tuner.constraints import PLACEMENTS
+
+    g = p.add_argument_group("constraints", "restrict plans to what the runtime you will run them on accepts")
+    g.add_argument("--placement", choices=PLACEMENTS, default="any",
+                   help="stage -> device map: looped (stage s on device s %% P: Megatron's own builders and "
+                        "schedule), v (down the devices and back: ZB-V, DualPipeV) or any (OctoPipe's executor; "
+                        "default)")
+    g.add_argument("--max-stages-per-device", type=integer(1, L.MAX_STAGES_PER_DEVICE), default=None, metavar="N",
+                   help="at most N stages (model chunks) on any device")
+    g.add_argument("--uniform-stages-per-device", action="store_true",
+                   help="the same number of stages on every device (torch.pipelining / torchtitan schedules, "
+                        "Megatron's virtual pipeline)")
+    g.add_argument("--no-split-backward", action="store_true",
+                   help="fused backwards only, no separate input-gradient (I) and weight-gradient (W) actions "
+                        "(for runtimes without split backward)")
+
+
+def constraints_of(args):
+    """The Constraints the options ask for."""
+    from ..tuner.constraints import Constraints
+
+    return Constraints(placement=args.placement, max_stages_per_device=args.max_stages_per_device,
+                       uniform_stages_per_device=args.uniform_stages_per_device,
+                       split_backward=not args.no_split_backward)

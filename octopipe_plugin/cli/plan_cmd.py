@@ -14,7 +14,9 @@ from ..formats.fingerprint import describe_devices, idle_devices
 from ..tuner import tune
 from ..tuner.compare import baseline_ms, comparison_rows, format_table, per_device
 from ._guard import WallClockGuard
-from ._options import check_writable, integer, keep_on_failure, load_cluster, load_model, number
+from ..tuner.native import WHAT, native_best
+from ._options import (add_constraint_options, add_headroom_option, apply_headroom, check_writable,
+                       constraints_of, integer, keep_on_failure, load_cluster, load_model, number)
 
 SPLIT_S_PER_UNIT = 1e-6  # measured: balanced_split of 1100 layers into 1000 stages, 8.7 s on 2 busy cores
 SHOWN = 24  # stages or devices listed one by one in the summary; larger plans are abridged
@@ -40,6 +42,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--png", metavar="PLAN.png", help="draw the tuned plan's timeline here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_headroom_option(p)
+    add_constraint_options(p)
     p.set_defaults(run=run)
 
 
@@ -74,22 +78,10 @@ def run(args) -> int:
     """Tune, write the plan (and picture) if asked, print the summary and the comparison."""
     check_writable(args.output, "-o")
     check_writable(args.png, "--png")
-    cluster = load_cluster(args.cluster)
+    cluster = apply_headroom(args, load_cluster(args.cluster))
     model, costs = load_model(args, cluster)
     check_size(model, cluster, args.microbatches, args.time_budget)
-    guard = WallClockGuard(args.time_budget)
-    try:
-        with _progress_bar(not args.no_progress) as bar, guard:
-            result = tune(model, cluster, args.microbatches, time_budget_s=args.time_budget, seed=args.seed,
-                          iterations=args.iterations, progress=bar)
-    except KeyboardInterrupt:  # the tuner re-raises when it has no plan in hand yet
-        if not guard.fired:
-            raise
-        raise OctoPipeError(f"--time-budget {args.time_budget:g} s ran out before any plan for {model.name} on "
-                            f"{cluster.num_devices} devices x {args.microbatches} micro-batches was complete; raise "
-                            f"--time-budget or use fewer micro-batches") from None
-    if guard.fired:
-        result = replace(result, stopped_by="the time budget (wall-clock guard)")
+    result = tuned(args, model, cluster, args.microbatches)
     plan = bind_plan(result.plan, model, cluster)
     failed = []
     if args.output:
@@ -99,16 +91,35 @@ def run(args) -> int:
 
         failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png,
                                   None if args.output and not failed else plan)
-    rows = comparison_rows(result)
+    rows = comparison_rows(result, cluster)
     if args.json:
-        print(json.dumps({**_as_json(result, rows), "plan": plan_to_dict(plan), "costs": costs.as_dict()}, indent=1))
+        print(json.dumps({**_as_json(result, rows, cluster), "plan": plan_to_dict(plan), "costs": costs.as_dict()},
+                         indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
         print()
-        print(format_table(rows, cluster.memory_bytes))
+        print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
     if failed:
         raise OctoPipeError("; ".join(failed))
     return 0
+
+
+def tuned(args, model, cluster, num_microbatches: int):
+    """Run the tuner under the wall-clock guard with the options' budget, seed and constraints."""
+    guard = WallClockGuard(args.time_budget)
+    try:
+        with _progress_bar(not args.no_progress) as bar, guard:
+            result = tune(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,
+                          iterations=args.iterations, progress=bar, constraints=constraints_of(args))
+    except KeyboardInterrupt:  # the tuner re-raises when it has no plan in hand yet
+        if not guard.fired:
+            raise
+        raise OctoPipeError(f"--time-budget {args.time_budget:g} s ran out before any plan for {model.name} on "
+                            f"{cluster.num_devices} devices x {num_microbatches} micro-batches was complete; raise "
+                            f"--time-budget or use fewer micro-batches") from None
+    if guard.fired:
+        result = replace(result, stopped_by="the time budget (wall-clock guard)")
+    return result
 
 
 def summary(result, model, cluster, costs: str = "") -> str:
@@ -118,36 +129,94 @@ def summary(result, model, cluster, costs: str = "") -> str:
     base = baseline_ms(result.baselines)
     gain = f"{base / result.step_ms:.2f}x faster than Megatron interleaved 1F1B ({base:.1f} ms)" if base else \
         "no fitting Megatron interleaved 1F1B plan to compare with"
-    stages = _abridged([f"[{st.start},{st.end})@{st.device}" for st in plan.stages], " | ")
     peaks = _abridged([f"{p / 2**30:.1f}" for p in result.peak], ", ")
     if len(result.peak) > SHOWN:
         top = max(range(len(result.peak)), key=lambda d: result.peak[d])
         peaks += f" (largest {result.peak[top] / 2**30:.1f} on device {top})"
+    cons = getattr(result, "constraints", None)
     return "\n".join([
         f"OctoPipe plan for {model.name} on {cluster.name} ({cluster.num_devices} devices), "
         f"{plan.num_microbatches} micro-batches",
         f"  step time      {result.step_ms:.1f} ms   bubble {result.bubble:.1%}   "
         f"{result.bound.describe()} -> {result.step_ms / result.bound.value_ms:.3f}x of it",
         f"  gain           {gain}",
+        *[f"                 {line}" for line in native_gains(result)],
         *([f"  costs          {costs}"] if costs else []),
-        f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stages}",
+        *([f"  constraints    {cons.describe()}"] if cons is not None and cons.active else []),
+        f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stage_listing(plan, cluster)}",
         *([f"  idle devices   {len(idle)} hold no layers: {describe_devices(idle)}"] if idle else []),
-        f"  peak memory    {peaks} GiB (limit {cluster.memory_bytes / 2**30:.1f} GiB)",
+        f"  peak memory    {peaks} GiB",
+        f"  memory         {memory_line(result.peak, cluster)}",
         f"  search         {result.iterations} steps, {result.evaluations} evaluations, "
         f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",
     ])
 
 
-def _abridged(items: list[str], sep: str) -> str:
+def native_gains(result) -> list[str]:
+    """One line per framework: the gain over the best plan it runs unmodified, and the memory each trades."""
+    ours = max(result.peak)
+    out = []
+    for fw in ("megatron", "deepspeed"):
+        nb = native_best(result.baselines, fw)
+        if nb is None:
+            out.append(f"no fitting plan {WHAT[fw]} runs, to compare with")
+            continue
+        delta = (ours - nb.peak_bytes) / 2**30
+        out.append(f"{nb.step_ms / result.step_ms:.2f}x faster than {WHAT[fw]} at its best ({nb.describe()}: "
+                   f"{nb.step_ms:.1f} ms, peak {nb.peak_bytes / 2**30:.1f} GiB; this plan "
+                   f"{'+' if delta >= 0 else '-'}{abs(delta):.1f} GiB)")
+    return out
+
+
+def stage_listing(plan, cluster) -> str:
+    """`[lo,hi)@d` per stage, ' | ' between stages and ' || ' where the boundary crosses nodes (abridged)."""
+    parts = []
+    for s, st in enumerate(plan.stages):
+        if s:
+            prev = plan.stages[s - 1].device
+            parts.append(" || " if cluster.node_of(prev) != cluster.node_of(st.device) else " | ")
+        parts.append(f"[{st.start},{st.end})@{st.device}")
+    crossings = sum(p == " || " for p in parts)
+    text = _abridged(parts[0::2], None, parts[1::2])
+    return text + (f"   (|| : {crossings} boundaries cross nodes of {cluster.devices_per_node} devices)"
+                   if crossings else "")
+
+
+def memory_line(peaks, cluster) -> str:
+    """Usable memory (device less headroom), the least headroom left on any device, and who fits only without it."""
+    gib = 2**30
+    usable = cluster.usable_memory_bytes
+    kept = cluster.memory_headroom_bytes
+    room = (f"{usable / gib:.1f} GiB usable of {cluster.memory_bytes / gib:.1f} GiB ({kept / gib:.1f} GiB headroom)"
+            if kept else f"{cluster.memory_bytes / gib:.1f} GiB per device, no headroom")
+    top = max(range(len(peaks)), key=lambda d: peaks[d])
+    free = cluster.memory_bytes - peaks[top]
+    line = f"{room}; fullest device {top}: {peaks[top] / gib:.1f} GiB, {free / gib:.1f} GiB left free"
+    over = [d for d, p in enumerate(peaks) if usable < p <= cluster.memory_bytes]
+    if over:
+        line += f"; devices {describe_devices(over)} fit only without the headroom"
+    return line
+
+
+def _abridged(items: list[str], sep: str | None, seps: list[str] | None = None) -> str:
     """All items when few, else the first and last ones around a count of those left out."""
+    seps = seps if seps is not None else [sep] * max(0, len(items) - 1)
+
+    def joined(lo: int, hi: int) -> str:
+        return "".join(items[i] + (seps[i] if i + 1 < hi else "") for i in range(lo, hi))
+
     if len(items) <= SHOWN:
-        return sep.join(items)
-    head, tail = items[:SHOWN - 6], items[-4:]
-    return sep.join(head) + f"{sep}... {len(items) - len(head) - len(tail)} more ...{sep}" + sep.join(tail)
+        return joined(0, len(items))
+    n_head, n_tail = SHOWN - 6, 4
+    left = len(items) - n_head - n_tail
+    return (joined(0, n_head) + seps[n_head - 1] + f"... {left} more ..." + seps[-n_tail - 1]
+            + joined(len(items) - n_tail, len(items)))
 
 
-def _as_json(result, rows) -> dict:
+def _as_json(result, rows, cluster=None) -> dict:
     base = baseline_ms(result.baselines)
+    cons = getattr(result, "constraints", None)
+    natives = {fw: native_best(result.baselines, fw) for fw in ("megatron", "deepspeed")}
     return {
         "plan": plan_to_dict(result.plan),
         "step_time_ms": result.step_ms,
@@ -160,6 +229,14 @@ def _as_json(result, rows) -> dict:
         "iterations": result.iterations,
         "evaluations": result.evaluations,
         "comparison": [r.as_dict() for r in rows],
+        "native": {fw: None if nb is None else {"schedule": nb.schedule, "split": nb.split,
+                                                "stages_per_device": nb.stages_per_device, "step_ms": nb.step_ms,
+                                                "peak_bytes": nb.peak_bytes,
+                                                "speedup": nb.step_ms / result.step_ms}
+                   for fw, nb in natives.items()},
+        **({"memory_bytes": cluster.memory_bytes, "memory_headroom_bytes": cluster.memory_headroom_bytes,
+            "usable_memory_bytes": cluster.usable_memory_bytes} if cluster is not None else {}),
+        **({"constraints": cons.as_dict()} if cons is not None else {}),
     }
 
 
