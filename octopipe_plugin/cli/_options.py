@@ -19,8 +19,20 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `octopipe simulate: error: argument --devices: ... (see -h)`."""
 
     def error(self, message: str):
-        """Print one line naming the option and what was expected, exit 2."""
+        """Print one line naming the option and what was expected (and the closest valid name), exit 2."""
+        from ._suggest import explain_argparse_error
+
+        message = explain_argparse_error(message, self.all_option_strings())
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
+
+    def all_option_strings(self) -> list[str]:
+        """This parser's option strings and, for the top-level parser, those of every sub-command."""
+        out = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    out += list(sub._option_string_actions)
+        return out
 
 
 def integer(lo: int, hi: int, hint: str = ""):
@@ -112,7 +124,11 @@ def load_model(args, cluster=None, option: str = "--model"):
     except FormatError:
         raise  # names the file and field already
     except OctoPipeError as exc:
-        raise OctoPipeError(f"{option} {args.model}: {exc}") from None
+        from ..costs.zoo import ZOO
+        from ._suggest import did_you_mean
+
+        hint = did_you_mean(args.model, ZOO) if not os.path.exists(args.model) else ""
+        raise OctoPipeError(f"{option} {args.model}: {exc}{hint}") from None
     if not from_file:
         return model, Costs(gpu=model.meta.get("gpu"), source="analytic", why=why)
     meta = model.meta if isinstance(model.meta, dict) else {}
@@ -135,7 +151,10 @@ def gpu_option(name: str) -> str:
     try:
         return get_gpu(name).name
     except OctoPipeError as exc:
-        raise OctoPipeError(f"--gpu {name}: {exc}") from None
+        from ..costs.gpus import GPUS
+        from ._suggest import did_you_mean
+
+        raise OctoPipeError(f"--gpu {name}: {exc}{did_you_mean(name, [*GPUS, 'A100', 'H100'])}") from None
 
 
 def load_cluster(name: str):
