@@ -26,9 +26,10 @@ def add_parser(subparsers) -> None:
     """Register `octopipe plan`."""
     p = subparsers.add_parser("plan", help="tune a pipeline plan (partition + placement + schedule)",
                               description=__doc__)
-    p.add_argument("--model", required=True, help="zoo name (octopipe model --list) or a model/architecture file")
+    p.add_argument("--model", help="zoo name (octopipe model --list) or a model/architecture file "
+                                    "(or give --megatron-args)")
     p.add_argument("--cluster", required=True, help="named cluster like h100x8, h100x16, or a cluster file")
-    p.add_argument("--microbatches", type=integer(1, L.MAX_MICROBATCHES), required=True, metavar="M",
+    p.add_argument("--microbatches", type=integer(1, L.MAX_MICROBATCHES), metavar="M",
                    help=f"micro-batches per step (devices x micro-batches at most {L.MAX_TUNE_DEVICE_MICROBATCHES:,})")
     p.add_argument("--gpu", default=None,
                    help="GPU whose analytic costs zoo/architecture models get (default: the cluster's GPU)")
@@ -44,6 +45,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_headroom_option(p)
     add_constraint_options(p)
+    g = p.add_argument_group("from your launch", "plan for the model and batch a Megatron launch would run")
+    g.add_argument("--megatron-args", metavar="'ARGS'|@FILE",
+                   help="the launch's Megatron arguments (pretrain_gpt.py ...), inline or @file: parsed and "
+                        "validated by Megatron itself; the model, micro-batch count and current stages come from them")
+    g.add_argument("--world-size", type=integer(1, L.MAX_DEVICES * 1024), default=None, metavar="N",
+                   help="GPUs of the launch (default TP x PP x CP: one data-parallel replica); sets the "
+                        "data-parallel size, hence micro-batches per step and the optimizer's sharding")
     p.set_defaults(run=run)
 
 
@@ -76,6 +84,15 @@ def check_size(model, cluster, num_microbatches: int, time_budget_s: float = L.M
 
 def run(args) -> int:
     """Tune, write the plan (and picture) if asked, print the summary and the comparison."""
+    if args.megatron_args is not None:
+        from .launch_plan import run_from_megatron
+
+        return run_from_megatron(args)
+    for flag in ("model", "microbatches"):
+        if getattr(args, flag) is None:
+            raise OctoPipeError(f"--{flag} is required (or plan from your launch with --megatron-args '...')")
+    if args.world_size is not None:
+        raise OctoPipeError("--world-size applies to --megatron-args")
     check_writable(args.output, "-o")
     check_writable(args.png, "--png")
     cluster = apply_headroom(args, load_cluster(args.cluster))
@@ -104,13 +121,14 @@ def run(args) -> int:
     return 0
 
 
-def tuned(args, model, cluster, num_microbatches: int):
+def tuned(args, model, cluster, num_microbatches: int, constraints=None):
     """Run the tuner under the wall-clock guard with the options' budget, seed and constraints."""
     guard = WallClockGuard(args.time_budget)
     try:
         with _progress_bar(not args.no_progress) as bar, guard:
             result = tune(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,
-                          iterations=args.iterations, progress=bar, constraints=constraints_of(args))
+                          iterations=args.iterations, progress=bar,
+                          constraints=constraints if constraints is not None else constraints_of(args))
     except KeyboardInterrupt:  # the tuner re-raises when it has no plan in hand yet
         if not guard.fired:
             raise

@@ -1,0 +1,119 @@
+"""`octopipe plan --megatron-args`: tune for the model and batch a Megatron launch runs, compare with its setup.
+
+The launch's arguments are parsed and validated by Megatron (adapters/megatron/from_args.py,
+imported only here); the plan is tuned under the constraints Megatron's start-up needs on top
+of the user's own, written with what the start-up checks, and printed with the arguments to
+add to the launch and a table against the launch's current stages under Megatron's own schedule.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import OctoPipeError, PlanError
+from ..formats import bind_plan, plan_to_dict, write_plan
+from ..schedules.registry import build_plan
+from ..simulator import simulate
+from ..tuner.compare import comparison_rows, format_table
+from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
+
+DEFAULT_PLAN = "octopipe-plan.json"
+_GIB = 2**30
+
+
+def run_from_megatron(args) -> int:
+    """Plan from a Megatron launch's arguments (see the module docstring)."""
+    from ..adapters.megatron.from_args import args_to_add, run_constraints, stamp, view_launch
+    from .plan_cmd import check_size, summary, tuned
+
+    for flag in ("model", "microbatches"):
+        if getattr(args, flag) is not None:
+            raise OctoPipeError(f"--{flag} comes from --megatron-args (the launch's model and batch); drop --{flag}")
+    output = args.output or DEFAULT_PLAN
+    check_writable(output, "-o")
+    check_writable(args.png, "--png")
+    cluster = apply_headroom(args, load_cluster(args.cluster))
+    view = view_launch(args.megatron_args, cluster, world_size=args.world_size, gpu=args.gpu)
+    model, facts = view.model, view.facts
+    check_size(model, cluster, facts.num_microbatches, args.time_budget)
+    cons, added = run_constraints(view.args, constraints_of(args))
+    result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
+    plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
+    failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
+    if args.png:
+        from ..simulator.gantt import write_png
+
+        failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png)
+    current = current_setup(view, cluster)
+    add, drop = args_to_add(output, view.argv)
+    costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
+                  why="the launch's arguments, as Megatron's start-up costs them")
+    rows = comparison_rows(result, cluster)
+    if args.json:
+        print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          "launch": {"pipeline_size": facts.pipeline_size, "data_parallel_size":
+                                     facts.data_parallel_size, "num_microbatches": facts.num_microbatches,
+                                     "num_layers": model.num_layers, "current": current},
+                          "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,
+                                    "peak_bytes": list(result.peak)},
+                          "constraints": result.constraints.as_dict(), "constraints_added": added,
+                          "add_arguments": add, "drop_arguments": drop,
+                          "comparison": [r.as_dict() for r in rows]}, indent=1))
+    else:
+        print(summary(result, model, cluster, costs.line()))
+        print()
+        print(launch_report(view, result, current, added, add, drop, output))
+        print()
+        print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
+    if failed:
+        raise OctoPipeError("; ".join(failed))
+    return 0
+
+
+def current_setup(view, cluster) -> dict:
+    """The launch as it runs now: Megatron's own schedule on its stages, simulated (or why it cannot run)."""
+    pp, v = view.facts.pipeline_size, view.stages_per_rank
+    name = "interleaved-1f1b" if v > 1 else "1f1b"
+    out = {"schedule": name, "stages": view.current_source, "stages_per_rank": v}
+    try:
+        plan = build_plan(view.model, name, pp, view.facts.num_microbatches, stages_per_device=v,
+                          boundaries=list(view.current))
+    except PlanError as exc:
+        return {**out, "error": str(exc)}
+    res = simulate(view.model, cluster, plan)
+    return {**out, "step_ms": res.step_time_ms, "bubble": res.bubble_ratio, "peak_bytes": list(res.peak_memory_bytes)}
+
+
+def launch_report(view, result, current: dict, added: list[str], add: list[str], drop: list[str],
+                  output: str) -> str:
+    """What to add to the launch, and the plan against the launch's current setup (step, bubble, peak per rank)."""
+    f = view.facts
+    lines = [f"Your launch: {f.pipeline_size} pipeline ranks x {f.num_microbatches} micro-batches per step "
+             f"(data-parallel size {f.data_parallel_size}), {view.model.num_layers} layers",
+             *[f"  constraint added for Megatron: {note}" for note in added],
+             f"Run the plan: add to the launch   {' '.join(add)}",
+             *([f"  and drop {', '.join(drop)} (the plan sets the stages)"] if drop else []),
+             f"  the plan is in {output}; `octopipe simulate --plan {output} ...` and `octopipe dryrun` check it on "
+             f"CPU first",
+             "",
+             f"  your launch now: Megatron's {current['schedule']} on {current['stages']}, "
+             f"{current['stages_per_rank']} stage(s) per rank",
+             f"  {'setup':<16} {'v':>3} {'step ms':>10} {'bubble':>7}  peak GiB per rank"]
+    if "error" in current:
+        lines.append(f"  {'your launch':<16} {current['stages_per_rank']:>3} {'-':>10} {'-':>7}  "
+                     f"(cannot run: {current['error'][:80]})")
+    else:
+        lines.append(f"  {'your launch':<16} {current['stages_per_rank']:>3} {current['step_ms']:>10.1f} "
+                     f"{current['bubble']:>7.1%}  {_peaks(current['peak_bytes'])}")
+    per = {len(result.plan.stages_of(d)) for d in range(result.plan.num_devices)}
+    lines.append(f"  {'OctoPipe plan':<16} {'-'.join(map(str, sorted(per))):>3} {result.step_ms:>10.1f} "
+                 f"{result.bubble:>7.1%}  {_peaks(result.peak)}")
+    if "step_ms" in current:
+        lines.append(f"  {current['step_ms'] / result.step_ms:.2f}x faster than your launch; fullest rank "
+                     f"{max(result.peak) / _GIB:.1f} GiB against {max(current['peak_bytes']) / _GIB:.1f} GiB now")
+    return "\n".join(lines)
+
+
+def _peaks(peaks) -> str:
+    shown = " ".join(f"{p / _GIB:.1f}" for p in peaks[:16])
+    return shown + (f" ... (max {max(peaks) / _GIB:.1f})" if len(peaks) > 16 else "")
