@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from ..errors import OctoPipeError, PlanError
-from ..formats import bind_plan, plan_to_dict, write_plan
+from ..formats import bind_plan, plan_to_dict, write_model, write_plan
 from ..schedules.registry import build_plan
 from ..simulator import simulate
 from ..tuner.compare import comparison_rows, format_table
@@ -40,6 +40,8 @@ def run_from_megatron(args) -> int:
     result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
     plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
+    model_file = model_path(output)
+    failed += keep_on_failure(lambda: write_model(model, model_file), model_file)
     if args.png:
         from ..simulator.gantt import write_png
 
@@ -51,6 +53,7 @@ def run_from_megatron(args) -> int:
     rows = comparison_rows(result, cluster)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          "model_file": model_file,
                           "launch": {"pipeline_size": facts.pipeline_size, "data_parallel_size":
                                      facts.data_parallel_size, "num_microbatches": facts.num_microbatches,
                                      "num_layers": model.num_layers, "current": current},
@@ -62,7 +65,8 @@ def run_from_megatron(args) -> int:
     else:
         print(summary(result, model, cluster, costs.line()))
         print()
-        print(launch_report(view, result, current, added, add, drop, output))
+        print(launch_report(view, result, current, added, add, drop, output,
+                            f"--model {model_file} --cluster {args.cluster}"))
         print()
         print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
     if failed:
@@ -84,8 +88,14 @@ def current_setup(view, cluster) -> dict:
     return {**out, "step_ms": res.step_time_ms, "bubble": res.bubble_ratio, "peak_bytes": list(res.peak_memory_bytes)}
 
 
+def model_path(plan_path: str) -> str:
+    """Where the launch's model is written next to its plan: plan.json -> plan.model.json."""
+    stem = plan_path[:-5] if plan_path.endswith(".json") else plan_path
+    return f"{stem}.model.json"
+
+
 def launch_report(view, result, current: dict, added: list[str], add: list[str], drop: list[str],
-                  output: str) -> str:
+                  output: str, inputs: str) -> str:
     """What to add to the launch, and the plan against the launch's current setup (step, bubble, peak per rank)."""
     f = view.facts
     lines = [f"Your launch: {f.pipeline_size} pipeline ranks x {f.num_microbatches} micro-batches per step "
@@ -93,8 +103,8 @@ def launch_report(view, result, current: dict, added: list[str], add: list[str],
              *[f"  constraint added for Megatron: {note}" for note in added],
              f"Run the plan: add to the launch   {' '.join(add)}",
              *([f"  and drop {', '.join(drop)} (the plan sets the stages)"] if drop else []),
-             f"  the plan is in {output}; `octopipe simulate --plan {output} ...` and `octopipe dryrun` check it on "
-             f"CPU first",
+             f"  check it on CPU first: octopipe simulate {inputs} --plan {output}; octopipe dryrun {output} "
+             f"{inputs}",
              "",
              f"  your launch now: Megatron's {current['schedule']} on {current['stages']}, "
              f"{current['stages_per_rank']} stage(s) per rank",

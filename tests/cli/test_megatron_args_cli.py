@@ -117,3 +117,7 @@ def test_args_from_a_file(capsys, tmp_path):
     f.write_text("torchrun --nproc-per-node 2 pretrain_gpt.py \\\n  " + " ".join(RUN) + "\n")
     text = _plan(capsys, [f"@{f}"], "-o", str(tmp_path / "p.json"))
     assert "Your launch: 2 pipeline ranks x 4 micro-batches" in text
+    # the printed check runs: the launch's model was written next to the plan
+    check = next(ln for ln in text.splitlines() if "check it on CPU first:" in ln).split(": ", 1)[1].split("; ")[0]
+    assert check.startswith("octopipe simulate ")
+    assert main(check.split()[1:]) == 0
