@@ -21,6 +21,7 @@ COMMANDS = MappingProxyType({
     "dryrun": "dryrun_cmd",
     "profile": "profile_cmd",
     "calibrate": "calibrate_cmd",
+    "export": "export_cmd",
 })
 
 
