@@ -109,11 +109,12 @@ def run(args) -> int:
         failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png,
                                   None if args.output and not failed else plan)
     rows = comparison_rows(result, cluster)
+    natives = native_references(result, model, cluster)
     if args.json:
-        print(json.dumps({**_as_json(result, rows, cluster), "plan": plan_to_dict(plan), "costs": costs.as_dict()},
-                         indent=1))
+        print(json.dumps({**_as_json(result, rows, cluster, natives), "plan": plan_to_dict(plan),
+                          "costs": costs.as_dict()}, indent=1))
     else:
-        print(summary(result, model, cluster, costs.line()))
+        print(summary(result, model, cluster, costs.line(), natives))
         print()
         print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
     if failed:
@@ -140,7 +141,13 @@ def tuned(args, model, cluster, num_microbatches: int, constraints=None):
     return result
 
 
-def summary(result, model, cluster, costs: str = "") -> str:
+def native_references(result, model, cluster) -> dict:
+    """Framework -> the best plan it runs unmodified (its boundaries refined), or None when none fits."""
+    return {fw: native_best(result.baselines, fw, model, cluster, result.plan.num_microbatches)
+            for fw in ("megatron", "deepspeed")}
+
+
+def summary(result, model, cluster, costs: str = "", natives: dict | None = None) -> str:
     """Human-readable description of the tuned plan."""
     plan = result.plan
     idle = idle_devices(plan)
@@ -158,7 +165,7 @@ def summary(result, model, cluster, costs: str = "") -> str:
         f"  step time      {result.step_ms:.1f} ms   bubble {result.bubble:.1%}   "
         f"{result.bound.describe()} -> {result.step_ms / result.bound.value_ms:.3f}x of it",
         f"  gain           {gain}",
-        *[f"                 {line}" for line in native_gains(result)],
+        *[f"                 {line}" for line in native_gains(result, natives)],
         *([f"  costs          {costs}"] if costs else []),
         *([f"  constraints    {cons.describe()}"] if cons is not None and cons.active else []),
         f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stage_listing(plan, cluster)}",
@@ -170,12 +177,12 @@ def summary(result, model, cluster, costs: str = "") -> str:
     ])
 
 
-def native_gains(result) -> list[str]:
+def native_gains(result, natives: dict | None = None) -> list[str]:
     """One line per framework: the gain over the best plan it runs unmodified, and the memory each trades."""
     ours = max(result.peak)
     out = []
     for fw in ("megatron", "deepspeed"):
-        nb = native_best(result.baselines, fw)
+        nb = natives[fw] if natives is not None else native_best(result.baselines, fw)
         if nb is None:
             out.append(f"no fitting plan {WHAT[fw]} runs, to compare with")
             continue
@@ -231,10 +238,11 @@ def _abridged(items: list[str], sep: str | None, seps: list[str] | None = None) 
             + joined(len(items) - n_tail, len(items)))
 
 
-def _as_json(result, rows, cluster=None) -> dict:
+def _as_json(result, rows, cluster=None, natives: dict | None = None) -> dict:
     base = baseline_ms(result.baselines)
     cons = getattr(result, "constraints", None)
-    natives = {fw: native_best(result.baselines, fw) for fw in ("megatron", "deepspeed")}
+    natives = natives if natives is not None else {fw: native_best(result.baselines, fw)
+                                                   for fw in ("megatron", "deepspeed")}
     return {
         "plan": plan_to_dict(result.plan),
         "step_time_ms": result.step_ms,
@@ -249,7 +257,8 @@ def _as_json(result, rows, cluster=None) -> dict:
         "comparison": [r.as_dict() for r in rows],
         "native": {fw: None if nb is None else {"schedule": nb.schedule, "split": nb.split,
                                                 "stages_per_device": nb.stages_per_device, "step_ms": nb.step_ms,
-                                                "peak_bytes": nb.peak_bytes,
+                                                "peak_bytes": nb.peak_bytes, "boundary_moves": nb.moves,
+                                                "stages": [list(b) for b in nb.bounds] or None,
                                                 "speedup": nb.step_ms / result.step_ms}
                    for fw, nb in natives.items()},
         **({"memory_bytes": cluster.memory_bytes, "memory_headroom_bytes": cluster.memory_headroom_bytes,
