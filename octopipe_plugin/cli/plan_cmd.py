@@ -49,6 +49,15 @@ def add_parser(subparsers) -> None:
     g.add_argument("--megatron-args", metavar="'ARGS'|@FILE",
                    help="the launch's Megatron arguments (pretrain_gpt.py ...), inline or @file: parsed and "
                         "validated by Megatron itself; the model, micro-batch count and current stages come from them")
+    g.add_argument("--deepspeed-config", metavar="DS_CONFIG.json",
+                   help="a DeepSpeed config: gradient_accumulation_steps gives the micro-batches, its \"octopipe\" "
+                        "block (if any) the tune settings; needs --module")
+    g.add_argument("--module", metavar="PKG.MOD:FN",
+                   help="with --deepspeed-config: a function returning the LayerSpec list you give PipelineModule "
+                        "(called on the meta device: nothing is allocated)")
+    g.add_argument("--partition-method", default="parameters", metavar="METHOD",
+                   help="with --deepspeed-config: your PipelineModule's partition_method, for the table against "
+                        "your current setup (parameters, uniform or type:REGEX; default DeepSpeed's parameters)")
     g.add_argument("--world-size", type=integer(1, L.MAX_DEVICES * 1024), default=None, metavar="N",
                    help="GPUs of the launch (default TP x PP x CP: one data-parallel replica); sets the "
                         "data-parallel size, hence micro-batches per step and the optimizer's sharding")
@@ -84,15 +93,24 @@ def check_size(model, cluster, num_microbatches: int, time_budget_s: float = L.M
 
 def run(args) -> int:
     """Tune, write the plan (and picture) if asked, print the summary and the comparison."""
+    if args.megatron_args is not None and args.deepspeed_config is not None:
+        raise OctoPipeError("--megatron-args and --deepspeed-config: give one launch to plan from")
     if args.megatron_args is not None:
         from .launch_plan import run_from_megatron
 
         return run_from_megatron(args)
+    if args.deepspeed_config is not None or args.module is not None:
+        if args.deepspeed_config is None or args.module is None:
+            raise OctoPipeError("--deepspeed-config and --module go together (the config and the function returning "
+                                "your PipelineModule's LayerSpec list)")
+        from .launch_plan import run_from_deepspeed
+
+        return run_from_deepspeed(args)
     for flag in ("model", "microbatches"):
         if getattr(args, flag) is None:
             raise OctoPipeError(f"--{flag} is required (or plan from your launch with --megatron-args '...')")
     if args.world_size is not None:
-        raise OctoPipeError("--world-size applies to --megatron-args")
+        raise OctoPipeError("--world-size applies to --megatron-args and --deepspeed-config")
     check_writable(args.output, "-o")
     check_writable(args.png, "--png")
     cluster = apply_headroom(args, load_cluster(args.cluster))

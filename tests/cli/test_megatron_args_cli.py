@@ -87,9 +87,9 @@ def test_table_against_the_launchs_layout(capsys, tmp_path):
     text = _plan(capsys, launch, "-o", str(tmp_path / "p.json"))
     said = next(ln for ln in text.splitlines() if "your launch now:" in ln)
     assert "interleaved-1f1b on --pipeline-model-parallel-layout Et|tt|tt|tL, 2 stage(s) per rank" in said
-    row = next(ln for ln in text.splitlines() if ln.startswith("  your launch  "))
+    row = next(ln for ln in text.splitlines() if ln.startswith("  your setup  "))
     assert "%" in row and len(row.split()) == 2 + 3 + 2  # label (2 words), v, step, bubble, a peak per rank
-    assert "x faster than your launch; fullest rank" in text
+    assert "x faster than your current setup; fullest rank" in text
 
 
 def test_world_size_sets_data_parallel_and_micro_batches(capsys, tmp_path):
