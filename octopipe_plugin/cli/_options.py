@@ -200,7 +200,7 @@ def add_headroom_option(p) -> None:
     """--memory-headroom: memory left free on every device (headroom.py says why the default)."""
     from ..headroom import DEFAULT, HELP
 
-    p.add_argument("--memory-headroom", type=_headroom_type, default=DEFAULT, metavar="GIB|FRACTION", help=HELP)
+    p.add_argument("--memory-headroom", type=_headroom_type, default=None, metavar="GIB|FRACTION", help=HELP)
 
 
 def _headroom_type(text: str):
@@ -215,11 +215,16 @@ def _headroom_type(text: str):
 _headroom_type.__name__ = "headroom"
 
 
-def apply_headroom(args, cluster):
-    """The cluster with --memory-headroom kept free on every device."""
-    from ..headroom import with_headroom
+def apply_headroom(args, cluster, launch_value=None, launch_where: str = ""):
+    """The cluster with --memory-headroom kept free on every device; unset, the launch's own setting
+    (`launch_value`, e.g. its --octopipe-memory-headroom) or the default."""
+    from ..headroom import DEFAULT, parse_headroom, with_headroom
 
-    return with_headroom(cluster, args.memory_headroom)
+    if args.memory_headroom is not None:
+        return with_headroom(cluster, args.memory_headroom)
+    if launch_value is not None:
+        return with_headroom(cluster, parse_headroom(launch_value, launch_where), launch_where)
+    return with_headroom(cluster, parse_headroom(DEFAULT))
 
 
 def add_constraint_options(p) -> None:

@@ -32,8 +32,11 @@ def run_from_megatron(args) -> int:
     output = args.output or DEFAULT_PLAN
     check_writable(output, "-o")
     check_writable(args.png, "--png")
-    cluster = apply_headroom(args, load_cluster(args.cluster))
-    view = view_launch(args.megatron_args, cluster, world_size=args.world_size, gpu=args.gpu)
+    bare = load_cluster(args.cluster)
+    view = view_launch(args.megatron_args, bare, world_size=args.world_size, gpu=args.gpu)
+    launch_headroom = view.args.octopipe_memory_headroom if "--octopipe-memory-headroom" in " ".join(view.argv) \
+        else None  # the launch's own setting, unless --memory-headroom overrides it
+    cluster = apply_headroom(args, bare, launch_headroom, "--octopipe-memory-headroom of --megatron-args")
     model, facts = view.model, view.facts
     check_size(model, cluster, facts.num_microbatches, args.time_budget)
     cons, added = run_constraints(view.args, constraints_of(args))
@@ -59,6 +62,8 @@ def run_from_megatron(args) -> int:
                                      "num_layers": model.num_layers, "current": current},
                           "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,
                                     "peak_bytes": list(result.peak)},
+                          "memory_headroom_bytes": cluster.memory_headroom_bytes,
+                          "usable_memory_bytes": cluster.usable_memory_bytes,
                           "constraints": result.constraints.as_dict(), "constraints_added": added,
                           "add_arguments": add, "drop_arguments": drop,
                           "comparison": [r.as_dict() for r in rows]}, indent=1))
@@ -85,9 +90,12 @@ def run_from_deepspeed(args) -> int:
     output = args.output or DEFAULT_PLAN
     check_writable(output, "-o")
     check_writable(args.png, "--png")
-    cluster = apply_headroom(args, load_cluster(args.cluster))
-    job = view_job(args.deepspeed_config, args.module, cluster, world_size=args.world_size, gpu=args.gpu,
+    bare = load_cluster(args.cluster)
+    job = view_job(args.deepspeed_config, args.module, bare, world_size=args.world_size, gpu=args.gpu,
                    partition_method=args.partition_method)
+    tune = (job.config.get("octopipe") or {}).get("tune") or {}
+    cluster = apply_headroom(args, bare, tune.get("memory_headroom"),
+                             f"{args.deepspeed_config}: $.octopipe.tune.memory_headroom")
     model, m = job.model, job.num_microbatches
     check_size(model, cluster, m, args.time_budget)
     result = tuned(args, model, cluster, m)
@@ -111,6 +119,8 @@ def run_from_deepspeed(args) -> int:
                                                             "current": current},
                           "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,
                                     "peak_bytes": list(result.peak)},
+                          "memory_headroom_bytes": cluster.memory_headroom_bytes,
+                          "usable_memory_bytes": cluster.usable_memory_bytes,
                           "octopipe_block": block, "comparison": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))

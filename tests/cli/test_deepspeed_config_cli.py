@@ -107,3 +107,14 @@ def test_bad_inputs_are_one_line(capsys, job, extra, fragment):
     _, cfg, _ = job
     err = _plan(capsys, cfg, *extra, expect=2)
     assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_blocks_headroom_is_used_unless_overridden(capsys, job):
+    tmp, cfg, config = job
+    config["octopipe"]["tune"]["memory_headroom"] = "10GiB"
+    (tmp / "ds_config.json").write_text(json.dumps(config))
+    doc = json.loads(_plan(capsys, cfg, "--module", "myjob:build", "--json", "-o", str(tmp / "p.json")))
+    assert doc["memory_headroom_bytes"] == 10 * 2**30
+    doc = json.loads(_plan(capsys, cfg, "--module", "myjob:build", "--json", "-o", str(tmp / "p.json"),
+                           "--memory-headroom", "0"))
+    assert doc["memory_headroom_bytes"] == 0

@@ -121,3 +121,14 @@ def test_args_from_a_file(capsys, tmp_path):
     check = next(ln for ln in text.splitlines() if "check it on CPU first:" in ln).split(": ", 1)[1].split("; ")[0]
     assert check.startswith("octopipe simulate ")
     assert main(check.split()[1:]) == 0
+
+
+def test_the_launchs_own_headroom_is_used_unless_overridden(capsys, tmp_path):
+    gib = 2**30
+    launch = RUN + ["--octopipe-memory-headroom", "20GiB"]
+    doc = json.loads(_plan(capsys, launch, "-o", str(tmp_path / "p.json"), "--json"))
+    assert doc["memory_headroom_bytes"] == 20 * gib
+    doc = json.loads(_plan(capsys, launch, "-o", str(tmp_path / "p.json"), "--json", "--memory-headroom", "2"))
+    assert doc["memory_headroom_bytes"] == 2 * gib
+    doc = json.loads(_plan(capsys, RUN, "-o", str(tmp_path / "p.json"), "--json"))
+    assert doc["memory_headroom_bytes"] == int(80 * gib * 0.08)
