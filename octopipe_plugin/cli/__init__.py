@@ -57,8 +57,8 @@ def _refuse_unknown_options(parser, argv: list[str]) -> None:
         if word == "--":
             break
         name = word.split("=", 1)[0]
-        if not name.startswith("--") or name in known or sum(k.startswith(name) for k in known) == 1:
-            continue  # a known option, or an abbreviation argparse accepts
+        if " " in word or not name.startswith("--") or name in known or sum(k.startswith(name) for k in known) == 1:
+            continue  # a value with spaces (argparse takes it as one), a known option, or an accepted abbreviation
         hint = did_you_mean(name, [k for k in known if k.startswith("--")])
         if hint:
             sub.error(f"unrecognized argument {name}{hint}")

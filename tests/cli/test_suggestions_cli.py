@@ -40,3 +40,10 @@ def test_no_suggestion_when_nothing_is_close(capsys):
     assert main(["simulate", "--model", "llama2-7b", "--cluster", "h100x8", "--schedule", "qqqq",
                  "--microbatches", "8"]) == 2
     assert "did you mean" not in capsys.readouterr().err
+
+
+def test_a_value_that_looks_like_options_is_left_to_argparse(capsys):
+    """--megatron-args '--num-layer 6 ...' is one value (it has spaces), not a mistyped option of `plan`."""
+    assert main(["plan", "--cluster", "h100x8", "--megatron-args", "--num-layer 6 --hidden-size 64"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean" not in err and "--megatron-args" in err
