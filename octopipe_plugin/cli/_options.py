@@ -151,7 +151,7 @@ def gpu_option(name: str) -> str:
     try:
         return get_gpu(name).name
     except OctoPipeError as exc:
-        from ..costs.gpus import GPUS
+        from ..gpus import GPUS
         from ._suggest import did_you_mean
 
         raise OctoPipeError(f"--gpu {name}: {exc}{did_you_mean(name, [*GPUS, 'A100', 'H100'])}") from None

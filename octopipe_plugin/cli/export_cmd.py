@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import OctoPipeError
 from ..formats import read_plan
-from ..schedules.torch_csv import STYLES, torch_csv_problems
+from ..schedules.torch_csv import STYLES, plan_to_torch_csv, torch_csv_problems
 from . import write_output
 from ._options import check_writable
 
@@ -30,9 +30,7 @@ def run(args) -> int:
     if problems:
         raise OctoPipeError(f"{args.plan}: torchtitan's {args.style!r} stage assignment cannot run this plan: "
                             + "; ".join(problems))
-    from ..executor.torch_interop import plan_to_torch_csv  # torch's notation is ours: one row per rank
-
-    text = plan_to_torch_csv(plan)
+    text = plan_to_torch_csv(plan)  # torch's notation is ours: one row of actions per rank
     write_output(lambda: _write(args.torch_csv, text), args.torch_csv)
     ranges = ", ".join(f"{s}:[{st.start},{st.end})" for s, st in enumerate(plan.stages))
     print(f"wrote {args.torch_csv}: {plan.num_devices} ranks x {plan.num_stages} stages, {plan.num_microbatches} "

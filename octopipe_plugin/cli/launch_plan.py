@@ -24,7 +24,7 @@ _GIB = 2**30
 def run_from_megatron(args) -> int:
     """Plan from a Megatron launch's arguments (see the module docstring)."""
     from ..adapters.megatron.from_args import args_to_add, run_constraints, stamp, view_launch
-    from .plan_cmd import check_size, summary, tuned
+    from .plan_report import check_size, summary, tuned
 
     for flag in ("model", "microbatches"):
         if getattr(args, flag) is not None:
@@ -82,7 +82,7 @@ def run_from_megatron(args) -> int:
 def run_from_deepspeed(args) -> int:
     """Plan from a DeepSpeed config and the function returning its PipelineModule's layer list."""
     from ..adapters.deepspeed.from_config import view_job
-    from .plan_cmd import check_size, summary, tuned
+    from .plan_report import check_size, summary, tuned
 
     for flag in ("model", "microbatches"):
         if getattr(args, flag) is not None:

@@ -11,7 +11,19 @@ stage must be micro-batch k, or a backward would start from another micro-batch'
 
 from __future__ import annotations
 
+import csv
+import io
+
 STYLES = ("loop", "v")
+
+
+def plan_to_torch_csv(plan) -> str:
+    """The plan's per-device action lists as torch's compute-only CSV text (one row per rank)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    for row in plan.schedule:
+        writer.writerow([str(a) for a in row])
+    return buf.getvalue()
 
 
 def torch_csv_problems(plan, style: str = "loop") -> list[str]:

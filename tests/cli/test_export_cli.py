@@ -83,9 +83,9 @@ def _worker(rank, world, port, doc, csv_path, out):
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     from octopipe_plugin.executor import PipelineExecutor
-    from octopipe_plugin.executor.checks import toy_runner
+    from octopipe_plugin.testing.checks import toy_runner
     from octopipe_plugin.executor.launch import init_gloo
-    from octopipe_plugin.executor.toy import ToySpec, build_layers, microbatch, stage_modules
+    from octopipe_plugin.testing.toy import ToySpec, build_layers, microbatch, stage_modules
 
     init_gloo(rank, world, port, timeout_s=120)
     plan = plan_from_dict(json.loads(doc))
