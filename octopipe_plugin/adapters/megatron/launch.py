@@ -15,7 +15,8 @@ import functools
 
 from .arguments import add_octopipe_args, chain_providers
 from .compat import allow_megatron_training_import
-from .startup import plan_of_args, resolve_octopipe_plan
+from .mapping import plan_of_args
+from .startup import resolve_octopipe_plan
 
 
 def parse_args_with_octopipe(original):

@@ -8,8 +8,7 @@ decoder layers keep their global numbers (so checkpoint keys match any other spl
 `pre_process` holds where the plan puts the embedding and `post_process` where it puts
 the LM head and loss.
 
-Public entry points (used by the launch integration):
-- `chunk_specs(plan, model, rank)` -> one `ChunkSpec` per chunk of `rank`;
+Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec` are mapping.py's):
 - `mapped_layout(plan, model)` -> a `MappedLayout` for `TransformerConfig.pipeline_model_parallel_layout`;
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
@@ -19,70 +18,9 @@ Public entry points (used by the launch integration):
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 from ...errors import OctoPipeError
-from ...formats.ranges import stage_range_problem
-from .layout import GPT_SYMBOLS, EXECUTOR_HINT  # noqa: F401  (EXECUTOR_HINT re-exported for messages)
-
-_DECODER = "t"
-_MTP = "m"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChunkSpec:
-    """What one (rank, virtual stage) chunk builds under a plan."""
-
-    stage: int  # the plan's stage index
-    vp_stage: int  # position among the rank's chunks (model order) = Megatron's vp_stage
-    layers: tuple[int, int]  # the plan's layer range [start, end) in the model graph
-    decoder: tuple[int, int]  # global 0-based decoder layer numbers [start, end)
-    mtp: tuple[int, int]  # global 0-based MTP layer numbers [start, end)
-    pre_process: bool  # builds the embedding (input of the pipeline)
-    post_process: bool  # builds the final norm, LM head and loss
-
-    @property
-    def num_decoder_layers(self) -> int:
-        """Decoder layers the chunk builds."""
-        return self.decoder[1] - self.decoder[0]
-
-
-def stage_symbols(plan, model) -> list[list[str]]:
-    """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds."""
-    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
-    if problem is not None:
-        raise OctoPipeError(f"model {model.name!r}: {problem.message}")
-    symbols = []
-    for i, layer in enumerate(model.layers):
-        sym = GPT_SYMBOLS.get(layer.kind)
-        if sym is None:
-            raise OctoPipeError(f"model {model.name!r} layer {i} ({layer.name!r}) has kind {layer.kind!r}; a Megatron "
-                                f"GPTModel chunk can hold only {sorted(GPT_SYMBOLS)}")
-        symbols.append(sym)
-    out = [symbols[st.start:st.end] for st in plan.stages]
-    if "E" not in out[0]:
-        raise OctoPipeError("plan: the embedding must sit in stage 0 (the stage that reads the batch); "
-                            f"stage 0 holds layers {plan.stages[0].start}..{plan.stages[0].end - 1}")
-    if "L" not in out[-1]:
-        raise OctoPipeError(f"plan: the lm_head must sit in the last stage ({plan.num_stages - 1}), where the loss is "
-                            "computed")
-    return out
-
-
-def chunk_specs(plan, model, rank: int) -> list[ChunkSpec]:
-    """The chunks `rank` builds under `plan`, in vp_stage order (one per stage the plan places on it)."""
-    syms = stage_symbols(plan, model)
-    dec_before, mtp_before = [0], [0]
-    for s in syms:
-        dec_before.append(dec_before[-1] + s.count(_DECODER))
-        mtp_before.append(mtp_before[-1] + s.count(_MTP))
-    out = []
-    for v, s in enumerate(plan.stages_of(rank)):
-        st = plan.stages[s]
-        out.append(ChunkSpec(stage=s, vp_stage=v, layers=(st.start, st.end),
-                             decoder=(dec_before[s], dec_before[s + 1]), mtp=(mtp_before[s], mtp_before[s + 1]),
-                             pre_process="E" in syms[s], post_process="L" in syms[s]))
-    return out
+from .mapping import chunk_specs, is_first_stage, is_last_stage, stage_symbols
 
 
 def _layout_base():
@@ -228,16 +166,6 @@ def plan_float16_wrappers(model, plan, rank: int) -> int:
     return count
 
 
-def loss_rank(plan) -> int:
-    """Pipeline rank that computes the loss (the last stage's device)."""
-    return plan.stages[-1].device
-
-
-def first_rank(plan) -> int:
-    """Pipeline rank that reads the batch (stage 0's device)."""
-    return plan.stages[0].device
-
-
 @contextlib.contextmanager
 def plan_pipeline_view(plan, rank: int):
     """`parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for the plan inside.
@@ -248,18 +176,11 @@ def plan_pipeline_view(plan, rank: int):
     """
     from megatron.core import parallel_state as ps
 
-    mine = plan.stages_of(rank)
-    last = plan.num_stages - 1
-
     def first(ignore_virtual=True, vp_stage=None):
-        if ignore_virtual or vp_stage is None:
-            return 0 in mine
-        return vp_stage < len(mine) and mine[vp_stage] == 0
+        return is_first_stage(plan, rank, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
 
     def final(ignore_virtual=True, vp_stage=None):
-        if ignore_virtual or vp_stage is None:
-            return last in mine
-        return vp_stage < len(mine) and mine[vp_stage] == last
+        return is_last_stage(plan, rank, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
 
     saved = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
     ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = first, final

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 from .graph import hybrid_pattern, model_from_megatron
-from .startup import is_looped, plan_of_args
+from .mapping import embedding_ranks_fn, is_looped, plan_of_args
 
 
 def plan_to_build():
@@ -40,8 +40,6 @@ def wrap_initialize_model_parallel(original):
     def initialize_model_parallel(*args, **kwargs):
         found = plan_to_build()
         if found is not None:
-            from .embeddings import embedding_ranks_fn
-
             kwargs["get_embedding_ranks"] = embedding_ranks_fn(*found)
         return original(*args, **kwargs)
 

@@ -22,7 +22,7 @@ from ...errors import OctoPipeError
 from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
-from .layout import GPT_SYMBOLS, HYBRID_SYMBOLS
+from .mapping import is_looped, stage_layout_args
 from .startup_profile import merge_costs, profiled_costs
 
 log = logging.getLogger("octopipe.megatron")
@@ -59,12 +59,6 @@ def resolve_octopipe_plan(args):
         install_model_hooks()
     _save_next_to_checkpoint(args, plan)
     return args
-
-
-def plan_of_args(args):
-    """The Plan resolved at start-up (None under Megatron's default schedule)."""
-    doc = getattr(args, "octopipe_plan", None)
-    return plan_from_dict(doc, "<args.octopipe_plan>") if doc else None
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",
@@ -106,22 +100,6 @@ def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, sou
     if problems:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {source} does not match this run: "
                             + "; ".join(problems))
-
-
-def stage_layout_args(plan, specs: list[LayerSpec], args) -> dict:
-    """The Megatron arguments that build the plan's stages, in stage order (the plan's map places them)."""
-    if hybrid_pattern(args):
-        pieces = ["".join(_hybrid_symbol(s) for s in specs[st.start:st.end] if s.kind not in
-                          ("embedding", "lm_head", "mtp")) for st in plan.stages]
-        mtp = hybrid_pattern(args).split("/", 1)
-        return {"hybrid_layer_pattern": "|".join(pieces) + ("/" + mtp[1] if len(mtp) > 1 else ""),
-                "hybrid_override_pattern": None}
-    layout = "|".join("".join(GPT_SYMBOLS[s.kind] for s in specs[st.start:st.end]) for st in plan.stages)
-    return {"pipeline_model_parallel_layout": layout}
-
-
-def _hybrid_symbol(spec: LayerSpec) -> str:
-    return HYBRID_SYMBOLS[spec.kind]
 
 
 def _refuse_stage_args(args) -> None:
@@ -173,11 +151,6 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
     return replace(plan, meta=meta)
-
-
-def is_looped(plan) -> bool:
-    """Whether stage i runs on rank i % P (the placement megatron.training's model builders make)."""
-    return all(st.device == s % plan.num_devices for s, st in enumerate(plan.stages))
 
 
 def _fastest_looped(result, model, facts):
