@@ -17,9 +17,9 @@ Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec`
 
 from __future__ import annotations
 
-import contextlib
-
 from ...errors import OctoPipeError
+from .embeddings import tie_local_copies
+from .hooks import pipeline_view, replace_forward
 from .mapping import chunk_specs, is_first_stage, is_last_stage, stage_symbols
 
 
@@ -99,8 +99,6 @@ def plan_model_provider(plan, model, provider):
     hold several copies of the tied embedding, copies the embedding into them (Megatron leaves
     a same-rank copy zero-filled).
     """
-    from .embeddings import tie_local_copies
-
     layout = None
     built: list = []
 
@@ -148,43 +146,25 @@ def plan_float16_wrappers(model, plan, rank: int) -> int:
     count = 0
     for chunk, stage in zip(model, stages):
         wrapper = next((m for m in chunk.modules() if isinstance(m, Float16Module)), None)
-        if wrapper is None or getattr(wrapper, "octopipe_plan_casts", False):
+        if wrapper is None:
             continue
         first, last = stage == 0, stage == plan.num_stages - 1
 
-        def forward(*inputs, fp32_output=True, _w=wrapper, _first=first, _last=last, **kwargs):
-            if _first:
-                inputs = fp32_to_float16(inputs, _w.float16_convertor)
-            outputs = _w.module(*inputs, **kwargs)
-            if _last and fp32_output is True:
-                outputs = float16_to_fp32(outputs)
-            return outputs
+        def make(_megatron, _w=wrapper, _first=first, _last=last):
+            def forward(*inputs, fp32_output=True, **kwargs):
+                if _first:
+                    inputs = fp32_to_float16(inputs, _w.float16_convertor)
+                outputs = _w.module(*inputs, **kwargs)
+                if _last and fp32_output is True:
+                    outputs = float16_to_fp32(outputs)
+                return outputs
 
-        wrapper.forward = forward
-        wrapper.octopipe_plan_casts = True
-        count += 1
+            return forward
+
+        count += replace_forward(wrapper, make, "casts on the plan's first and last stage")
     return count
 
 
-@contextlib.contextmanager
 def plan_pipeline_view(plan, rank: int):
-    """`parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for the plan inside.
-
-    Callers that pass `vp_stage` (get_batch through is_first_or_last_pipeline_stage, MTP,
-    get_model) learn whether *that chunk* holds the embedding / the loss; with
-    `ignore_virtual=True` whether this rank holds any such chunk.
-    """
-    from megatron.core import parallel_state as ps
-
-    def first(ignore_virtual=True, vp_stage=None):
-        return is_first_stage(plan, rank, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
-
-    def final(ignore_virtual=True, vp_stage=None):
-        return is_last_stage(plan, rank, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
-
-    saved = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
-    ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = first, final
-    try:
-        yield
-    finally:
-        ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = saved
+    """Context in which `parallel_state.is_pipeline_first/last_stage` answer for the plan (hooks.pipeline_view)."""
+    return pipeline_view(plan, rank)

@@ -22,7 +22,9 @@ from ...errors import OctoPipeError
 from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
+from .hooks import install_model_hooks
 from .mapping import is_looped, stage_layout_args
+from .pretrain_hooks import MODEL_HOOKS
 from .startup_profile import merge_costs, profiled_costs
 
 log = logging.getLogger("octopipe.megatron")
@@ -43,8 +45,8 @@ def resolve_octopipe_plan(args):
         if args.octopipe_plan:
             raise OctoPipeError(f"--octopipe-profile measures costs to tune a plan at start-up, but --octopipe-plan "
                                 f"{args.octopipe_plan} gives the plan; drop one of them")
-    if getattr(args, "pipeline_schedule", "default") != "octopipe":
-        return args
+    if getattr(args, "pipeline_schedule", "default") != "octopipe" or isinstance(args.octopipe_plan, dict):
+        return args  # Megatron's own schedule; or resolved already (a patched parse_args under the launcher)
     _refuse_stage_args(args)
     specs = layer_specs(args)
     facts = run_facts(args)
@@ -54,9 +56,7 @@ def resolve_octopipe_plan(args):
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
     if not is_looped(plan):
         # Megatron's model construction is round-robin: let the plan's map decide it (patch route included)
-        from .launch import install_model_hooks
-
-        install_model_hooks()
+        install_model_hooks(MODEL_HOOKS)
     _save_next_to_checkpoint(args, plan)
     return args
 
