@@ -4,9 +4,11 @@ Runs right after Megatron parses its arguments and before it validates them, so 
 setting Megatron derives (the virtual pipeline size, the layout in TransformerConfig, the
 hybrid pattern's segments) comes from the plan's stages. The plan is, in this order: the
 `--octopipe-plan` file; the plan saved next to the checkpoint being loaded; or a plan tuned
-on rank 0 for `--octopipe-cluster` and broadcast (the process group is then opened here,
-as Megatron would open it, and Megatron reuses it). Rank 0 saves the plan next to the
-checkpoint (`--save`). A plan that does not match the run stops start-up with one message.
+for `--octopipe-cluster`. The framework-neutral `plan_startup.plan_at_startup` runs those steps
+on rank 0 and broadcasts the plan or rank 0's one-line error (the process group is opened here
+when the launch provides one, as Megatron would open it, and Megatron reuses it). Rank 0 saves
+the plan next to the checkpoint (`--save`). A plan that does not match the run stops start-up
+with one message on every rank.
 A plan whose stage->rank map is not looped also installs the model-construction hooks
 (pretrain_hooks.py) so Megatron builds the plan's chunks.
 """
@@ -19,7 +21,8 @@ import os
 from dataclasses import replace
 
 from ...errors import OctoPipeError
-from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
+from ...formats import plan_to_dict
+from ...plan_startup import PlanSteps, plan_at_startup
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
@@ -50,14 +53,12 @@ def resolve_octopipe_plan(args):
     _refuse_stage_args(args)
     specs = layer_specs(args)
     facts = run_facts(args)
-    plan, source = _find_plan(args, specs, facts)
-    check_plan_matches_run(plan, specs, facts, source=source, hybrid=bool(hybrid_pattern(args)))
+    plan, _ = plan_at_startup(_plan_steps(args, specs, facts))
     _apply_stages(args, plan, specs)
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
     if not is_looped(plan):
         # Megatron's model construction is round-robin: let the plan's map decide it (patch route included)
         install_model_hooks(MODEL_HOOKS)
-    _save_next_to_checkpoint(args, plan)
     return args
 
 
@@ -112,17 +113,51 @@ def _refuse_stage_args(args) -> None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: the plan sets the pipeline stages; drop {', '.join(given)}")
 
 
-def _find_plan(args, specs, facts):
-    """(plan, where it came from): the given file, the one saved with the checkpoint, or a tuned one."""
-    if args.octopipe_plan:
-        return read_plan(args.octopipe_plan), f"plan {args.octopipe_plan}"
-    saved = os.path.join(args.load, PLAN_FILE) if getattr(args, "load", None) else None
-    if saved and os.path.exists(saved):
-        return read_plan(saved), f"plan {saved} (saved with the checkpoint)"
-    if not args.octopipe_cluster:
-        raise OctoPipeError("--pipeline-schedule octopipe needs --octopipe-plan PATH, or --octopipe-cluster NAME|PATH "
-                            "to tune a plan at start-up")
-    return _tune_on_rank0(args, specs, facts), f"the plan tuned for {args.octopipe_cluster}"
+def _plan_steps(args, specs, facts) -> PlanSteps:
+    """Where this run's plan comes from (plan_startup runs the steps on rank 0 and broadcasts the outcome).
+
+    --octopipe-plan; else the plan saved next to --load; else tuned for --octopipe-cluster. The
+    process group is opened first wherever a launch gives one (rank 0 decides, every rank hears it);
+    --octopipe-profile measures on rank 0 *before* that, since the profiler opens and closes a
+    one-rank group of its own. Rank 0 saves the plan next to --save.
+    """
+    load = getattr(args, "load", None)
+    resume = os.path.join(load, PLAN_FILE) if load else None
+    plan_file = args.octopipe_plan or None
+    rank = int(getattr(args, "rank", 0) or 0)
+    names = {plan_file: f"plan {plan_file}", resume: f"plan {resume} (saved with the checkpoint)"}
+    profiled, failure = None, None
+    if args.octopipe_cluster and getattr(args, "octopipe_profile", False) and rank == 0 and not (
+            resume and os.path.exists(resume)):
+        try:
+            profiled = profiled_costs(args, name=_model_name(args))
+        except OctoPipeError as exc:  # reported through plan_at_startup, so every rank stops with it
+            failure = exc
+    if args.octopipe_cluster or _launched(args):
+        _open_process_group(args, facts)
+
+    def tune():
+        if not args.octopipe_cluster:
+            raise OctoPipeError("--pipeline-schedule octopipe needs --octopipe-plan PATH, or --octopipe-cluster "
+                                "NAME|PATH to tune a plan at start-up (no plan is saved next to --load either)")
+        if failure is not None:
+            raise failure
+        return tune_for_run(args, facts, profiled)
+
+    def check(plan, source):
+        check_plan_matches_run(plan, specs, facts, source=names.get(source, f"the plan tuned for "
+                                                                            f"{args.octopipe_cluster}"),
+                               hybrid=bool(hybrid_pattern(args)))
+
+    save = getattr(args, "save", None)
+    return PlanSteps(plan_file=plan_file, resume_file=resume, tune=tune, check=check,
+                     save_to=(os.path.join(save, PLAN_FILE),) if save and rank == 0 else ())
+
+
+def _launched(args) -> bool:
+    """Whether this process belongs to a multi-process launch whose default group can be opened (torchrun's env)."""
+    world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+    return world > 1 and bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT"))
 
 
 def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
@@ -174,42 +209,12 @@ def _model_name(args) -> str:
     return "megatron-hybrid" if hybrid_pattern(args) else "megatron-gpt"
 
 
-def _tune_on_rank0(args, specs, facts):
-    """Rank 0 tunes, every rank receives the plan (or rank 0's error) over the default process group."""
-    import torch.distributed as dist
-
-    profiled, failure = None, None
-    if getattr(args, "octopipe_profile", False) and int(getattr(args, "rank", 0) or 0) == 0:
-        # before the run's group opens: the profiler's one-rank group and parallel state are gone after it
-        try:
-            profiled = profiled_costs(args, name=_model_name(args))
-        except OctoPipeError as exc:
-            failure = str(exc)
-    if facts.pipeline_size * facts.data_parallel_size == 1 and not dist.is_initialized():
-        if failure:
-            raise OctoPipeError(failure)
-        return tune_for_run(args, facts, profiled)
-    _open_process_group(args)
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            if failure:
-                raise OctoPipeError(failure)
-            box[0] = {"plan": plan_to_dict(tune_for_run(args, facts, profiled))}
-        except OctoPipeError as exc:
-            box[0] = {"error": str(exc)}
-    dist.broadcast_object_list(box, src=0)
-    if "error" in box[0]:
-        raise OctoPipeError(box[0]["error"])
-    return plan_from_dict(box[0]["plan"], "<plan broadcast from rank 0>")
-
-
-def _open_process_group(args) -> None:
+def _open_process_group(args, facts) -> None:
     """Open the default process group as megatron.training.initialize would; Megatron then reuses it."""
     import torch
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() or facts.pipeline_size * facts.data_parallel_size == 1:
         return
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         torch.cuda.set_device(int(getattr(args, "local_rank", None) or os.environ.get("LOCAL_RANK", "0")))
@@ -222,12 +227,3 @@ def _apply_stages(args, plan, specs) -> None:
         setattr(args, key, value)
     if not hybrid_pattern(args):
         args.num_layers = sum(s.kind in ("dense", "dense_local", "moe") for s in specs)
-
-
-def _save_next_to_checkpoint(args, plan) -> None:
-    save = getattr(args, "save", None)
-    if not save or args.rank != 0:
-        return
-    os.makedirs(save, exist_ok=True)
-    write_plan(plan, os.path.join(save, PLAN_FILE))
-    log.info("octopipe: plan saved to %s", os.path.join(save, PLAN_FILE))

@@ -147,3 +147,47 @@ def _tune_worker(rank, world, port, out):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(args.octopipe_plan, fh)
     dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("failure", ["missing-plan-file", "tuning-error"])
+def test_a_rank0_failure_ends_both_ranks_with_its_message(tmp_path, failure):
+    """Rank 0 cannot produce a plan: both ranks stop in Megatron's parse_args with rank 0's one line, no hang.
+
+    Rank 1 is given a good plan file (missing-plan-file), so its stop can only come from rank 0's broadcast."""
+    from octopipe_plugin.executor.launch import spawn
+
+    good = plan_file(tmp_path)
+    spawn(_failing_worker, 2, str(tmp_path), failure, good)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1], got
+    assert got[0]["type"] == "StartupError" and "\n" not in got[0]["message"]
+    if failure == "missing-plan-file":
+        assert str(tmp_path / "missing.json") in got[0]["message"] and "a readable file" in got[0]["message"]
+    else:
+        assert "--octopipe-cluster h100x4 has 4 devices but the pipeline has 2 ranks" in got[0]["message"]
+
+
+def _failing_worker(rank, world, port, out, failure, good):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch.distributed as dist
+
+    from launch_helpers import parse as parse_in_child
+
+    if failure == "missing-plan-file":
+        source = ["--octopipe-plan", os.path.join(out, "missing.json") if rank == 0 else good]
+    else:  # a cluster of 4 devices for a 2-rank pipeline: tune_for_run refuses it on rank 0
+        source = ["--octopipe-cluster", "h100x4", "--octopipe-tune-iterations", "5"]
+    try:
+        parse_in_child(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+                                   "--pipeline-schedule", "octopipe", *source, "--distributed-backend", "gloo",
+                                   "--distributed-timeout-minutes", "1"], world=world, rank=rank, validate=False)
+        report = {"type": None, "message": "start-up went on"}
+    except OctoPipeError as exc:
+        report = {"type": type(exc).__name__, "message": str(exc)}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(report, fh)
+    if dist.is_initialized():
+        dist.destroy_process_group()
