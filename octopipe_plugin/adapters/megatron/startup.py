@@ -19,9 +19,11 @@ import datetime
 import logging
 import os
 from dataclasses import replace
+from typing import Callable
 
 from ...errors import OctoPipeError
-from ...formats import plan_to_dict
+from ...formats import Model, bind_plan, plan_to_dict
+from ...formats.fingerprint import FINGERPRINT_KEY, cost_difference, layer_kinds_of, layer_kinds_text
 from ...plan_startup import PlanSteps, plan_at_startup
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
@@ -63,18 +65,30 @@ def resolve_octopipe_plan(args):
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",
-                           hybrid: bool = False) -> None:
-    """Refuse, in one message, a plan whose model, pipeline size or micro-batch count differ from the run's."""
+                           hybrid: bool = False, run_model: Callable[[str | None], Model] | None = None) -> None:
+    """Refuse, in one message, a plan whose model, pipeline size or micro-batch count differ from the run's.
+
+    The model check reads the plan's own record of its layer kinds in order (the fingerprint that
+    `bind_plan` writes, or `meta["layer_kinds"]` of plans tuned at start-up), so a plan for another
+    model with the same layer count is refused; layer names are not compared (zoo plans name layers
+    their own way). `run_model(gpu)` builds this run's cost graph: a fingerprint whose costs differ
+    from it is warned about, with the difference (the plan still runs)."""
     problems = []
     if plan.stages[-1].end != len(specs):
         counts = {k: sum(s.kind == k for s in specs) for k in ("mtp",)}
         problems.append(f"it covers {plan.stages[-1].end} layers but this run's model has {len(specs)} (embedding, "
                         f"{len(specs) - 2 - counts['mtp']} decoder layers, {counts['mtp']} MTP layers, output layer)")
-    kinds = (plan.meta or {}).get("layer_kinds")
-    if kinds and plan.stages[-1].end == len(specs) and list(kinds) != [s.kind for s in specs]:
-        first = next(i for i, (a, s) in enumerate(zip(kinds, specs)) if a != s.kind)
-        problems.append(f"it was made for another model: layer {first} is {kinds[first]!r} there and "
-                        f"{specs[first].kind!r} ({specs[first].name}) here")
+    recorded = _recorded_model(plan)
+    kinds = [s.kind for s in specs]
+    if recorded is not None and recorded[1] != kinds:
+        name, theirs = recorded
+        first = next((i for i, (a, b) in enumerate(zip(theirs, kinds)) if a != b), min(len(theirs), len(kinds)))
+        where = (f"layer {first} is {theirs[first]!r} there and {kinds[first]!r} ({specs[first].name}) here"
+                 if first < min(len(theirs), len(kinds)) else "one is longer")
+        problems.append(f"it was made for another model: {name} [{layer_kinds_text(theirs)}], not this run's "
+                        f"[{layer_kinds_text(kinds)}] ({where})")
+    elif run_model is not None:
+        _warn_cost_difference(plan, source, run_model)
     if plan.num_devices != facts.pipeline_size:
         problems.append(f"it has {plan.num_devices} devices but --pipeline-model-parallel-size is "
                         f"{facts.pipeline_size}")
@@ -113,6 +127,34 @@ def _refuse_stage_args(args) -> None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: the plan sets the pipeline stages; drop {', '.join(given)}")
 
 
+def _recorded_model(plan) -> tuple[str, list[str]] | None:
+    """(how the plan names its model, its layer kinds in order) from the plan's own record; None without one."""
+    meta = plan.meta if isinstance(plan.meta, dict) else {}
+    fp = (meta.get(FINGERPRINT_KEY) or {}).get("model") if isinstance(meta.get(FINGERPRINT_KEY), dict) else None
+    if isinstance(fp, dict) and isinstance(fp.get("kinds"), str):
+        return f"model {fp.get('name')!r} ({fp.get('num_layers')} layers)", layer_kinds_of(fp["kinds"])
+    if meta.get("layer_kinds"):
+        return f"model {plan.model or 'of the plan'!r} ({len(meta['layer_kinds'])} layers)", list(meta["layer_kinds"])
+    return None
+
+
+def _warn_cost_difference(plan, source: str, run_model) -> None:
+    """One warning line when the plan's fingerprint records other costs than this run's analytic graph."""
+    fp = (plan.meta or {}).get(FINGERPRINT_KEY)
+    recorded = fp.get("model") if isinstance(fp, dict) else None
+    if not isinstance(recorded, dict) or ((plan.meta or {}).get("tuned_for") or {}).get("profiled_kinds"):
+        return  # nothing recorded, or costs measured on the device: an analytic graph is no yardstick
+    try:
+        model = run_model(recorded.get("gpu"))
+    except OctoPipeError as exc:
+        log.warning("octopipe: %s: its costs could not be compared with this run's (%s)", source, exc)
+        return
+    diff = cost_difference(recorded, model)
+    if diff:
+        log.warning("octopipe: %s was made for the same layers with other costs (%s); it runs, but its stage split "
+                    "and predictions may not be the best for this run: re-tune with --octopipe-cluster", source, diff)
+
+
 def _plan_steps(args, specs, facts) -> PlanSteps:
     """Where this run's plan comes from (plan_startup runs the steps on rank 0 and broadcasts the outcome).
 
@@ -145,13 +187,22 @@ def _plan_steps(args, specs, facts) -> PlanSteps:
         return tune_for_run(args, facts, profiled)
 
     def check(plan, source):
+        tuned = source not in names
         check_plan_matches_run(plan, specs, facts, source=names.get(source, f"the plan tuned for "
                                                                             f"{args.octopipe_cluster}"),
-                               hybrid=bool(hybrid_pattern(args)))
+                               hybrid=bool(hybrid_pattern(args)),
+                               run_model=None if tuned else lambda gpu: _run_graph(args, facts, gpu))
 
     save = getattr(args, "save", None)
     return PlanSteps(plan_file=plan_file, resume_file=resume, tune=tune, check=check,
                      save_to=(os.path.join(save, PLAN_FILE),) if save and rank == 0 else ())
+
+
+def _run_graph(args, facts, gpu: str | None) -> Model:
+    """This run's analytic cost graph on `gpu` (the plan's recorded one), --octopipe-costs on top."""
+    return model_from_megatron(args, gpu=gpu or "H100", name=_model_name(args),
+                               measured=load_measured_costs(args.octopipe_costs),
+                               data_parallel_size=facts.data_parallel_size)
 
 
 def _launched(args) -> bool:
@@ -185,7 +236,7 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
-    return replace(plan, meta=meta)
+    return bind_plan(replace(plan, meta=meta), model, cluster)  # saved next to --save: later runs check it
 
 
 def _fastest_looped(result, model, facts):
