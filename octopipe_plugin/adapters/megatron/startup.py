@@ -26,6 +26,7 @@ from ...formats import Model, bind_plan, plan_to_dict
 from ...formats.fingerprint import FINGERPRINT_KEY, cost_difference, layer_kinds_of, layer_kinds_text
 from ...plan_startup import PlanSteps, plan_at_startup
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
+from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
 from .mapping import is_looped, stage_layout_args
@@ -52,6 +53,7 @@ def resolve_octopipe_plan(args):
                                 f"{args.octopipe_plan} gives the plan; drop one of them")
     if getattr(args, "pipeline_schedule", "default") != "octopipe" or isinstance(args.octopipe_plan, dict):
         return args  # Megatron's own schedule; or resolved already (a patched parse_args under the launcher)
+    require_supported_megatron()  # the patch route reaches here first: refuse another version before anything
     _refuse_stage_args(args)
     specs = layer_specs(args)
     facts = run_facts(args)
