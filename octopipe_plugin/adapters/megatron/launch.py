@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from ...errors import OctoPipeError
-from . import hooks
+from .hooks import install_entry_points
 from .arguments import add_octopipe_args, chain_providers
 from .mapping import plan_of_args
 from .startup import resolve_octopipe_plan
@@ -50,7 +50,7 @@ def get_forward_backward_func(*args, **kwargs):
 
 def install() -> None:
     """Make megatron.training take OctoPipe's arguments and schedule (idempotent; hooks.installed() lists them)."""
-    hooks.install_entry_points(parse_args=parse_args_with_octopipe, get_forward_backward_func=get_forward_backward_func)
+    install_entry_points(parse_args=parse_args_with_octopipe, get_forward_backward_func=get_forward_backward_func)
 
 
 def schedule_of(argv: list[str]) -> str:
