@@ -75,6 +75,7 @@ def run_case(case: dict) -> dict:
     from octopipe_plugin.adapters.megatron.mapping import embedding_ranks_fn
     from octopipe_plugin.adapters.megatron.schedule import make_forward_backward_func
     from octopipe_plugin.formats import plan_from_dict
+    from octopipe_plugin.testing.megatron_wgrad import counting_gemms
 
     spec: H.TinyGPT = case["spec"]
     pp, m = case["pp"], case["microbatches"]
@@ -106,32 +107,29 @@ def run_case(case: dict) -> dict:
     fs = H.make_forward_step(spec)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     losses, evals = [], []
-    for step in range(STEPS):
-        for c in chunks:
-            c.zero_grad_buffer()
-        opt.zero_grad()
-        its = H.data_iterators(spec, len(chunks), step, m, dp_rank, dp_size)
-        out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                 num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
-        losses.append(_global_loss(out))
-        ok, _, _ = opt.step()
-        assert ok, "optimizer step skipped"
-        scheduler.step(increment=m * spec.mbs * dp_size)
-        if case.get("eval"):
+    with counting_gemms() as gemms:  # the split linears' GEMMs, counted in this test process only
+        for step in range(STEPS):
             for c in chunks:
-                c.eval()
-            its = H.data_iterators(spec, len(chunks), 100 + step, m, dp_rank, dp_size)
+                c.zero_grad_buffer()
+            opt.zero_grad()
+            its = H.data_iterators(spec, len(chunks), step, m, dp_rank, dp_size)
             out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                     num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
-            evals.append(_global_loss(out))
-            for c in chunks:
-                c.train()
+                     num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
+            losses.append(_global_loss(out))
+            ok, _, _ = opt.step()
+            assert ok, "optimizer step skipped"
+            scheduler.step(increment=m * spec.mbs * dp_size)
+            if case.get("eval"):
+                for c in chunks:
+                    c.eval()
+                its = H.data_iterators(spec, len(chunks), 100 + step, m, dp_rank, dp_size)
+                out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
+                         num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
+                evals.append(_global_loss(out))
+                for c in chunks:
+                    c.train()
     weights = H.gathered_weights(chunks)
-    counts = torch.zeros(3, dtype=torch.int64)
-    for c in chunks:
-        phase = getattr(c, "_octopipe_wgrad_phase", None)
-        if phase is not None:
-            counts += torch.tensor([phase.forward_calls, phase.input_gemms, phase.weight_gemms])
+    counts = torch.tensor([gemms.forward_calls, gemms.input_gemms, gemms.weight_gemms], dtype=torch.int64)
     dist.all_reduce(counts)
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
