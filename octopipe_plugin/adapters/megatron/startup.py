@@ -16,6 +16,7 @@ A plan whose stage->rank map is not looped also installs the model-construction 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 from dataclasses import replace
@@ -31,6 +32,7 @@ from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
 from .mapping import is_looped, stage_layout_args
 from .pretrain_hooks import MODEL_HOOKS
+from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
 
 log = logging.getLogger("octopipe.megatron")
@@ -180,31 +182,36 @@ def _plan_steps(args, specs, facts) -> PlanSteps:
     if args.octopipe_cluster or _launched(args):
         _open_process_group(args, facts)
 
+    decision = functools.cache(lambda: te_backward(args))  # rank 0 decides (the GPU check's record is its)
+
     def tune():
         if not args.octopipe_cluster:
             raise OctoPipeError("--pipeline-schedule octopipe needs --octopipe-plan PATH, or --octopipe-cluster "
                                 "NAME|PATH to tune a plan at start-up (no plan is saved next to --load either)")
         if failure is not None:
             raise failure
-        return tune_for_run(args, facts, profiled)
+        return tune_for_run(args, facts, profiled, decision())
 
     def check(plan, source):
         tuned = source not in names
         check_plan_matches_run(plan, specs, facts, source=names.get(source, f"the plan tuned for "
                                                                             f"{args.octopipe_cluster}"),
                                hybrid=bool(hybrid_pattern(args)),
-                               run_model=None if tuned else lambda gpu: _run_graph(args, facts, gpu))
+                               run_model=None if tuned else lambda gpu: _run_graph(args, facts, gpu, decision()))
+
+    def adapt(plan, source):
+        return fuse_te_stages(plan, specs, decision(), source=names.get(source, "the tuned plan"))
 
     save = getattr(args, "save", None)
-    return PlanSteps(plan_file=plan_file, resume_file=resume, tune=tune, check=check,
+    return PlanSteps(plan_file=plan_file, resume_file=resume, tune=tune, check=check, adapt=adapt,
                      save_to=(os.path.join(save, PLAN_FILE),) if save and rank == 0 else ())
 
 
-def _run_graph(args, facts, gpu: str | None) -> Model:
-    """This run's analytic cost graph on `gpu` (the plan's recorded one), --octopipe-costs on top."""
-    return model_from_megatron(args, gpu=gpu or "H100", name=_model_name(args),
-                               measured=load_measured_costs(args.octopipe_costs),
-                               data_parallel_size=facts.data_parallel_size)
+def _run_graph(args, facts, gpu: str | None, decision: TeBackward) -> Model:
+    """This run's analytic cost graph on `gpu` (the plan's recorded one), --octopipe-costs on top, TE fused."""
+    return fused_backward_model(model_from_megatron(args, gpu=gpu or "H100", name=_model_name(args),
+                                                    measured=load_measured_costs(args.octopipe_costs),
+                                                    data_parallel_size=facts.data_parallel_size), decision)
 
 
 def _launched(args) -> bool:
@@ -213,10 +220,12 @@ def _launched(args) -> bool:
     return world > 1 and bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT"))
 
 
-def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
+def tune_for_run(args, facts: RunFacts, profiled: dict | None = None, decision: TeBackward | None = None):
     """Tune a plan for this run's model and pipeline on the given cluster (what rank 0 does at start-up).
 
     `profiled`: kind -> measured cost fields (--octopipe-profile); the --octopipe-costs file goes on top.
+    `decision`: how TE layers take their backward (te_backward(args) when not given): fused ones reach
+    the tuner as B.
     """
     from ...costs import cost_gpu, resolve_cluster
     from ...tuner import tune
@@ -230,6 +239,7 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
     measured = merge_costs(profiled or {}, load_measured_costs(args.octopipe_costs))
     model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=measured,
                                 data_parallel_size=facts.data_parallel_size)
+    model = fused_backward_model(model, te_backward(args) if decision is None else decision)
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
                   seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations)
     plan = result.plan
