@@ -86,3 +86,21 @@ def test_the_runtime_refuses_te_chunks_under_an_unverified_split(te_run):
     assert problem.startswith("plan: stage 0 on pipeline rank 0 holds Transformer Engine linears and runs I/W")
     assert te.te_chunk_problem(plan, 0, chunks, decision_split=True) is None
     assert te.te_chunk_problem(plan, 0, chunks[1:] * 2, decision_split=False) is None
+
+
+def test_the_launch_schedule_refuses_te_chunks_under_an_unverified_split(te_run, monkeypatch):
+    """launch.get_forward_backward_func's schedule checks the chunks it is given at its first call."""
+    import megatron.core.parallel_state as ps
+
+    from octopipe_plugin.adapters.megatron.launch import te_checked
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda: 0)
+    plan = read_plan(plan_file(te_run))
+    TeLinear = type("TELinear", (torch.nn.Linear,), {"__module__": "transformer_engine.pytorch.module.linear"})
+    calls = []
+    schedule = te_checked(plan, lambda **kw: calls.append(kw) or [], te_split=False)
+    with pytest.raises(OctoPipeError, match="holds Transformer Engine linears and runs I/W"):
+        schedule(model=[torch.nn.Sequential(TeLinear(2, 2)), torch.nn.Linear(2, 2)], forward_only=False)
+    assert calls == []  # refused before anything ran
+    local = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    assert schedule(model=local, forward_only=False) == [] and len(calls) == 1
