@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The executor's device path in one command (under 10 minutes on one GPU):
 #   bash scripts/gpu_check.sh [--ranks 4] [--steps 5] [--device auto|cuda|cpu] [--plans 1f1b,...]
+#   bash scripts/gpu_check.sh --te-split   (Transformer Engine's I/W split as the Megatron runner does it;
+#                                           writes the record --octopipe-te-split needs: adapters/megatron/te.py)
 # One line per check, then "gpu check: N passed, M failed" (exit status 1 when one failed):
 # the CUDA lane's self path on NCCL (world of one: side stream, events, record_stream, kept
 # buffers, watchdog), three stages on one device, then 1F1B, interleaved 1F1B, ZB-V and a plan
@@ -14,5 +16,8 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if [ "${1:-}" = "--te-split" ]; then
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec timeout 600 "$PY" -m octopipe_plugin.testing.te_split_check
 fi
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec timeout 600 "$PY" -m octopipe_plugin.testing.gpu_check "$@"
