@@ -32,6 +32,7 @@ from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from .embeddings import sum_local_grads
 from .placement import plan_float16_wrappers, plan_pipeline_view
+from .loss_transfer import recv_loss_dicts, send_loss_dicts
 from .stages import MegatronStages, split_phases
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,14 @@ class _Executors:
         self.cache: dict[int, PipelineExecutor] = {}
 
     def get(self, runner, rank: int, group) -> PipelineExecutor:
-        """The executor of this group, bound to this step's runner."""
+        """The executor of this group, bound to this step's runner (boundaries on the model's device)."""
         ex = self.cache.get(id(group))
         if ex is None:
             opts = ExecutorOptions(timeout_s=self.options.timeout_s, tags=self.options.tags)
-            ex = PipelineExecutor(self.plan, runner, rank=rank, group=group, device=_device(), options=opts)
+            ex = PipelineExecutor(self.plan, runner, rank=rank, group=group, device=runner.device, options=opts)
             self.cache[id(group)] = ex
         ex.runner = runner
         return ex
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions | None = None):
@@ -130,26 +127,25 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
             sum_local_grads(model)  # same-rank tied copies: summed before their reduction starts
             runner.sync.sync_held()
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
-        return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches)
+        return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches, runner.device)
 
     forward_backward_func.plan = plan
     return forward_backward_func
 
 
-def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: int) -> list:
+def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: int, device) -> list:
     """The loss dicts per micro-batch on the last pipeline rank (where train_step / evaluate reduce and log
-    them), [] elsewhere; under a plan that computes the loss on another rank (V-shape) they are sent there."""
+    them), [] elsewhere; under a plan that computes the loss on another rank (V-shape) they are sent there
+    as tensors (only their structure is pickled: nothing on a GPU travels through pickling)."""
     loss_rank, last = plan.stages[-1].device, dist.get_world_size(pp_group) - 1
     mine = [runner.loss_data[mb] for mb in range(num_microbatches)] if rank == loss_rank else None
     if loss_rank == last:
         return mine if rank == last else []
     if rank == loss_rank:
-        dist.send_object_list([mine], group_dst=last, group=pp_group)
+        send_loss_dicts(mine, last, pp_group)
         return []
     if rank == last:
-        box = [None]
-        dist.recv_object_list(box, group_src=loss_rank, group=pp_group)
-        return box[0]
+        return recv_loss_dicts(loss_rank, pp_group, device)
     return []
 
 

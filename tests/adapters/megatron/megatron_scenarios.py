@@ -8,8 +8,6 @@ file the test reads.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import traceback
 
@@ -137,29 +135,6 @@ def run_case(case: dict) -> dict:
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
 
 
-def megatron_args(spec: H.TinyGPT, pp: int, microbatches: int, world: int):
-    """Megatron's own parsed and validated arguments for the tiny model (what train_step reads)."""
-    import os
-    import sys
-
-    from megatron.training.arguments import parse_args, validate_args
-
-    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(dist.get_rank())
-    sys.argv = ["pretrain_gpt.py", "--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden),
-                "--num-attention-heads", str(spec.heads), "--ffn-hidden-size", str(2 * spec.hidden),
-                "--seq-length", str(spec.seq), "--max-position-embeddings", str(spec.seq),
-                "--micro-batch-size", str(spec.mbs), "--global-batch-size",
-                str(spec.mbs * microbatches * world // pp), "--pipeline-model-parallel-size", str(pp),
-                "--lr", "0.01", "--min-lr", "0.01", "--lr-decay-style", "constant", "--weight-decay", "0.01",
-                "--clip-grad", "1.0", "--train-iters", str(STEPS), "--use-distributed-optimizer",
-                "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--position-embedding-type", "rope",
-                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab)]
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        args = parse_args()
-        validate_args(args, {})
-    return args
-
-
 def run_train_step_case(case: dict) -> dict:
     """Megatron's own train_step (its optimizer step, LR scheduler, loss averaging) with the plan's schedule."""
     from megatron.core import parallel_state as ps
@@ -174,7 +149,8 @@ def run_train_step_case(case: dict) -> dict:
     spec: H.TinyGPT = case["spec"]
     plan = plan_from_dict(case["plan"])
     m = plan.num_microbatches
-    args = megatron_args(spec, plan.num_devices, m, dist.get_world_size())
+    pp = plan.num_devices
+    args = H.megatron_args(H.megatron_argv(spec, pp, spec.mbs * m * dist.get_world_size() // pp, train_iters=STEPS))
     set_global_variables(args, build_tokenizer=False)
     H.init_parallel(plan.num_devices, len(plan.stages_of(0)), embedding_ranks=embedding_ranks_fn(plan, spec.graph(),
                                                                                                     spec.tied))

@@ -25,9 +25,9 @@ M = 4
 DENSE = H.TinyGPT(num_layers=8)
 # per-token loss: gradients are divided by the step's token count in finalize, which every rank learns from
 # the rank that computed the loss (rank 0 under the V-shape below, not Megatron's last pipeline rank)
-TIED = H.TinyGPT(num_layers=8, tied=True, extra={"calculate_per_token_loss": True})
+TIED = H.TinyGPT(num_layers=8, tied=True, args=("--calculate-per-token-loss",))
 BF16 = H.TinyGPT(num_layers=8, bf16=True)
-MOE = H.TinyGPT(num_layers=8, moe_layers=(2, 5), extra={"add_bias_linear": False})
+MOE = H.TinyGPT(num_layers=8, moe_layers=(2, 5), args=("--disable-bias-linear",))
 MTP = H.TinyGPT(num_layers=8, mtp=1)
 
 
