@@ -6,9 +6,10 @@
         --pipeline-schedule octopipe --octopipe-plan plan.json
 
 No Megatron file is changed: the launcher puts the checkout on sys.path (as `python
-pretrain_gpt.py` would), installs OctoPipe's hooks into megatron.training
-(octopipe_plugin.adapters.megatron.launch.install) and runs the script as __main__ with the
-remaining arguments. `--pipeline-schedule default` (the default) leaves Megatron's own schedule.
+pretrain_gpt.py` would), installs OctoPipe's hooks into megatron.training for a
+`--pipeline-schedule octopipe` run (octopipe_plugin.adapters.megatron.launch.prepare_launch;
+`hooks.installed()` lists them) and runs the script as __main__ with the remaining arguments.
+`--pipeline-schedule default` (the default) runs Megatron untouched: nothing is installed.
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ def split_argv(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Install OctoPipe's hooks, then run the Megatron script as __main__."""
+    """Install OctoPipe's hooks (octopipe runs only), then run the Megatron script as __main__."""
     script, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
     sys.path.insert(0, os.path.dirname(script))  # the script's own imports (gpt_builders, model_provider, megatron)
-    from octopipe_plugin.adapters.megatron.launch import install
+    from octopipe_plugin.adapters.megatron.compat import allow_megatron_training_import
+    from octopipe_plugin.adapters.megatron.launch import prepare_launch
     from octopipe_plugin.errors import OctoPipeError
 
-    install()
-    sys.argv = [script, *rest]
+    allow_megatron_training_import()  # Python 3.11: typing.override (not a Megatron name)
     try:
+        sys.argv = [script, *prepare_launch(rest)]
         runpy.run_path(script, run_name="__main__")
     except OctoPipeError as exc:  # a plan that does not fit the run: one message, no traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -3,6 +3,8 @@
 Submodules import megatron lazily (inside functions), so the layout conversions work where
 Megatron is not installed:
 - `layout`: a plan's stages as Megatron's own layout arguments (round-robin plans only);
+- `mapping`: the pure plan -> Megatron mapping (no framework import): `chunk_specs`, `loss_rank`,
+  `is_looped`, `plan_of_args`, `copy_ranks`, `embedding_ranks_fn`, `stage_layout_args`;
 - `placement`: which layers each (rank, virtual stage) builds under any plan (`chunk_specs`,
   `mapped_layout`, `plan_model_provider`, `plan_pipeline_view`);
 - `embeddings`: tied word embeddings and MTP copies under any placement;
@@ -17,7 +19,8 @@ from .layout import (
     plan_to_hybrid_pattern,
     plan_to_layout,
 )
-from .placement import ChunkSpec, chunk_specs, mapped_layout, plan_model_provider, plan_pipeline_view
+from .mapping import ChunkSpec, chunk_specs
+from .placement import mapped_layout, plan_model_provider, plan_pipeline_view
 
 __all__ = ["ChunkSpec", "chunk_specs", "hybrid_pattern_to_boundaries", "layout_to_boundaries", "mapped_layout",
            "megatron_launch_args", "plan_model_provider", "plan_pipeline_view", "plan_to_hybrid_pattern",

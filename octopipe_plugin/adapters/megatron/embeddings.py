@@ -7,7 +7,7 @@ gradients over that group after each step. Under a plan, the copies live on the 
 plan chooses — under a V-shape the embedding and the LM head are two chunks of rank 0, and
 Megatron's construction all-reduce over {0, P-1} waits forever for rank P-1.
 
-`embedding_ranks_fn(plan, model)` gives `initialize_model_parallel(get_embedding_ranks=...)`
+`mapping.embedding_ranks_fn(plan, model)` gives `initialize_model_parallel(get_embedding_ranks=...)`
 the ranks that really hold copies; copies that share a rank are tied here, locally:
 `tie_local_copies` copies the embedding into them after construction and
 `sum_local_grads` sums their main_grads before Megatron's finalize step.
@@ -18,33 +18,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-
-from ...errors import OctoPipeError
-from .placement import stage_symbols
-
-
-def copy_ranks(plan, model, tied: bool) -> list[int]:
-    """Pipeline ranks holding a word-embedding copy: embedding, MTP, and (when tied) the LM head, in model order."""
-    syms = stage_symbols(plan, model)
-    ranks = []
-    for s, st in enumerate(plan.stages):
-        if "E" in syms[s] or "m" in syms[s] or (tied and "L" in syms[s]):
-            if st.device not in ranks:
-                ranks.append(st.device)
-    return ranks
-
-
-def embedding_ranks_fn(plan, model, tied: bool):
-    """`get_embedding_ranks` for initialize_model_parallel: the ranks holding copies under `plan`."""
-    ranks = copy_ranks(plan, model, tied)
-    if len(ranks) > 1 and (ranks[0] != min(ranks) or ranks[-1] != max(ranks)):
-        raise OctoPipeError(f"plan puts the word-embedding copies on pipeline ranks {ranks} (model order); Megatron's "
-                            "embedding group needs the embedding on its lowest rank and the LM head on its highest")
-
-    def get_embedding_ranks(pp_ranks, *unused):
-        return [pp_ranks[r] for r in sorted(ranks)]
-
-    return get_embedding_ranks
 
 
 def local_copy_chunks(model: Sequence[torch.nn.Module]) -> set[int]:

@@ -2,26 +2,27 @@
 
 Megatron-LM's pretrain scripts call `megatron.training.arguments.parse_args` (through
 `parse_and_validate_args`) and `megatron/training/training.py` calls the module-level name
-`get_forward_backward_func` in train() and evaluate(). `install()` replaces those two names:
-the parser also takes OctoPipe's arguments and resolves the plan before Megatron validates
-them (startup.py), and the schedule factory returns OctoPipe's schedule when the run says
-`--pipeline-schedule octopipe` (Megatron's own otherwise). patches/ does the same by editing
-the two files; both routes call the functions below.
+`get_forward_backward_func` in train() and evaluate(). For a `--pipeline-schedule octopipe` run,
+`install()` has hooks.py replace those two names: the parser also takes OctoPipe's arguments and
+resolves the plan before Megatron validates them (startup.py), and the schedule factory returns
+OctoPipe's schedule. `prepare_launch(argv)` decides from the command line: any other run is left
+to Megatron untouched (nothing installed). patches/ does the same by editing the two files; both
+routes call the functions below.
 """
 
 from __future__ import annotations
 
 import functools
 
+from ...errors import OctoPipeError
+from . import hooks
 from .arguments import add_octopipe_args, chain_providers
-from .compat import allow_megatron_training_import
-from .startup import plan_of_args, resolve_octopipe_plan
+from .mapping import plan_of_args
+from .startup import resolve_octopipe_plan
 
 
 def parse_args_with_octopipe(original):
     """Megatron's parse_args taking OctoPipe's arguments too and resolving the plan (main parse only)."""
-    if getattr(original, "octopipe", False):
-        return original
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -30,7 +31,6 @@ def parse_args_with_octopipe(original):
         # flags; the plan is resolved once, by the script's own parse
         return args if ignore_unknown_args else resolve_octopipe_plan(args)
 
-    parse_args.octopipe = True
     return parse_args
 
 
@@ -49,24 +49,43 @@ def get_forward_backward_func(*args, **kwargs):
 
 
 def install() -> None:
-    """Make megatron.training take OctoPipe's arguments and schedule (idempotent)."""
-    allow_megatron_training_import()
-    import megatron.training.arguments as arguments
-    import megatron.training.training as training
-
-    arguments.parse_args = parse_args_with_octopipe(arguments.parse_args)
-    training.get_forward_backward_func = get_forward_backward_func
-    install_model_hooks()
+    """Make megatron.training take OctoPipe's arguments and schedule (idempotent; hooks.installed() lists them)."""
+    hooks.install_entry_points(parse_args=parse_args_with_octopipe, get_forward_backward_func=get_forward_backward_func)
 
 
-def install_model_hooks() -> None:
-    """Model construction under plans with any stage->rank map (pretrain_hooks; looped plans pass through)."""
-    import megatron.core.parallel_state as parallel_state
-    import megatron.training.training as training
-    from megatron.training.models.gpt import GPTModelBuilder
+def schedule_of(argv: list[str]) -> str:
+    """The `--pipeline-schedule` a command line asks for ('default' when absent; the last one given wins)."""
+    value = "default"
+    for i, tok in enumerate(argv):
+        if tok == "--pipeline-schedule":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif tok.startswith("--pipeline-schedule="):
+            value = tok.split("=", 1)[1]
+    return value
 
-    from .pretrain_hooks import wrap_get_model, wrap_gpt_builder, wrap_initialize_model_parallel
 
-    parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
-    training.get_model = wrap_get_model(training.get_model)
-    wrap_gpt_builder(GPTModelBuilder)
+def prepare_launch(argv: list[str]) -> list[str]:
+    """The script's argv after installing OctoPipe for an octopipe run; any other run touches nothing of Megatron.
+
+    Under `--pipeline-schedule default` the option is dropped (Megatron's parser does not know it) and
+    OctoPipe's own options are refused, since nothing would read them.
+    """
+    schedule = schedule_of(argv)
+    if schedule == "octopipe":
+        install()
+        return list(argv)
+    if schedule != "default":
+        raise OctoPipeError(f"--pipeline-schedule {schedule!r}: expected 'default' (Megatron's own) or 'octopipe'")
+    ours = [t.split("=", 1)[0] for t in argv if t.startswith("--octopipe-")]
+    if ours:
+        raise OctoPipeError(f"{', '.join(sorted(set(ours)))} configure OctoPipe's schedule; add --pipeline-schedule "
+                            "octopipe, or drop them to run Megatron's own schedule")
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+        elif tok == "--pipeline-schedule":
+            skip = True
+        elif not tok.startswith("--pipeline-schedule="):
+            out.append(tok)
+    return out

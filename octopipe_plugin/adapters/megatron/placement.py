@@ -8,8 +8,7 @@ decoder layers keep their global numbers (so checkpoint keys match any other spl
 `pre_process` holds where the plan puts the embedding and `post_process` where it puts
 the LM head and loss.
 
-Public entry points (used by the launch integration):
-- `chunk_specs(plan, model, rank)` -> one `ChunkSpec` per chunk of `rank`;
+Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec` are mapping.py's):
 - `mapped_layout(plan, model)` -> a `MappedLayout` for `TransformerConfig.pipeline_model_parallel_layout`;
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
@@ -18,71 +17,10 @@ Public entry points (used by the launch integration):
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 from ...errors import OctoPipeError
-from ...formats.ranges import stage_range_problem
-from .layout import GPT_SYMBOLS, EXECUTOR_HINT  # noqa: F401  (EXECUTOR_HINT re-exported for messages)
-
-_DECODER = "t"
-_MTP = "m"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChunkSpec:
-    """What one (rank, virtual stage) chunk builds under a plan."""
-
-    stage: int  # the plan's stage index
-    vp_stage: int  # position among the rank's chunks (model order) = Megatron's vp_stage
-    layers: tuple[int, int]  # the plan's layer range [start, end) in the model graph
-    decoder: tuple[int, int]  # global 0-based decoder layer numbers [start, end)
-    mtp: tuple[int, int]  # global 0-based MTP layer numbers [start, end)
-    pre_process: bool  # builds the embedding (input of the pipeline)
-    post_process: bool  # builds the final norm, LM head and loss
-
-    @property
-    def num_decoder_layers(self) -> int:
-        """Decoder layers the chunk builds."""
-        return self.decoder[1] - self.decoder[0]
-
-
-def stage_symbols(plan, model) -> list[list[str]]:
-    """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds."""
-    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
-    if problem is not None:
-        raise OctoPipeError(f"model {model.name!r}: {problem.message}")
-    symbols = []
-    for i, layer in enumerate(model.layers):
-        sym = GPT_SYMBOLS.get(layer.kind)
-        if sym is None:
-            raise OctoPipeError(f"model {model.name!r} layer {i} ({layer.name!r}) has kind {layer.kind!r}; a Megatron "
-                                f"GPTModel chunk can hold only {sorted(GPT_SYMBOLS)}")
-        symbols.append(sym)
-    out = [symbols[st.start:st.end] for st in plan.stages]
-    if "E" not in out[0]:
-        raise OctoPipeError("plan: the embedding must sit in stage 0 (the stage that reads the batch); "
-                            f"stage 0 holds layers {plan.stages[0].start}..{plan.stages[0].end - 1}")
-    if "L" not in out[-1]:
-        raise OctoPipeError(f"plan: the lm_head must sit in the last stage ({plan.num_stages - 1}), where the loss is "
-                            "computed")
-    return out
-
-
-def chunk_specs(plan, model, rank: int) -> list[ChunkSpec]:
-    """The chunks `rank` builds under `plan`, in vp_stage order (one per stage the plan places on it)."""
-    syms = stage_symbols(plan, model)
-    dec_before, mtp_before = [0], [0]
-    for s in syms:
-        dec_before.append(dec_before[-1] + s.count(_DECODER))
-        mtp_before.append(mtp_before[-1] + s.count(_MTP))
-    out = []
-    for v, s in enumerate(plan.stages_of(rank)):
-        st = plan.stages[s]
-        out.append(ChunkSpec(stage=s, vp_stage=v, layers=(st.start, st.end),
-                             decoder=(dec_before[s], dec_before[s + 1]), mtp=(mtp_before[s], mtp_before[s + 1]),
-                             pre_process="E" in syms[s], post_process="L" in syms[s]))
-    return out
+from .embeddings import tie_local_copies
+from .hooks import pipeline_view, replace_forward
+from .mapping import chunk_specs, is_first_stage, is_last_stage, stage_symbols
 
 
 def _layout_base():
@@ -161,8 +99,6 @@ def plan_model_provider(plan, model, provider):
     hold several copies of the tied embedding, copies the embedding into them (Megatron leaves
     a same-rank copy zero-filled).
     """
-    from .embeddings import tie_local_copies
-
     layout = None
     built: list = []
 
@@ -210,60 +146,25 @@ def plan_float16_wrappers(model, plan, rank: int) -> int:
     count = 0
     for chunk, stage in zip(model, stages):
         wrapper = next((m for m in chunk.modules() if isinstance(m, Float16Module)), None)
-        if wrapper is None or getattr(wrapper, "octopipe_plan_casts", False):
+        if wrapper is None:
             continue
         first, last = stage == 0, stage == plan.num_stages - 1
 
-        def forward(*inputs, fp32_output=True, _w=wrapper, _first=first, _last=last, **kwargs):
-            if _first:
-                inputs = fp32_to_float16(inputs, _w.float16_convertor)
-            outputs = _w.module(*inputs, **kwargs)
-            if _last and fp32_output is True:
-                outputs = float16_to_fp32(outputs)
-            return outputs
+        def make(_megatron, _w=wrapper, _first=first, _last=last):
+            def forward(*inputs, fp32_output=True, **kwargs):
+                if _first:
+                    inputs = fp32_to_float16(inputs, _w.float16_convertor)
+                outputs = _w.module(*inputs, **kwargs)
+                if _last and fp32_output is True:
+                    outputs = float16_to_fp32(outputs)
+                return outputs
 
-        wrapper.forward = forward
-        wrapper.octopipe_plan_casts = True
-        count += 1
+            return forward
+
+        count += replace_forward(wrapper, make, "casts on the plan's first and last stage")
     return count
 
 
-def loss_rank(plan) -> int:
-    """Pipeline rank that computes the loss (the last stage's device)."""
-    return plan.stages[-1].device
-
-
-def first_rank(plan) -> int:
-    """Pipeline rank that reads the batch (stage 0's device)."""
-    return plan.stages[0].device
-
-
-@contextlib.contextmanager
 def plan_pipeline_view(plan, rank: int):
-    """`parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for the plan inside.
-
-    Callers that pass `vp_stage` (get_batch through is_first_or_last_pipeline_stage, MTP,
-    get_model) learn whether *that chunk* holds the embedding / the loss; with
-    `ignore_virtual=True` whether this rank holds any such chunk.
-    """
-    from megatron.core import parallel_state as ps
-
-    mine = plan.stages_of(rank)
-    last = plan.num_stages - 1
-
-    def first(ignore_virtual=True, vp_stage=None):
-        if ignore_virtual or vp_stage is None:
-            return 0 in mine
-        return vp_stage < len(mine) and mine[vp_stage] == 0
-
-    def final(ignore_virtual=True, vp_stage=None):
-        if ignore_virtual or vp_stage is None:
-            return last in mine
-        return vp_stage < len(mine) and mine[vp_stage] == last
-
-    saved = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
-    ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = first, final
-    try:
-        yield
-    finally:
-        ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = saved
+    """Context in which `parallel_state.is_pipeline_first/last_stage` answer for the plan (hooks.pipeline_view)."""
+    return pipeline_view(plan, rank)

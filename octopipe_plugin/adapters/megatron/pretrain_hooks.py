@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import functools
 
+from .embeddings import tie_local_copies
 from .graph import hybrid_pattern, model_from_megatron
-from .startup import is_looped, plan_of_args
+from .hooks import ModelHooks
+from .mapping import chunk_specs, embedding_ranks_fn, is_looped, plan_of_args
+from .placement import apply_layout, mapped_layout, plan_float16_wrappers, plan_model_provider, plan_pipeline_view
 
 
 def plan_to_build():
@@ -33,27 +36,18 @@ def plan_to_build():
 
 def wrap_initialize_model_parallel(original):
     """initialize_model_parallel with the plan's embedding ranks (Megatron's {first, last} deadlocks under a V)."""
-    if getattr(original, "octopipe", False):
-        return original
-
     @functools.wraps(original)
     def initialize_model_parallel(*args, **kwargs):
         found = plan_to_build()
         if found is not None:
-            from .embeddings import embedding_ranks_fn
-
             kwargs["get_embedding_ranks"] = embedding_ranks_fn(*found)
         return original(*args, **kwargs)
 
-    initialize_model_parallel.octopipe = True
     return initialize_model_parallel
 
 
 def wrap_get_model(original):
     """get_model building the plan's chunks through the script's model_provider."""
-    if getattr(original, "octopipe", False):
-        return original
-
     @functools.wraps(original)
     def get_model(model_provider_func, *args, **kwargs):
         found = plan_to_build()
@@ -61,22 +55,16 @@ def wrap_get_model(original):
             return original(model_provider_func, *args, **kwargs)
         from megatron.core import parallel_state
 
-        from .placement import plan_float16_wrappers, plan_model_provider
-
         plan, graph, _ = found
         model = original(plan_model_provider(plan, graph, model_provider_func), *args, **kwargs)
         plan_float16_wrappers(model, plan, parallel_state.get_pipeline_model_parallel_rank())
         return model
 
-    get_model.octopipe = True
     return get_model
 
 
-def wrap_gpt_builder(builder_cls) -> None:
-    """GPTModelBuilder.build_model / build_distributed_models building the plan's chunks (in place, once)."""
-    if getattr(builder_cls.build_model, "octopipe", False):
-        return
-    build_model, build_distributed = builder_cls.build_model, builder_cls.build_distributed_models
+def wrap_build_model(build_model):
+    """GPTModelBuilder.build_model building the plan's chunk for a vp_stage (the cfg_container route)."""
 
     @functools.wraps(build_model)
     def build_chunk(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
@@ -84,8 +72,6 @@ def wrap_gpt_builder(builder_cls) -> None:
         if found is None:
             return build_model(self, pg_collection, pre_process=pre_process, post_process=post_process,
                                vp_stage=vp_stage)
-        from .placement import apply_layout, chunk_specs, mapped_layout, plan_pipeline_view
-
         plan, graph, _ = found
         rank = pg_collection.pp.rank()
         config = self._model_config.transformer
@@ -96,15 +82,20 @@ def wrap_gpt_builder(builder_cls) -> None:
             return build_model(self, pg_collection, pre_process=spec.pre_process, post_process=spec.post_process,
                                vp_stage=vp_stage)
 
+    return build_chunk
+
+
+def wrap_build_distributed_models(build_distributed):
+    """GPTModelBuilder.build_distributed_models adding the plan's hooks around Megatron's DDP/fp16 wrapping."""
+
     @functools.wraps(build_distributed)
     def build_distributed_models(self, pg_collection, *args, **kwargs):
         found = plan_to_build()
-        if found is not None and not getattr(self, "octopipe_hooks", False):
-            from .embeddings import tie_local_copies
-            from .placement import plan_float16_wrappers
-
+        pre = self._model_config.pre_wrap_hooks or []
+        if found is not None and not any(getattr(h, "octopipe_plan_hook", False) for h in pre):
             plan = found[0]
             rank = pg_collection.pp.rank()
+
             def tie(model):
                 tie_local_copies(model)
                 return model
@@ -113,12 +104,14 @@ def wrap_gpt_builder(builder_cls) -> None:
                 plan_float16_wrappers(model, plan, rank)
                 return model
 
+            tie.octopipe_plan_hook = casts.octopipe_plan_hook = True  # our own functions: added once per builder
             # Megatron's own hook points around the DDP / Float16Module wrapping (compose_hooks: list in, list out)
-            self._model_config.pre_wrap_hooks = [*(self._model_config.pre_wrap_hooks or []), tie]
+            self._model_config.pre_wrap_hooks = [*pre, tie]
             self._model_config.post_wrap_hooks = [*(self._model_config.post_wrap_hooks or []), casts]
-            self.octopipe_hooks = True
         return build_distributed(self, pg_collection, *args, **kwargs)
 
-    build_chunk.octopipe = True
-    builder_cls.build_model = build_chunk
-    builder_cls.build_distributed_models = build_distributed_models
+    return build_distributed_models
+
+
+MODEL_HOOKS = ModelHooks(initialize_model_parallel=wrap_initialize_model_parallel, get_model=wrap_get_model,
+                         build_model=wrap_build_model, build_distributed_models=wrap_build_distributed_models)

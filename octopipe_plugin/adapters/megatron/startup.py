@@ -22,7 +22,9 @@ from ...errors import OctoPipeError
 from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
-from .layout import GPT_SYMBOLS, HYBRID_SYMBOLS
+from .hooks import install_model_hooks
+from .mapping import is_looped, stage_layout_args
+from .pretrain_hooks import MODEL_HOOKS
 from .startup_profile import merge_costs, profiled_costs
 
 log = logging.getLogger("octopipe.megatron")
@@ -43,8 +45,8 @@ def resolve_octopipe_plan(args):
         if args.octopipe_plan:
             raise OctoPipeError(f"--octopipe-profile measures costs to tune a plan at start-up, but --octopipe-plan "
                                 f"{args.octopipe_plan} gives the plan; drop one of them")
-    if getattr(args, "pipeline_schedule", "default") != "octopipe":
-        return args
+    if getattr(args, "pipeline_schedule", "default") != "octopipe" or isinstance(args.octopipe_plan, dict):
+        return args  # Megatron's own schedule; or resolved already (a patched parse_args under the launcher)
     _refuse_stage_args(args)
     specs = layer_specs(args)
     facts = run_facts(args)
@@ -54,17 +56,9 @@ def resolve_octopipe_plan(args):
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
     if not is_looped(plan):
         # Megatron's model construction is round-robin: let the plan's map decide it (patch route included)
-        from .launch import install_model_hooks
-
-        install_model_hooks()
+        install_model_hooks(MODEL_HOOKS)
     _save_next_to_checkpoint(args, plan)
     return args
-
-
-def plan_of_args(args):
-    """The Plan resolved at start-up (None under Megatron's default schedule)."""
-    doc = getattr(args, "octopipe_plan", None)
-    return plan_from_dict(doc, "<args.octopipe_plan>") if doc else None
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",
@@ -106,22 +100,6 @@ def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, sou
     if problems:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {source} does not match this run: "
                             + "; ".join(problems))
-
-
-def stage_layout_args(plan, specs: list[LayerSpec], args) -> dict:
-    """The Megatron arguments that build the plan's stages, in stage order (the plan's map places them)."""
-    if hybrid_pattern(args):
-        pieces = ["".join(_hybrid_symbol(s) for s in specs[st.start:st.end] if s.kind not in
-                          ("embedding", "lm_head", "mtp")) for st in plan.stages]
-        mtp = hybrid_pattern(args).split("/", 1)
-        return {"hybrid_layer_pattern": "|".join(pieces) + ("/" + mtp[1] if len(mtp) > 1 else ""),
-                "hybrid_override_pattern": None}
-    layout = "|".join("".join(GPT_SYMBOLS[s.kind] for s in specs[st.start:st.end]) for st in plan.stages)
-    return {"pipeline_model_parallel_layout": layout}
-
-
-def _hybrid_symbol(spec: LayerSpec) -> str:
-    return HYBRID_SYMBOLS[spec.kind]
 
 
 def _refuse_stage_args(args) -> None:
@@ -173,11 +151,6 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
     return replace(plan, meta=meta)
-
-
-def is_looped(plan) -> bool:
-    """Whether stage i runs on rank i % P (the placement megatron.training's model builders make)."""
-    return all(st.device == s % plan.num_devices for s, st in enumerate(plan.stages))
 
 
 def _fastest_looped(result, model, facts):

@@ -70,7 +70,7 @@ def run_case(case: dict) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    from octopipe_plugin.adapters.megatron.embeddings import embedding_ranks_fn
+    from octopipe_plugin.adapters.megatron.mapping import embedding_ranks_fn
     from octopipe_plugin.adapters.megatron.schedule import make_forward_backward_func
     from octopipe_plugin.formats import plan_from_dict
 
@@ -142,7 +142,7 @@ def run_train_step_case(case: dict) -> dict:
     from megatron.training.global_vars import set_global_variables
     from megatron.training.training import get_optimizer_param_scheduler, train_step
 
-    from octopipe_plugin.adapters.megatron.embeddings import embedding_ranks_fn
+    from octopipe_plugin.adapters.megatron.mapping import embedding_ranks_fn
     from octopipe_plugin.adapters.megatron.schedule import get_octopipe_forward_backward_func
     from octopipe_plugin.formats import plan_from_dict
 

@@ -23,8 +23,11 @@ pytestmark = [pytest.mark.framework, pytest.mark.timeout(400)]
 SCRIPT = '''
 import json, sys
 from megatron.training.arguments import parse_and_validate_args
+import megatron.core.parallel_state as ps
+import megatron.training.arguments as arguments
 import megatron.training.training as training
 from tiny_builders import NAME
+from octopipe_plugin.adapters.megatron import hooks
 
 def add_own_args(parser):
     parser.add_argument("--own-flag", type=int, default=0)
@@ -33,10 +36,14 @@ def add_own_args(parser):
 if __name__ == "__main__":
     args = parse_and_validate_args(extra_args_provider=add_own_args,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
-    print("RESULT " + json.dumps({"name": NAME, "own": args.own_flag, "schedule": args.pipeline_schedule,
+    print("RESULT " + json.dumps({"name": NAME, "own": args.own_flag, "schedule": getattr(args, "pipeline_schedule", None),
                                   "layout": args.pipeline_model_parallel_layout,
                                   "vp": args.virtual_pipeline_model_parallel_size,
-                                  "factory": training.get_forward_backward_func.__module__}))
+                                  "factory": training.get_forward_backward_func.__module__,
+                                  "parse_args_wrapped": hasattr(arguments.parse_args, "__wrapped__"),
+                                  "get_model_wrapped": hasattr(training.get_model, "__wrapped__"),
+                                  "first_stage": ps.is_pipeline_first_stage.__module__,
+                                  "installed": [line.split(":")[0] for line in hooks.installed()]}))
 '''
 
 
@@ -67,10 +74,30 @@ def test_launcher_runs_the_checkout_script_with_octopipe_arguments(tmp_path):
     got = result(launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--pipeline-schedule", "octopipe",
                          "--octopipe-plan", str(tmp_path / "plan.json")], tmp_path))
     assert got == {"name": "tiny", "own": 7, "schedule": "octopipe", "layout": "Et|tt|tt|tL", "vp": 2,
-                   "factory": "octopipe_plugin.adapters.megatron.launch"}
+                   "factory": "octopipe_plugin.adapters.megatron.launch",
+                   "parse_args_wrapped": True, "get_model_wrapped": False,  # a looped plan: no model hook
+                   "first_stage": "megatron.core.parallel_state",
+                   "installed": ["megatron.training.arguments.parse_args",
+                                 "megatron.training.training.get_forward_backward_func"]}
     # the script path given directly; a plan for another pipeline size stops start-up with one message
     bad = launch([str(root / "pretrain_tiny.py"), *run[:-6], "--pipeline-model-parallel-size", "1",
                   "--global-batch-size", "4", "--pipeline-schedule", "octopipe",
                   "--octopipe-plan", str(tmp_path / "plan.json")], tmp_path, world=1)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "does not match this run: it has 2 devices but --pipeline-model-parallel-size is 1" in bad.stderr
+
+
+def test_default_schedule_runs_touch_nothing_of_megatron(tmp_path):
+    """--pipeline-schedule default (given or not): Megatron's own names, no patch installed."""
+    root = checkout(tmp_path)
+    run = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--own-flag", "3"]
+    for extra in ([], ["--pipeline-schedule", "default"], ["--pipeline-schedule=default"]):
+        got = result(launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, *extra], tmp_path))
+        assert got["installed"] == [] and got["own"] == 3 and got["layout"] is None
+        assert got["factory"] == "megatron.core.pipeline_parallel.schedules"
+        assert not got["parse_args_wrapped"] and not got["get_model_wrapped"]
+        assert got["first_stage"] == "megatron.core.parallel_state"
+    # OctoPipe's own options without its schedule: one line, no traceback
+    bad = launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--octopipe-plan", "p.json"], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--octopipe-plan configure OctoPipe's schedule; add --pipeline-schedule octopipe" in bad.stderr

@@ -1,0 +1,127 @@
+"""Every Megatron name the plugin replaces, installed through one registry (`adapters/patching.Patches`).
+
+Nothing else in the package assigns a Megatron attribute: the modules that define a replacement
+(`launch` the argument parser and schedule factory, `pretrain_hooks` the model construction,
+`placement` the Float16Module casts) hand it to a function here, which installs it once and
+records why. `installed()` lists what is patched; a `--pipeline-schedule default` run through the
+launcher installs nothing (the launcher calls `install_entry_points` only for octopipe runs).
+
+This module sits below the runtime (it imports only the registry and the pure mapping), so the
+runtime may enter `pipeline_view` without an import running back up.
+
+The replaced names (megatron-core 0.19.x):
+- `megatron.training.arguments.parse_args` and `megatron.training.training.get_forward_backward_func`
+  (`install_entry_points`, the launcher's octopipe runs);
+- `megatron.core.parallel_state.initialize_model_parallel`, `megatron.training.training.get_model`,
+  `GPTModelBuilder.build_model`, `GPTModelBuilder.build_distributed_models` (`install_model_hooks`,
+  plans whose stage->rank map is not looped);
+- `megatron.core.parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` (`pipeline_view`:
+  answer for the plan inside the view, Megatron's own answer outside it);
+- `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+from ..patching import Patches
+from .mapping import is_first_stage, is_last_stage
+
+PATCHES = Patches("megatron")
+
+# [(plan, pipeline rank)] whose answers the patched is_pipeline_first/last_stage give; [None]: Megatron's own.
+# Process-wide, not a ContextVar: autograd's device threads would not see a context-local view.
+_VIEW: list = [None]
+
+Make = Callable[[object], object]
+
+
+def installed() -> list[str]:
+    """The Megatron names replaced in this process, one `name: why` line each (empty: Megatron untouched)."""
+    return PATCHES.installed()
+
+
+def uninstall() -> None:
+    """Restore every Megatron original (tests; a process that turns back to Megatron's own schedule)."""
+    PATCHES.uninstall()
+
+
+def install_entry_points(*, parse_args: Make, get_forward_backward_func: Callable) -> None:
+    """megatron.training's argument parser (OctoPipe's arguments, the plan) and schedule factory."""
+    from .compat import allow_megatron_training_import
+
+    allow_megatron_training_import()
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+
+    PATCHES.replace(arguments, "parse_args", parse_args,
+                    "takes OctoPipe's arguments and resolves the plan before validate_args")
+    PATCHES.replace(training, "get_forward_backward_func", lambda _megatron: get_forward_backward_func,
+                    "OctoPipe's schedule under --pipeline-schedule octopipe")
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """The replacements (each `make(original) -> replacement`) that build a plan's chunks in pretrain."""
+
+    initialize_model_parallel: Make
+    get_model: Make
+    build_model: Make
+    build_distributed_models: Make
+
+
+def install_model_hooks(hooks: ModelHooks) -> None:
+    """Model construction under a plan whose stage->rank map is not looped (pretrain_hooks' wrappers)."""
+    import megatron.core.parallel_state as parallel_state
+    import megatron.training.training as training
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    PATCHES.replace(parallel_state, "initialize_model_parallel", hooks.initialize_model_parallel,
+                    "the plan's word-embedding ranks (Megatron's {first, last} deadlocks under a V)")
+    PATCHES.replace(training, "get_model", hooks.get_model, "builds the plan's chunks through the model_provider")
+    PATCHES.replace(GPTModelBuilder, "build_model", hooks.build_model, "builds the plan's chunk for a vp_stage")
+    PATCHES.replace(GPTModelBuilder, "build_distributed_models", hooks.build_distributed_models,
+                    "ties same-rank embedding copies and the plan's fp16 casts")
+
+
+def _view_answer(original, answer):
+    def replacement(ignore_virtual=True, vp_stage=None):
+        view = _VIEW[0]
+        if view is None:
+            return original(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+        return answer(*view, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+
+    replacement.__name__ = getattr(original, "__name__", "is_pipeline_stage")
+    replacement.__doc__ = f"{replacement.__name__}, answered for the plan inside octopipe's pipeline_view."
+    return replacement
+
+
+@contextlib.contextmanager
+def pipeline_view(plan, rank: int):
+    """Inside: `parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for `plan` on `rank`.
+
+    Callers that pass `vp_stage` (get_batch, MTP, get_model) learn whether *that chunk* holds the
+    embedding / the loss; with `ignore_virtual=True` whether this rank holds any such chunk. The
+    two names are replaced once, on first use; outside a view they give Megatron's own answer.
+    """
+    import megatron.core.parallel_state as ps
+
+    PATCHES.replace(ps, "is_pipeline_first_stage", lambda orig: _view_answer(orig, is_first_stage),
+                    "answers for the plan inside a pipeline_view (labels, MTP, pre/post flags)")
+    PATCHES.replace(ps, "is_pipeline_last_stage", lambda orig: _view_answer(orig, is_last_stage),
+                    "answers for the plan inside a pipeline_view (labels, MTP, pre/post flags)")
+    saved, _VIEW[0] = _VIEW[0], (plan, rank)
+    try:
+        yield
+    finally:
+        _VIEW[0] = saved
+
+
+def replace_forward(module, make: Make, why: str) -> bool:
+    """Replace one Megatron module instance's `forward` (once); returns whether it was replaced now."""
+    if PATCHES.is_replaced(module, "forward"):
+        return False
+    PATCHES.replace(module, "forward", make, why)
+    return True

@@ -1,0 +1,151 @@
+"""The pure plan -> Megatron mapping: which layers, flags and ranks a plan gives each Megatron chunk.
+
+The leaf of the Megatron adapter: no framework import (nothing of megatron, nothing of torch),
+only the plan, the model graph (`graph.py`, whose Megatron imports are lazy) and Megatron's layout
+symbols (`layout.py`, pure). The
+modules that build chunks or patch Megatron (`placement`, `embeddings`, `pretrain_hooks`,
+`startup`, `schedule`, `hooks`) import their answers from here, so none of them has to import
+another for a rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import OctoPipeError
+from ...formats import plan_from_dict
+from ...formats.ranges import stage_range_problem
+from .graph import hybrid_pattern
+from .layout import GPT_SYMBOLS, HYBRID_SYMBOLS
+
+DECODER = "t"  # layout symbol of a decoder layer
+MTP = "m"  # layout symbol of an MTP layer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkSpec:
+    """What one (rank, virtual stage) chunk builds under a plan."""
+
+    stage: int  # the plan's stage index
+    vp_stage: int  # position among the rank's chunks (model order) = Megatron's vp_stage
+    layers: tuple[int, int]  # the plan's layer range [start, end) in the model graph
+    decoder: tuple[int, int]  # global 0-based decoder layer numbers [start, end)
+    mtp: tuple[int, int]  # global 0-based MTP layer numbers [start, end)
+    pre_process: bool  # builds the embedding (input of the pipeline)
+    post_process: bool  # builds the final norm, LM head and loss
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """Decoder layers the chunk builds."""
+        return self.decoder[1] - self.decoder[0]
+
+
+def stage_symbols(plan, model) -> list[list[str]]:
+    """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds."""
+    problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
+    if problem is not None:
+        raise OctoPipeError(f"model {model.name!r}: {problem.message}")
+    symbols = []
+    for i, layer in enumerate(model.layers):
+        sym = GPT_SYMBOLS.get(layer.kind)
+        if sym is None:
+            raise OctoPipeError(f"model {model.name!r} layer {i} ({layer.name!r}) has kind {layer.kind!r}; a Megatron "
+                                f"GPTModel chunk can hold only {sorted(GPT_SYMBOLS)}")
+        symbols.append(sym)
+    out = [symbols[st.start:st.end] for st in plan.stages]
+    if "E" not in out[0]:
+        raise OctoPipeError("plan: the embedding must sit in stage 0 (the stage that reads the batch); "
+                            f"stage 0 holds layers {plan.stages[0].start}..{plan.stages[0].end - 1}")
+    if "L" not in out[-1]:
+        raise OctoPipeError(f"plan: the lm_head must sit in the last stage ({plan.num_stages - 1}), where the loss is "
+                            "computed")
+    return out
+
+
+def chunk_specs(plan, model, rank: int) -> list[ChunkSpec]:
+    """The chunks `rank` builds under `plan`, in vp_stage order (one per stage the plan places on it)."""
+    syms = stage_symbols(plan, model)
+    dec_before, mtp_before = [0], [0]
+    for s in syms:
+        dec_before.append(dec_before[-1] + s.count(DECODER))
+        mtp_before.append(mtp_before[-1] + s.count(MTP))
+    out = []
+    for v, s in enumerate(plan.stages_of(rank)):
+        st = plan.stages[s]
+        out.append(ChunkSpec(stage=s, vp_stage=v, layers=(st.start, st.end),
+                             decoder=(dec_before[s], dec_before[s + 1]), mtp=(mtp_before[s], mtp_before[s + 1]),
+                             pre_process="E" in syms[s], post_process="L" in syms[s]))
+    return out
+
+
+def loss_rank(plan) -> int:
+    """Pipeline rank that computes the loss (the last stage's device)."""
+    return plan.stages[-1].device
+
+
+def first_rank(plan) -> int:
+    """Pipeline rank that reads the batch (stage 0's device)."""
+    return plan.stages[0].device
+
+
+def is_looped(plan) -> bool:
+    """Whether stage i runs on rank i % P (the placement megatron.training's model builders make)."""
+    return all(st.device == s % plan.num_devices for s, st in enumerate(plan.stages))
+
+
+def plan_of_args(args):
+    """The Plan resolved at start-up (None under Megatron's default schedule)."""
+    doc = getattr(args, "octopipe_plan", None)
+    return plan_from_dict(doc, "<args.octopipe_plan>") if isinstance(doc, dict) and doc else None
+
+
+def is_first_stage(plan, rank: int, *, ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """The plan's answer to Megatron's `is_pipeline_first_stage` on `rank` (a chunk's, or any chunk's)."""
+    return _holds(plan.stages_of(rank), 0, ignore_virtual, vp_stage)
+
+
+def is_last_stage(plan, rank: int, *, ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """The plan's answer to Megatron's `is_pipeline_last_stage` on `rank` (a chunk's, or any chunk's)."""
+    return _holds(plan.stages_of(rank), plan.num_stages - 1, ignore_virtual, vp_stage)
+
+
+def _holds(mine, stage: int, ignore_virtual: bool, vp_stage: int | None) -> bool:
+    if ignore_virtual or vp_stage is None:
+        return stage in mine
+    return vp_stage < len(mine) and mine[vp_stage] == stage
+
+
+def copy_ranks(plan, model, tied: bool) -> list[int]:
+    """Pipeline ranks holding a word-embedding copy: embedding, MTP, and (when tied) the LM head, in model order."""
+    syms = stage_symbols(plan, model)
+    ranks = []
+    for s, st in enumerate(plan.stages):
+        if "E" in syms[s] or MTP in syms[s] or (tied and "L" in syms[s]):
+            if st.device not in ranks:
+                ranks.append(st.device)
+    return ranks
+
+
+def embedding_ranks_fn(plan, model, tied: bool):
+    """`get_embedding_ranks` for initialize_model_parallel: the ranks holding copies under `plan`."""
+    ranks = copy_ranks(plan, model, tied)
+    if len(ranks) > 1 and (ranks[0] != min(ranks) or ranks[-1] != max(ranks)):
+        raise OctoPipeError(f"plan puts the word-embedding copies on pipeline ranks {ranks} (model order); Megatron's "
+                            "embedding group needs the embedding on its lowest rank and the LM head on its highest")
+
+    def get_embedding_ranks(pp_ranks, *unused):
+        return [pp_ranks[r] for r in sorted(ranks)]
+
+    return get_embedding_ranks
+
+
+def stage_layout_args(plan, specs, args) -> dict:
+    """The Megatron arguments that build the plan's stages, in stage order (the plan's map places them)."""
+    if hybrid_pattern(args):
+        pieces = ["".join(HYBRID_SYMBOLS[s.kind] for s in specs[st.start:st.end] if s.kind not in
+                          ("embedding", "lm_head", "mtp")) for st in plan.stages]
+        mtp = hybrid_pattern(args).split("/", 1)
+        return {"hybrid_layer_pattern": "|".join(pieces) + ("/" + mtp[1] if len(mtp) > 1 else ""),
+                "hybrid_override_pattern": None}
+    layout = "|".join("".join(GPT_SYMBOLS[s.kind] for s in specs[st.start:st.end]) for st in plan.stages)
+    return {"pipeline_model_parallel_layout": layout}

@@ -1,0 +1,58 @@
+"""hooks.py: the one place Megatron names are replaced, listed by installed() and restored by uninstall()."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from octopipe_plugin.adapters.megatron import hooks
+from octopipe_plugin.formats import Plan, Stage
+
+pytestmark = [pytest.mark.framework]
+PACKAGE = Path(__file__).resolve().parents[3] / "octopipe_plugin" / "adapters" / "megatron"
+
+
+def _v_plan() -> Plan:
+    # V-shape over 2 ranks: stages 0 and 3 on rank 0, 1 and 2 on rank 1
+    stages = tuple(Stage(start=i, end=i + 1, device=d) for i, d in enumerate((0, 1, 1, 0)))
+    return Plan(model="v", stages=stages, schedule=((), ()), num_microbatches=1, num_devices=2)
+
+
+def test_pipeline_view_answers_for_the_plan_inside_and_megatron_outside():
+    import megatron.core.parallel_state as ps
+
+    megatron_first, megatron_last = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
+    try:
+        with hooks.pipeline_view(_v_plan(), 0):
+            assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()  # rank 0 holds stages 0 and 3
+            assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0)
+            assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
+            assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
+            with hooks.pipeline_view(_v_plan(), 1):
+                assert not ps.is_pipeline_first_stage() and not ps.is_pipeline_last_stage()
+            assert ps.is_pipeline_first_stage()
+        assert [line.split(":")[0] for line in hooks.installed()] == [
+            "megatron.core.parallel_state.is_pipeline_first_stage", "megatron.core.parallel_state.is_pipeline_last_stage"]
+    finally:
+        hooks.uninstall()
+    assert hooks.installed() == []
+    assert ps.is_pipeline_first_stage is megatron_first and ps.is_pipeline_last_stage is megatron_last
+
+
+def test_only_hooks_assigns_attributes_of_other_modules():
+    """No module of the adapter but hooks.py sets a module-level or class attribute (setattr / `x.y = ...`)."""
+    offenders = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name == "hooks.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+                target = ast.unparse(node.args[0])
+                if target not in ("args",):  # the run's argument namespace (startup applies the plan's layout)
+                    offenders.append(f"{path.name}:{node.lineno} setattr({target}, ...)")
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and \
+                            t.value.id in ("training", "arguments", "parallel_state", "ps", "builder_cls"):
+                        offenders.append(f"{path.name}:{node.lineno} {ast.unparse(t)} = ...")
+    assert offenders == []
