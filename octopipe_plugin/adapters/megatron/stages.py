@@ -31,6 +31,7 @@ from octopipe_plugin.executor.data import MicroBatches
 from octopipe_plugin.executor.interface import TensorMeta
 from octopipe_plugin.actions import Kind
 
+from .hooks import pipeline_view
 from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
 
 
@@ -204,10 +205,11 @@ class MegatronStages:
             x = inputs.detach().requires_grad_(not self.forward_only)
         store: list = []
         last = stage == self.num_stages - 1
-        out, num_tokens = schedules.forward_step(
-            self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x, store,
-            self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
-            is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
+        with pipeline_view(self.plan, self.rank, running=stage):  # get_batch's rank-level question: this chunk
+            out, num_tokens = schedules.forward_step(
+                self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
+                store, self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
         if last:
             self.num_tokens += num_tokens
             self.loss_data[mb] = store[0] if store else None
