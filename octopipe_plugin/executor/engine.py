@@ -65,9 +65,18 @@ class StepResult:
         return [out.logs for _, out in sorted(self.outputs.items())]
 
 
-def forward_plan(plan):
-    """The plan with only its F actions (evaluation): every device keeps its forwards in the same order."""
-    return replace(plan, schedule=tuple(tuple(a for a in row if a.kind is Kind.F) for row in plan.schedule))
+def forward_plan(plan, num_microbatches: int | None = None):
+    """The plan with only its F actions (evaluation): every device keeps its forwards in the same order.
+
+    With `num_microbatches` other than the plan's (an evaluation batch of another size), the
+    forwards of that many micro-batches on the plan's stages and placement, each device in
+    (micro-batch, stage) order: one global topological order, so no device waits on a later one.
+    """
+    if num_microbatches is None or num_microbatches == plan.num_microbatches:
+        return replace(plan, schedule=tuple(tuple(a for a in row if a.kind is Kind.F) for row in plan.schedule))
+    rows = tuple(tuple(Action(s, Kind.F, mb) for mb in range(num_microbatches) for s in plan.stages_of(d))
+                 for d in range(plan.num_devices))
+    return replace(plan, num_microbatches=num_microbatches, schedule=rows)
 
 
 class PipelineExecutor:
