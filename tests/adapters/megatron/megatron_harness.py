@@ -312,3 +312,50 @@ def gathered_weights(chunks, group=None) -> dict[str, torch.Tensor]:
         for k, v in part.items():
             out.setdefault(k, v)
     return out
+
+
+def reduced_main_grads(chunks, group=None) -> dict[str, torch.Tensor]:
+    """Every parameter's main_grad after the step's gradient reduction (what the optimizer steps on), by global
+    name over the whole pipeline. With the distributed optimizer each data-parallel rank holds the reduced
+    values of its own shard of each bucket only; the shards are put together over the data-parallel group."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    mine = {}
+    for c in chunks:
+        inner = c.module if isinstance(c, DistributedDataParallel) else c
+        inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
+        name_of = {id(p): n for n, p in global_names(inner).items()}
+        for buf in [*c.buffers, *c.expert_parallel_buffers]:
+            dp_group = buf.data_parallel_group
+            dp, r = dp_group.size(), dp_group.rank()
+            full = torch.zeros_like(buf.grad_data)
+            base, size = buf.grad_data.data_ptr(), buf.grad_data.element_size()
+            for bucket in buf.buckets:
+                local = shard_buffer(bucket.grad_data, dp)[r] if dp > 1 else bucket.grad_data
+                start = (local.data_ptr() - base) // size
+                full[start:start + local.numel()] = local
+            if dp > 1:
+                dist.all_reduce(full, group=dp_group)
+            for p, (s, e, _) in buf.param_index_map.items():
+                mine.setdefault(name_of[id(p)], full[s:e].view(p.shape).double().clone())
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    out = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
+def grad_mismatches(got: dict, want: dict, rel: float = 1e-3) -> list[str]:
+    """Parameters whose gradient differs from the reference by more than `rel` in relative norm (a 1% scale
+    error, x1.01, is a relative difference of 1e-2: ten times this tolerance)."""
+    bad = [f"{name}: missing" for name in want if name not in got]
+    for name, w in want.items():
+        if name in got:
+            err = (got[name] - w).norm().item()
+            scale = w.norm().item()
+            if err > rel * scale + 1e-12:
+                bad.append(f"{name}: |diff| {err:.3e} > {rel} x |want| {scale:.3e}")
+    return bad

@@ -112,6 +112,8 @@ def run_case(case: dict) -> dict:
         out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
                  num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
         losses.append(_global_loss(out))
+        if step == 0:  # the gradients the optimizer steps on, before any update has hidden their scale
+            grads = H.reduced_main_grads(chunks)
         ok, _, _ = opt.step()
         assert ok, "optimizer step skipped"
         scheduler.step(increment=m * spec.mbs * dp_size)
@@ -132,6 +134,7 @@ def run_case(case: dict) -> dict:
             counts += torch.tensor([phase.forward_calls, phase.input_gemms, phase.weight_gemms])
     dist.all_reduce(counts)
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
+            "grads": grads,
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
 
 
