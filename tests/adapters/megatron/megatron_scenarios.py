@@ -8,6 +8,7 @@ file the test reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
 
@@ -65,6 +66,58 @@ def _megatron_chunks(spec: H.TinyGPT, layout: str | None, pp: int):
     return config, chunks
 
 
+@contextlib.contextmanager
+def _peak_memory(out: list | None):
+    """Peak bytes held by torch's CPU allocator above the start, inside (torch.profiler's memory events, in
+    time order); appended to `out` (None: nothing measured)."""
+    if out is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for e in events:  # each op's own net allocation, and the frees outside any op
+        current += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, current)
+    out.append(peak)
+
+
+def _placement_check(case: dict, chunks):
+    """(context for the steps, problems list): with case["device_check"], every tensor the plugin makes must be
+    placed on the model's device and no object collective may carry a tensor (device_check.py)."""
+    problems: list[str] = []
+    if not case.get("device_check"):
+        return contextlib.nullcontext(), problems
+    import device_check
+
+    device = next(chunks[0].parameters()).device
+    stack = contextlib.ExitStack()
+
+    class _Both:
+        def __enter__(self):
+            mode = device_check.PlacementCheck(device)
+            stack.enter_context(mode)
+            stack.enter_context(device_check.object_sends_with_tensors(problems))
+            self.mode = mode
+
+        def __exit__(self, *exc):
+            stack.close()
+            problems.extend(self.mode.problems)
+            return False
+
+    return _Both(), problems
+
+
+def _gathered(value) -> list:
+    """`value` of every rank, by rank."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def run_case(case: dict) -> dict:
     """Train one case for STEPS steps (plus a forward-only pass per step); its losses and final weights."""
     from megatron.core import parallel_state as ps
@@ -103,14 +156,18 @@ def run_case(case: dict) -> dict:
         fb = get_forward_backward_func()
     fs = H.make_forward_step(spec)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    losses, evals = [], []
+    losses, evals, peaks = [], [], []
+    placed, device_problems = _placement_check(case, chunks)
+    if case.get("deallocate") is False:  # the measurement's control: outputs kept whole after their send
+        config.deallocate_pipeline_outputs = False
     for step in range(STEPS):
         for c in chunks:
             c.zero_grad_buffer()
         opt.zero_grad()
         its = H.data_iterators(spec, len(chunks), step, m, dp_rank, dp_size)
-        out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                 num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
+        with _peak_memory(peaks if case.get("memory") and step == 1 else None), placed:  # step 1: buffers warm
+            out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
+                     num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
         losses.append(_global_loss(out))
         if step == 0:  # the gradients the optimizer steps on, before any update has hidden their scale
             grads = H.reduced_main_grads(chunks)
@@ -121,8 +178,9 @@ def run_case(case: dict) -> dict:
             for c in chunks:
                 c.eval()
             its = H.data_iterators(spec, len(chunks), 100 + step, m, dp_rank, dp_size)
-            out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                     num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
+            with placed:
+                out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
+                         num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
             evals.append(_global_loss(out))
             for c in chunks:
                 c.train()
@@ -134,7 +192,7 @@ def run_case(case: dict) -> dict:
             counts += torch.tensor([phase.forward_calls, phase.input_gemms, phase.weight_gemms])
     dist.all_reduce(counts)
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
-            "grads": grads,
+            "grads": grads, "device_problems": _gathered(device_problems) if case.get("device_check") else None, "peak_bytes": _gathered(peaks[0]) if peaks else None,
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
 
 

@@ -63,8 +63,9 @@ PIPELINES = [
     dict(name="megatron_interleaved", spec=DENSE, pp=4, microbatches=M, layout=plan_to_layout(LOOPED, DENSE.graph()),
          eval=True, ref="dense"),
     dict(name="octopipe_looped", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(LOOPED), eval=True, ref="dense"),
+    # also checked: every tensor the plugin makes is placed on the model's device, no tensor is pickled
     dict(name="octopipe_vshape_tied", spec=TIED, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE), eval=True,
-         ref="tied"),
+         ref="tied", device_check=True),
     dict(name="octopipe_moe", spec=MOE, pp=4, microbatches=M, plan=plan_to_dict(MOE_PLAN), ref="moe"),
     dict(name="octopipe_mtp", spec=MTP, pp=4, microbatches=M, plan=plan_to_dict(MTP_PLAN), ref="mtp"),
     dict(name="octopipe_pp2_dp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN), ref="dense_2m"),
@@ -173,3 +174,27 @@ def test_gradient_check_fails_a_one_percent_scale_error(reference, pipelines):
     scaled = {k: v * 1.01 for k, v in got.items()}
     bad = H.grad_mismatches(scaled, want)
     assert len(bad) == len(want), f"x1.01 passed the check on {len(want) - len(bad)} parameters"
+
+
+@pytest.mark.timeout(420)
+def test_adapter_places_every_tensor_on_the_model_device(pipelines):
+    """Under a V-shape (loss dicts and the token count travel between ranks), training and evaluation steps:
+    no tensor made by the plugin without the model's device, no tensor through pickling."""
+    problems = [p for rank in pipelines["octopipe_vshape_tied"]["device_problems"] for p in rank]
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_placement_check_catches_an_unplaced_tensor():
+    """The check fails code in the plugin that makes a tensor without a device, or on another device."""
+    import os
+
+    import device_check
+    import octopipe_plugin
+
+    path = os.path.join(os.path.dirname(octopipe_plugin.__file__), "adapters", "megatron", "made_up.py")
+    code = compile("torch.zeros([], dtype=torch.int)\ntorch.zeros([], device='meta')\ntorch.zeros([], device='cpu')",
+                   path, "exec")
+    with device_check.PlacementCheck("cpu") as mode:
+        exec(code, {"torch": torch})
+    assert len(mode.problems) == 2, mode.problems
+    assert "no device=" in mode.problems[0] and "made on meta" in mode.problems[1]

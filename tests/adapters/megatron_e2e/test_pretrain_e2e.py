@@ -41,9 +41,9 @@ ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
         "--global-batch-size", str(M), "--eval-global-batch-size", "2", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "128", "--mock-data", "--position-embedding-type", "rope",
-        "--num-experts", "2", "--moe-layer-freq", "[0,1,0,1]", "--moe-router-topk", "1",
+        "--num-experts", "2", "--moe-layer-freq", "[0,1,0,1]", "--moe-router-topk", "2",
         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
-        "--moe-token-dispatcher-type", "alltoall",
+        "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",  # MoE: local experts with bias fail in Megatron
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
         "--seed", "1234", "--pipeline-model-parallel-size", "2", "--log-interval", "1", "--eval-interval", "3",
         "--eval-iters", "1", "--train-iters", "6", "--save-interval", "3", "--ckpt-format", "torch_dist",
