@@ -45,9 +45,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-                    parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    rotary_base=args.rotary_base, mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection)
+                    rotary_base=args.rotary_base, mtp_block_spec=mtp_spec, vp_stage=vp_stage,
+                    pg_collection=pg_collection)
 
 
 def get_batch(data_iterator, vp_stage=None):
@@ -113,10 +115,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
     args = get_args()
     if not args.mock_data:
-        raise SystemExit("train_gpt.py builds mock data only: pass --mock-data (a corpus: Megatron-LM's pretrain_gpt.py)")
+        raise SystemExit("train_gpt.py builds mock data only: pass --mock-data (for a corpus use Megatron-LM's "
+                         "pretrain_gpt.py)")
     config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None,
                               blend_per_split=None, split=args.split, tokenizer=get_tokenizer(),
-                              reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+                              reset_position_ids=args.reset_position_ids,
+                              reset_attention_mask=args.reset_attention_mask,
                               eod_mask_loss=args.eod_mask_loss,
                               create_attention_mask=args.create_attention_mask_in_dataloader)
     return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples,

@@ -192,7 +192,8 @@ def run_case(case: dict) -> dict:
             counts += torch.tensor([phase.forward_calls, phase.input_gemms, phase.weight_gemms])
     dist.all_reduce(counts)
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
-            "grads": grads, "device_problems": _gathered(device_problems) if case.get("device_check") else None, "peak_bytes": _gathered(peaks[0]) if peaks else None,
+            "grads": grads, "device_problems": _gathered(device_problems) if case.get("device_check") else None,
+            "peak_bytes": _gathered(peaks[0]) if peaks else None,
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
 
 

@@ -43,7 +43,8 @@ ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--vocab-size", "128", "--mock-data", "--position-embedding-type", "rope",
         "--num-experts", "2", "--moe-layer-freq", "[0,1,0,1]", "--moe-router-topk", "2",
         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
-        "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",  # MoE: local experts with bias fail in Megatron
+        "--moe-token-dispatcher-type", "alltoall",
+        "--disable-bias-linear",  # Megatron's local MoE experts with biases fail (in-place add on a view)
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
         "--seed", "1234", "--pipeline-model-parallel-size", "2", "--log-interval", "1", "--eval-interval", "3",
         "--eval-iters", "1", "--train-iters", "6", "--save-interval", "3", "--ckpt-format", "torch_dist",
