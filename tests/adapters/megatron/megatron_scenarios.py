@@ -149,7 +149,9 @@ def run_case(case: dict) -> dict:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     if plan is not None:
-        fb = make_forward_backward_func(plan)
+        from octopipe_plugin.adapters.megatron.schedule import ScheduleOptions
+
+        fb = make_forward_backward_func(plan, options=ScheduleOptions(split_linears=case.get("split", True)))
     else:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
