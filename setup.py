@@ -7,7 +7,8 @@ setup(
     version="0.1.0",
     description="Co-optimized partitioning, placement and scheduling for pipeline-parallel training",
     packages=find_packages(include=["octopipe_plugin", "octopipe_plugin.*"]),
-    package_data={"octopipe_plugin": ["costs/zoo/*.yaml", "costs/*.json", "data/*.json"]},
+    package_data={"octopipe_plugin": ["costs/zoo/*.yaml", "costs/*.json", "data/*.json",
+                                      "adapters/megatron/py311/sitecustomize.py"]},
     python_requires=">=3.11",
     install_requires=[
         "networkx>=3.0",
@@ -17,9 +18,9 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # On Python 3.11 megatron-core 0.19.2 needs `--ignore-requires-python --no-deps`
-        # (see scripts/install.sh); plain pip picks 0.16.1, which the core adapter supports.
-        "megatron": ["megatron-core>=0.16", "packaging>=24.2"],
+        # The range of adapters/megatron/compat.py SUPPORTED_MEGATRON_CORE (a test keeps them equal). It needs
+        # Python 3.12; on 3.11 install it with `--ignore-requires-python --no-deps` (scripts/install.sh).
+        "megatron": ["megatron-core>=0.19.0,<0.20", "packaging>=24.2"],
         # Build with DS_BUILD_OPS=0 and --no-build-isolation, after torch (scripts/install.sh).
         "deepspeed": ["deepspeed==0.19.8"],
         "test": [

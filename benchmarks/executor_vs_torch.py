@@ -30,11 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from octopipe_plugin.errors import PlanError  # noqa: E402
 from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor  # noqa: E402
-from octopipe_plugin.executor.checks import toy_runner  # noqa: E402
+from octopipe_plugin.testing.checks import toy_runner  # noqa: E402
 from octopipe_plugin.executor.launch import init_gloo, spawn  # noqa: E402
-from octopipe_plugin.executor.plans import make_plan, random_bounds, sample_schedule  # noqa: E402
-from octopipe_plugin.executor.torch_interop import torch_runtime  # noqa: E402
-from octopipe_plugin.executor.toy import ToySpec, build_layers, microbatch, reference_step, stage_modules  # noqa: E402
+from octopipe_plugin.testing.plans import make_plan, random_bounds, sample_schedule  # noqa: E402
+from octopipe_plugin.testing.torch_interop import torch_runtime  # noqa: E402
+from octopipe_plugin.testing.toy import ToySpec, build_layers, microbatch, reference_step, stage_modules  # noqa: E402
 from octopipe_plugin.formats import plan_from_dict, plan_to_dict  # noqa: E402
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from octopipe_plugin.executor import TorchStages  # noqa: E402
-from octopipe_plugin.executor.toy import (  # noqa: E402
+from octopipe_plugin.testing.toy import (  # noqa: E402
     ToySpec, boundary_metas, build_layers, loss_fn, microbatch, stage_modules,
 )
 

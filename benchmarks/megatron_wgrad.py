@@ -33,7 +33,7 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from octopipe_plugin.adapters.megatron.wgrad_check import time_backward
+    from octopipe_plugin.testing.megatron_wgrad import time_backward
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

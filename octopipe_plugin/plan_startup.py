@@ -33,12 +33,13 @@ class PlanSteps:
     resume_file: str | None = None                  # a plan saved next to the checkpoint being loaded
     tune: Callable[[], Plan] | None = None          # otherwise tune (profiling inside, if asked)
     check: Callable[[Plan, str], None] | None = None  # refuse a plan that does not match the run
+    adapt: Callable[[Plan, str], Plan] | None = None  # the plan the run executes (e.g. fused where it cannot split)
     save_to: tuple[str, ...] = ()                   # files rank 0 writes the plan to
     missing: str = "a plan: give a plan file or tuning settings"  # the message when no step applies
 
 
 def obtain_plan(steps: PlanSteps) -> tuple[Plan, str]:
-    """(plan, where it came from) by the steps, checked and saved; raises on failure (rank 0's part)."""
+    """(plan, where it came from) by the steps, checked, adapted and saved; raises on failure (rank 0's part)."""
     if steps.plan_file is not None:
         plan, source = read_plan(steps.plan_file), steps.plan_file
     elif steps.resume_file is not None and os.path.exists(steps.resume_file):
@@ -50,6 +51,8 @@ def obtain_plan(steps: PlanSteps) -> tuple[Plan, str]:
         raise StartupError(f"octopipe: no plan for this run; expected {steps.missing}")
     if steps.check is not None:
         steps.check(plan, source)
+    if steps.adapt is not None:
+        plan = steps.adapt(plan, source)
     for path in steps.save_to:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_plan(plan, path)

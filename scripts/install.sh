@@ -15,6 +15,14 @@ if ! python -c "import megatron.core" 2>/dev/null; then
   pip install -q --ignore-requires-python --no-deps "megatron-core==0.19.2"
   pip install -q triton
 fi
+# Python 3.11: megatron.training imports typing.override (3.12). A .pth gives it to every interpreter of
+# this venv, so the processes Megatron starts itself (the dist-checkpoint writer's spawn child) have it too.
+python - <<'PY'
+import os, site, sys
+if sys.version_info < (3, 12):
+    with open(os.path.join(site.getsitepackages()[0], "octopipe-py311-typing-override.pth"), "w") as fh:
+        fh.write("import typing; hasattr(typing, 'override') or setattr(typing, 'override', lambda f: f)\n")
+PY
 # megatron's distributed checkpointing needs psutil, which --no-deps leaves out
 python -c "import psutil" 2>/dev/null || pip install -q psutil
 if ! python -c "import deepspeed" 2>/dev/null; then

@@ -10,7 +10,7 @@ step time and samples/s, ending with `measured speedup X.XXx (simulated Y.YYx)` 
 over the stock 1F1B engine.
 
 --stand-in (the CPU mode): every layer of the model (zoo name or model file, any layer kinds)
-becomes a SleepLayer (octopipe_plugin/executor/sleep_layer.py, the same layer and DeviceClock
+becomes a SleepLayer (octopipe_plugin/testing/sleep_layer.py, the same layer and DeviceClock
 timing rule as the Megatron benchmark and the dry run) that sleeps its F, I and W times scaled
 so that the stock engine's simulated step lasts --target-ms; its parameter is sized in proportion to the real layer, so
 DeepSpeed's `parameters` partition cuts where it would cut the real model. Transfers are not
@@ -52,7 +52,7 @@ def deepspeed_parts(model, num_stages: int, param_divisor: float) -> list[int]:
     """DeepSpeed's `parameters` partition of the stand-in layers (its own partition_balanced)."""
     from deepspeed.runtime.utils import partition_balanced
 
-    from octopipe_plugin.adapters.deepspeed.standin import standin_numel
+    from octopipe_plugin.testing.deepspeed_standin import standin_numel
 
     counts = [standin_numel(layer, param_divisor) for layer in model.layers]
     return [int(x) for x in partition_balanced(weights=counts, num_parts=num_stages)]
@@ -85,7 +85,7 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
 
     import octopipe_plugin.deepspeed  # noqa: F401  (deepspeed.initialize builds OctoPipeEngine for a planned module)
     from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
-    from octopipe_plugin.adapters.deepspeed.standin import standin_batches, standin_loss, standin_specs
+    from octopipe_plugin.testing.deepspeed_standin import standin_batches, standin_loss, standin_specs
     from octopipe_plugin.executor.clock import DeviceClock
     from octopipe_plugin.formats import model_from_dict, plan_from_dict
 

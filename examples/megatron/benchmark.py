@@ -5,7 +5,7 @@
 
 With --stand-in (CPU), every layer of the model (a zoo name, an architecture file or any
 octopipe-model/1 file) becomes a stand-in layer that sleeps its scaled F, I and W time inside
-real Megatron model chunks (`MegatronModule`s, octopipe_plugin.adapters.megatron.standin), and
+real Megatron model chunks (`MegatronModule`s, octopipe_plugin.testing.megatron_standin), and
 a boundary is not used before its producer's end plus the transfer time of the bytes the real
 model sends there. One local process per pipeline rank over gloo runs, on the same chunks and
 data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.core: its
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from octopipe_plugin.adapters.megatron.standin import BOUNDARY_SHAPE, DTYPE, StandInStage
+from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, DTYPE, StandInStage
 from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.executor.dryrun import scaled_cluster, scaled_costs
@@ -172,7 +172,7 @@ def _timed(prepared, clock: str) -> dict:
 
 
 def _chunks(rank: int, world: int, run: Run, config, device_clock):
-    from octopipe_plugin.adapters.megatron.standin import standin_chunk_class
+    from octopipe_plugin.testing.megatron_standin import standin_chunk_class
 
     plan = plan_from_dict(run.plan_doc)
     chunk = standin_chunk_class()
@@ -194,7 +194,7 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from octopipe_plugin.adapters.megatron.standin import standin_forward_step
+    from octopipe_plugin.testing.megatron_standin import standin_forward_step
     from octopipe_plugin.executor.clock import DeviceClock
 
     plan = plan_from_dict(run.plan_doc)
@@ -220,7 +220,7 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
 def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
     """OctoPipe's forward_backward_func (what --pipeline-schedule octopipe runs) on the same kind of chunks."""
     from octopipe_plugin.adapters.megatron.schedule import ScheduleOptions, make_forward_backward_func
-    from octopipe_plugin.adapters.megatron.standin import standin_forward_step
+    from octopipe_plugin.testing.megatron_standin import standin_forward_step
     from octopipe_plugin.executor.clock import DeviceClock
 
     device_clock = DeviceClock("off")

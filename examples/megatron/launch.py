@@ -41,11 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     """Install OctoPipe's hooks (octopipe runs only), then run the Megatron script as __main__."""
     script, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
     sys.path.insert(0, os.path.dirname(script))  # the script's own imports (gpt_builders, model_provider, megatron)
-    from octopipe_plugin.adapters.megatron.compat import allow_megatron_training_import
+    from octopipe_plugin.adapters.megatron.compat import allow_megatron_training_import, reach_child_processes
     from octopipe_plugin.adapters.megatron.launch import prepare_launch
     from octopipe_plugin.errors import OctoPipeError
 
-    allow_megatron_training_import()  # Python 3.11: typing.override (not a Megatron name)
+    # Python 3.11: typing.override (not a Megatron name) here and in every process the run starts
+    allow_megatron_training_import()
+    reach_child_processes()
     try:
         sys.argv = [script, *prepare_launch(rest)]
         runpy.run_path(script, run_name="__main__")

@@ -3,7 +3,7 @@
 from .analytic import LayerCost, build_model, layer_cost
 from .arch import Arch, arch_from_dict, layer_plan
 from .clusters import cost_gpu, named_cluster, resolve_cluster
-from .gpus import GPUS, GpuSpec, get_gpu
+from ..gpus import GPUS, GpuSpec, get_gpu
 from .zoo import ZOO, load_arch, resolve_model, zoo_description
 
 __all__ = [

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from .arch import DECODER_KINDS, Arch, layer_plan
 from .calibration import kind_scale
 from .blocks import Block, Dims, attention, llm_dims, mlp, moe, norm, tp_comm, vision_dims
-from .gpus import GpuSpec, get_gpu
+from ..gpus import GpuSpec, get_gpu
 from .mamba import mamba
 from .ops import Op, elementwise, matmul, total_flops, total_times
 from ..formats.model import Layer, Model

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from .. import limits as L
-from ..formats._fields import Said, check_value
+from ..formats.fields import Said, check_value
 
 ARCH_FORMAT = "octopipe-arch/1"
 HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}  # Nemotron-H hybrid_override_pattern

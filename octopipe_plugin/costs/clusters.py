@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 
 from ..errors import OctoPipeError
-from ..formats._fields import is_document_path
+from ..formats.fields import is_document_path
 from ..formats.cluster import Cluster, Link, read_cluster
 from ..limits import MAX_DEVICES
-from .gpus import get_gpu
+from ..gpus import get_gpu
 
 DEVICES_PER_NODE = 8
 # Small-message p2p latency: NCCL over NVLink within a node, over InfiniBand (GPUDirect RDMA) across nodes.

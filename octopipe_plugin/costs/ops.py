@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gpus import GpuSpec
+from ..gpus import GpuSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

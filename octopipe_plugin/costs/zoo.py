@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import FormatError, OctoPipeError
-from ..formats._fields import Said, check_format, is_document_path, load_json
+from ..formats.fields import Said, check_format, is_document_path, load_json
 from ..formats.model import Model, model_from_dict
 from .analytic import build_model
 from .arch import Arch, arch_from_dict

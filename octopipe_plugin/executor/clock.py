@@ -1,7 +1,7 @@
 """The modelled accelerator of sleeping stand-ins: when each action starts and ends on the host clock.
 
 The one timing rule of every stand-in (the dry run's SleepStages, the sleeping layers of
-executor/sleep_layer.py inside Megatron chunks and DeepSpeed pipelines), the simulator's:
+testing/sleep_layer.py inside Megatron chunks and DeepSpeed pipelines), the simulator's:
 an action starts when its device is free and its input has landed (send time + transfer
 time), and lasts its cost. The host may reach an action late (Python overhead, a blocking
 receive): that delays the device only when it exceeds what the queue hides, as with

@@ -34,10 +34,10 @@ import torch.distributed as dist
 from ..formats import Layer, Model, plan_from_dict, plan_to_dict
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import free_port
-from .plans import make_plan, random_bounds
+from ..testing.plans import make_plan, random_bounds
 from .split_backward import backward_input, backward_weight
 from .torch_stage import TorchStages
-from .toy import ToySpec, boundary_metas, build_layers, microbatch, stage_modules
+from ..testing.toy import ToySpec, boundary_metas, build_layers, microbatch, stage_modules
 
 CHECK = ToySpec(layers=("in", "mlp", "attn", "mlp", "attn", "mlp", "attn", "mlp", "head"))
 TIMED = ToySpec(hidden=512, seq=256, batch=4, dtype=torch.float32,
@@ -226,7 +226,7 @@ def worker(rank: int, world: int, port: int, setup: Setup, docs: list[dict], tim
 def _multi_tensor_ok(rank: int, world: int, device: torch.device) -> str:
     """The (hidden, integer mask) model through a ZB-V plan with handshaken metas (CPU reference on this rank)."""
     from ..schedules.registry import SCHEDULES, stage_devices_for
-    from .seam_checks import check_case
+    from ..testing.seam_checks import check_case
 
     devs = stage_devices_for("zb-v", world, 2)
     plan = make_plan(stage_devices=devs, bounds=[(i, i + 1) for i in range(2 * world - 1)] + [(2 * world - 1, 8)],

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._fields import check_format, check_value, field, load_json, write_json
+from .fields import check_format, check_value, field, load_json, write_json
 from .. import limits as L
 from ..errors import FormatError
+from ..gpus import GPUS, known_gpu
 
 CLUSTER_FORMAT = "octopipe-cluster/1"
 
@@ -33,7 +34,7 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     name: str = "cluster"
-    # GPU whose analytic costs fit this cluster (canonical name of costs.gpus, e.g. "A100-80G"); None: unsaid
+    # GPU whose analytic costs fit this cluster (canonical name of octopipe_plugin/gpus.py, e.g. "A100-80G"); None: unsaid
     gpu: str | None = None
 
     def same_node(self, d1: int, d2: int) -> bool:
@@ -83,8 +84,6 @@ def _read_gpu(data: dict, src: str) -> str | None:
     """The optional `gpu` field as a canonical GPU name of the cost model's table."""
     if "gpu" not in data:
         return None
-    from ..costs.gpus import GPUS, known_gpu  # a leaf module: no import cycle
-
     name = check_value(data["gpu"], src, "$.gpu", str)
     canonical = known_gpu(name)
     if canonical is None:

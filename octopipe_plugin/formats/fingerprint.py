@@ -36,8 +36,31 @@ def _gpu_of(model) -> str | None:
     return gpu if isinstance(gpu, str) else None
 
 
+def layer_kinds_text(kinds) -> str:
+    """Layer kinds in order, runs collapsed: 'embedding dense*2 moe*22 mtp lm_head'."""
+    out: list[list] = []
+    for kind in kinds:
+        if out and out[-1][0] == kind:
+            out[-1][1] += 1
+        else:
+            out.append([kind, 1])
+    return " ".join(k if n == 1 else f"{k}*{n}" for k, n in out)
+
+
+def layer_kinds_of(text: str) -> list[str]:
+    """The kinds list back from `layer_kinds_text`."""
+    out = []
+    for part in text.split():
+        kind, _, count = part.partition("*")
+        out += [kind] * (int(count) if count else 1)
+    return out
+
+
 def model_fingerprint(model) -> dict:
-    """Name, layer count, digests of the layer names/kinds/branches and of the costs, and cost totals."""
+    """Name, layer count, digests of the layer names/kinds/branches and of the costs, the kinds, cost totals.
+
+    `kinds` (the kinds in order, readable) lets a framework adapter compare a plan with a model whose
+    layer names follow another convention (Megatron's module paths against the zoo's)."""
     structure = [[layer.name, layer.kind] for layer in model.layers]
     branches = sorted((int(k), list(v)) for k, v in model.inputs.items())
     # 9 significant digits: the same model rebuilt or re-read from JSON hashes alike, any real change differs
@@ -45,6 +68,7 @@ def model_fingerprint(model) -> dict:
              for layer in model.layers]
     totals = {f: sum(getattr(layer, f) for layer in model.layers) for f in _COST_FIELDS + _BYTE_FIELDS}
     return {"name": model.name, "num_layers": model.num_layers, "structure": _digest([structure, branches]),
+            "kinds": layer_kinds_text(layer.kind for layer in model.layers),
             "costs": _digest(costs), "gpu": _gpu_of(model), "totals": totals}
 
 
@@ -146,6 +170,12 @@ def _check_model(recorded: dict, model, source: str, model_src: str) -> list[str
         return [f"{source} was made for {model.name} with other costs ({_cost_difference(recorded, now)}); "
                 f"its stage split and predictions may no longer be the best: re-tune with `octopipe plan`"]
     return []
+
+
+def cost_difference(recorded: dict, model) -> str | None:
+    """What differs between a recorded model fingerprint's costs and `model`'s (None: the same costs)."""
+    now = model_fingerprint(model)
+    return None if recorded.get("costs") == now["costs"] else _cost_difference(recorded, now)
 
 
 def _cost_difference(old: dict, new: dict) -> str:

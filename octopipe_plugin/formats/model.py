@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field as dc_field
 
-from ._fields import check_format, check_value, field, load_json, objects, write_json
+from .fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field as dc_field
 
-from ._fields import check_format, check_value, field, load_json, objects, write_json
+from .fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError, PlanError
 from ..actions import RULES, Action, Kind, format_schedule, forms
@@ -43,10 +43,6 @@ class Plan:
     def num_stages(self) -> int:
         """Number of (virtual) stages."""
         return len(self.stages)
-
-    def stage_device(self, stage: int) -> int:
-        """Device that runs `stage`."""
-        return self.stages[stage].device
 
     def stages_of(self, device: int) -> list[int]:
         """Stages a device runs, in model order."""

@@ -18,7 +18,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "OCTOPIPE_PROFILE_CACHE"
-KEY_VERSION = 3  # bump when the measurement method changes: old records then miss
+KEY_VERSION = 4  # bump when the measurement method changes: old records then miss (4: Megatron I/W split)
 
 
 def default_cache_dir() -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..costs.analytic import layer_cost
 from ..costs.arch import Arch
 from ..costs.calibration import PHASES, calibration_path, read_document
-from ..costs.gpus import get_gpu
+from ..gpus import get_gpu
 from ..errors import OctoPipeError
 from ..formats.model import Model
 from .device import gpu_spec_for

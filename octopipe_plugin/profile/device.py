@@ -7,7 +7,7 @@ from importlib import metadata
 
 import torch
 
-from ..costs.gpus import GPUS, GpuSpec
+from ..gpus import GPUS, GpuSpec
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

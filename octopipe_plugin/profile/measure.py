@@ -2,7 +2,10 @@
 
 I and W are timed with the very functions the executor runs (executor/split_backward.py), on the
 same kind of input (a float input that requires grad, as every stage but an integer-fed first one
-sees), so the figures are those of the actions the plans schedule. Samples of F, I, W and B are
+sees), so the figures are those of the actions the plans schedule. A module whose runtime splits its
+backward its own way (Megatron's linears: wgrad.input_pass / weight_pass) offers that as
+`octopipe_split_backward` (an object with `backward_input` and `backward_weight` of the executor's
+signatures), and is timed through it: I and W are then what its stage runner will run. Samples of F, I, W and B are
 interleaved repeat by repeat, so a slow spell of a shared machine hits every phase alike.
 """
 
@@ -95,6 +98,9 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
     """
     module = module.to(device).train()
     x = x.to(device)
+    split = getattr(module, "octopipe_split_backward", None)  # the module's own I / W (its stage runner's)
+    run_input = split.backward_input if split is not None else backward_input
+    run_weight = split.backward_weight if split is not None else backward_weight
     params = [p for p in module.parameters() if p.requires_grad]
     float_in = x.is_floating_point()
     timer = Timer(device)
@@ -109,8 +115,8 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
         if not float_in:
             # Integer input (token ids): the graph has no input side, the executor runs all of it as W.
             return tf, 0.0, timer.timed(lambda: _fused_backward(out, g, None, params, grad_sink))[1]
-        (_, work), ti = timer.timed(lambda: backward_input([out], [g], [xi], params))
-        tw = timer.timed(lambda: backward_weight(work, grad_sink))[1] if params else 0.0
+        (_, work), ti = timer.timed(lambda: run_input([out], [g], [xi], params))
+        tw = timer.timed(lambda: run_weight(work, grad_sink))[1] if params else 0.0
         return tf, ti, tw
 
     def fused_sample() -> float:

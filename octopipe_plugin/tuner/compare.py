@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..schedules.registry import SCHEDULES
 from .seeds import Baseline
 
 BASELINE = ("interleaved-1f1b", "megatron")  # Megatron-LM's default: interleaved 1F1B on its own split
 # The state of the art the issue names, compared on the balanced split. interleaved-zb at v = 1
 # is exactly ZB-H1's order, so ZB-H1 is covered without being listed.
 SOTA = ("zb-v", "dualpipev", "interleaved-zb")
-ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +69,7 @@ def comparison_rows(result) -> list[Row]:
                 bubble=result.bubble, peak_bytes=max(result.peak), fits=True,
                 speedup=base / result.step_ms if base else None,
                 note="" if result.source == "octopipe" else f"= {result.source}")]
-    for name in ORDER:
+    for name in SCHEDULES:  # the registry's order (gpipe ... dualpipev), one row pair per built-in
         for split in ("megatron", "balanced"):
             rows.append(_row(result.baselines, name, split, base))
     return rows

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..errors import OutOfMemoryError
+from ..formats import Plan
 from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
 from .encoded import ActionTable
@@ -61,7 +62,7 @@ class Progress:
 class TuneResult:
     """The tuned plan (with `predicted` filled by the simulator) and how it was found."""
 
-    plan: object
+    plan: Plan
     step_ms: float
     bubble: float
     peak: tuple[int, ...]
@@ -73,6 +74,16 @@ class TuneResult:
     elapsed_s: float
     stopped_by: str
     seeded_s: float  # when a plan at least as good as every fitting built-in was in hand
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One plan of the search's pool: its step time, layout, schedule spec and simulated outcome."""
+
+    step_ms: float
+    layout: Layout
+    spec: object  # a list-scheduler Policy, or an explicit per-device order
+    outcome: Outcome
 
 
 @dataclass(kw_only=True)
@@ -128,7 +139,7 @@ class _InHand:
     outcome: Outcome | None = None
     source: str = ""
     floor_ms: float = float("inf")  # the fastest fitting built-in seen
-    elite: list = field(default_factory=list)  # the search's pool, for Ctrl-C
+    elite: list[Candidate] = field(default_factory=list)  # the search's pool, for Ctrl-C
     history: list = field(default_factory=list)  # (seconds, step ms) of each plan taken in hand
 
     def offer(self, out: Outcome | None, source: str, phase: str) -> None:
@@ -227,7 +238,7 @@ def _label(b) -> str:
     return f"{b.name} ({b.split} split, v={b.stages_per_device})"
 
 
-def _first_plan(ev, evs, layouts, hand) -> list:
+def _first_plan(ev, evs, layouts, hand) -> list[Candidate]:
     """An own plan within seconds, before the built-ins: the seed layout with the lowest work floor
     under its first two seed policies, taken to the full count; returns the fitting search candidates."""
     if not layouts:
@@ -237,15 +248,14 @@ def _first_plan(ev, evs, layouts, hand) -> list:
     for pol in seed_policies(lay, nd, evs.m)[:2]:
         out = evs.scheduled(lay, pol)
         if out is not None and out.fits and out.plan is not None:
-            found.append((out.step_ms, lay, pol, out))
+            found.append(Candidate(step_ms=out.step_ms, layout=lay, spec=pol, outcome=out))
     if found:
-        best = min(found, key=lambda t: t[0])
-        hand.offer(best[3] if evs is ev else _full_of(ev, evs, best[1], best[2], best[3], ActionTable()),
-                   "octopipe", "first plan")
+        best = min(found, key=lambda c: c.step_ms)
+        hand.offer(best.outcome if evs is ev else _full_of(ev, evs, best, ActionTable()), "octopipe", "first plan")
     return found
 
 
-def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object, object, Outcome]]:
+def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[Candidate]:
     """Evaluate own layouts x seed policies, most promising layouts first; the fitting ones, best first."""
     best = floor.step_ms if floor is not None else float("inf")
     found = []
@@ -257,7 +267,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object
                 break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
             if out is not None and out.fits and out.plan is not None:
-                found.append((out.step_ms, lay, pol, out))
+                found.append(Candidate(step_ms=out.step_ms, layout=lay, spec=pol, outcome=out))
                 best = min(best, out.step_ms)
                 if ev is budget.ev:
                     hand.offer(out, "octopipe", "seeds")
@@ -265,7 +275,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[tuple[float, object
     return found
 
 
-def _builtin_elite(baselines) -> list:
+def _builtin_elite(baselines) -> list[Candidate]:
     """The fitting built-in plans as explicit-order candidates, so partition and order moves refine them."""
     out = []
     for b in baselines:
@@ -273,24 +283,24 @@ def _builtin_elite(baselines) -> list:
         if o is not None and o.fits and o.plan is not None:
             lay = Layout(bounds=tuple((st.start, st.end) for st in o.plan.stages),
                          devices=tuple(st.device for st in o.plan.stages))
-            out.append((o.step_ms, lay, o.plan.schedule, o))
+            out.append(Candidate(step_ms=o.step_ms, layout=lay, spec=o.plan.schedule, outcome=o))
     return out
 
 
-def _elite(items) -> list:
+def _elite(items: list[Candidate]) -> list[Candidate]:
     """The ELITE fastest fitting candidates (list-scheduled ones on the scheduler's clock: the simulator
     replays a candidate when it is taken in hand, and the returned plan again)."""
-    return _dedupe(sorted(items, key=lambda t: t[0]))[:ELITE]
+    return _dedupe(sorted(items, key=lambda c: c.step_ms))[:ELITE]
 
 
-def _dedupe(items):
+def _dedupe(items: list[Candidate]) -> list[Candidate]:
     """Candidates without repeats; explicit orders by identity (hashing a long order costs as much as judging it)."""
     seen, out = set(), []
-    for it in items:
-        key = (it[1], it[2] if isinstance(it[2], Policy) else id(it[2]))
+    for c in items:
+        key = (c.layout, c.spec if isinstance(c.spec, Policy) else id(c.spec))
         if key not in seen:
             seen.add(key)
-            out.append(it)
+            out.append(c)
     return out
 
 
@@ -305,13 +315,13 @@ def _search(ev, rng, budget, ctx, hand) -> None:
         budget.done += 1
         ev.work += STEP_UNITS
         parent = elite[0] if rng.random() < 0.6 else rng.choice(elite)
-        cand = _neighbour(rng, ctx, parent[1], parent[2])
-        if cand is None or not ev.static_fits(cand[0]) or ev.work_floor(cand[0]) >= elite[0][0] - 1e-9:
+        cand = _neighbour(rng, ctx, parent.layout, parent.spec)
+        if cand is None or not ev.static_fits(cand[0]) or ev.work_floor(cand[0]) >= elite[0].step_ms - 1e-9:
             hand.report("search")
             continue
         out = ev.run(*cand)
-        if out is not None and out.plan is not None and out.fits and out.step_ms <= parent[0]:
-            elite = _dedupe(sorted(elite + [(out.step_ms, cand[0], cand[1], out)], key=lambda t: t[0]))[:ELITE]
+        if out is not None and out.plan is not None and out.fits and out.step_ms <= parent.step_ms:
+            elite = _elite(elite + [Candidate(step_ms=out.step_ms, layout=cand[0], spec=cand[1], outcome=out)])
             hand.elite = elite
             if full:
                 hand.offer(out, "octopipe", "search")
@@ -337,20 +347,21 @@ def _promote(ev, evs, budget, hand) -> None:
     while the budget lasts.
     """
     table = ActionTable()
-    for i, (_, layout, spec, out) in enumerate(hand.elite):
+    for i, cand in enumerate(hand.elite):
         if (i > 0 and not budget.left(1.0 - POLISH_SHARE)) or time.monotonic() >= budget.deadline:
             break
-        hand.offer(_full_of(ev, evs, layout, spec, out, table), "octopipe", "full count")
+        hand.offer(_full_of(ev, evs, cand, table), "octopipe", "full count")
 
 
-def _full_of(ev, evs, layout, spec, out, table) -> Outcome | None:
+def _full_of(ev, evs, cand: Candidate, table) -> Outcome | None:
     """A search-count candidate at the full count: its order grown periodically, else its policy rescheduled."""
     full = None
+    out = cand.outcome
     grown = extend_schedule(out.plan.schedule, evs.m, ev.m, table)
     if grown is not None:
-        full = ev.simulated(ev.plan_of(layout, grown, dict(out.plan.meta)))
-    if full is None and isinstance(spec, Policy):
-        full = ev.schedule_and_simulate(layout, scale_policy(spec, evs.m, ev.m))
+        full = ev.simulated(ev.plan_of(cand.layout, grown, dict(out.plan.meta)))
+    if full is None and isinstance(cand.spec, Policy):
+        full = ev.schedule_and_simulate(cand.layout, scale_policy(cand.spec, evs.m, ev.m))
     return full
 
 

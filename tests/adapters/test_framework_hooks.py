@@ -41,7 +41,7 @@ def test_core_never_imports_a_framework():
 
     root = pathlib.Path(__file__).resolve().parents[2] / "octopipe_plugin"
     for path in root.rglob("*.py"):
-        if "adapters" in path.parts:
+        if "adapters" in path.parts or "testing" in path.parts:  # testing/: the stand-ins build framework chunks
             continue
         text = path.read_text()
         assert "import megatron" not in text and "from megatron" not in text, path

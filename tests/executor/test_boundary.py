@@ -16,7 +16,7 @@ from octopipe_plugin.executor.split_backward import backward_input, backward_wei
 from octopipe_plugin.formats import validate_plan
 from octopipe_plugin.actions import Kind
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
 

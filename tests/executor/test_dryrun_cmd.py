@@ -7,7 +7,7 @@ import torch
 
 from octopipe_plugin.cli import main
 from octopipe_plugin.executor import ExecutorError
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 from octopipe_plugin.executor.standin import SleepStages, StandInCosts
 from octopipe_plugin.formats import Layer, Model, write_model, write_plan
 from octopipe_plugin.actions import parse_schedule

@@ -10,11 +10,11 @@ import pytest
 import torch.multiprocessing as mp
 
 from octopipe_plugin.executor import ExecutorError, ExecutorOptions, PipelineExecutor
-from octopipe_plugin.executor.checks import toy_runner
+from octopipe_plugin.testing.checks import toy_runner
 from octopipe_plugin.executor.launch import free_port, init_gloo
-from octopipe_plugin.executor.toy import ToySpec, build_layers
+from octopipe_plugin.testing.toy import ToySpec, build_layers
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 
 SPEC = ToySpec()
 
@@ -34,8 +34,8 @@ class _DiesAfterFirstForward:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward(self, stage, mb, inputs):
-        out = self.inner.forward(stage, mb, inputs)
+    def forward(self, stage, mb, inputs, *, batch=None, forward_only=False):  # StageRunner.forward's signature
+        out = self.inner.forward(stage, mb, inputs, batch=batch, forward_only=forward_only)
         if mb == 1:
             os._exit(3)
         return out
@@ -73,7 +73,9 @@ def _run(mode: str, timeout_s: float, tmp_path) -> str:
         p.join(timeout=90)
         if p.is_alive():
             p.kill()
-    return (tmp_path / "rank0.txt").read_text()
+    report = tmp_path / "rank0.txt"
+    assert report.exists(), f"rank 0 wrote no report (exit codes {[p.exitcode for p in procs]})"
+    return report.read_text()
 
 
 @pytest.mark.distributed

@@ -4,7 +4,7 @@ Spawning is the slow part, so one group of ranks per world size runs every plan 
 size: the built-in schedules (non-uniform random stage boundaries, m < p and m not a
 multiple of p included), tuner-produced plans, and random valid irregular plans on looped,
 V and arbitrary placements. Every other plan runs untagged (order rule alone) and some run
-through the Megatron-style forward_step runner. Every rank checks the layers it owns (octopipe_plugin.executor.checks).
+through the Megatron-style forward_step runner. Every rank checks the layers it owns (octopipe_plugin.testing.checks).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from octopipe_plugin.executor.checks import check_plans_worker
+from octopipe_plugin.testing.checks import check_plans_worker
 from octopipe_plugin.executor.launch import spawn
-from octopipe_plugin.executor.plans import make_plan, placement, random_bounds, sample_schedule
-from octopipe_plugin.executor.toy import ToySpec
+from octopipe_plugin.testing.plans import make_plan, placement, random_bounds, sample_schedule
+from octopipe_plugin.testing.toy import ToySpec
 from octopipe_plugin.formats import plan_to_dict
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from octopipe_plugin.errors import DeadlockError, PlanError
 from octopipe_plugin.executor import PipelineExecutor, TorchStages, build_program, check_runnable
-from octopipe_plugin.executor.plans import make_plan, placement, random_plan, sample_schedule
-from octopipe_plugin.executor.toy import (
+from octopipe_plugin.testing.plans import make_plan, placement, random_plan, sample_schedule
+from octopipe_plugin.testing.toy import (
     ToySpec, boundary_metas, build_layers, loss_fn, microbatch, reference_step, stage_modules,
 )
 from octopipe_plugin.actions import parse_schedule

@@ -5,7 +5,7 @@ tiny layers (a vision encoder and a text embedding both feeding the first decode
 Each runs a looped, a V-shape and a tuned irregular plan, two steps with different sequence
 lengths, metas declared or learned by handshake, with the plain and the autograd gradient
 sink; every rank checks loss and gradients against a single-process reference
-(octopipe_plugin.executor.seam_checks lists everything asserted).
+(octopipe_plugin.testing.seam_checks lists everything asserted).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import replace
 import pytest
 
 from octopipe_plugin.executor.launch import spawn
-from octopipe_plugin.executor.plans import make_plan, random_bounds
-from octopipe_plugin.executor.seam_checks import check_cases_worker
+from octopipe_plugin.testing.plans import make_plan, random_bounds
+from octopipe_plugin.testing.seam_checks import check_cases_worker
 from octopipe_plugin.formats import Layer, Model, plan_to_dict
 from octopipe_plugin.graph import live_outputs
 from octopipe_plugin.actions import Kind
@@ -113,8 +113,8 @@ def test_multi_tensor_boundaries_match_the_reference_on_every_plan():
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_direction_groups_are_made_once_for_every_pipeline_of_the_world():
-    from octopipe_plugin.executor.seam_checks import check_pair_groups_worker
-    from octopipe_plugin.executor.toy import ToySpec
+    from octopipe_plugin.testing.seam_checks import check_pair_groups_worker
+    from octopipe_plugin.testing.toy import ToySpec
 
     devs = stage_devices_for("zb-v", 2, 2)
     plan = make_plan(stage_devices=devs, bounds=[(0, 2), (2, 4), (4, 5), (5, 7)], num_devices=2, num_microbatches=3,

@@ -6,7 +6,7 @@ import pytest
 
 from octopipe_plugin.actions import Kind
 from octopipe_plugin.executor.engine import forward_plan
-from octopipe_plugin.executor.plans import make_plan, placement, sample_schedule
+from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.executor.validate import check_runnable
 
 

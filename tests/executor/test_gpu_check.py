@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from octopipe_plugin.executor import gpu_check
-from octopipe_plugin.executor.toy import ToySpec
+from octopipe_plugin.testing.toy import ToySpec
 
 
 def test_setup_uses_nccl_per_gpu_gloo_on_a_shared_gpu_and_cpu_without_one():

@@ -7,7 +7,7 @@ import torch
 
 from octopipe_plugin.executor import clock as clock_module
 from octopipe_plugin.executor.clock import DeviceClock
-from octopipe_plugin.executor.sleep_layer import DTYPE, SleepLayer, stamp
+from octopipe_plugin.testing.sleep_layer import DTYPE, SleepLayer, stamp
 from octopipe_plugin.executor.split_backward import backward_input, backward_weight
 
 pytestmark = pytest.mark.timeout(60)

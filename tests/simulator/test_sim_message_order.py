@@ -9,7 +9,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from octopipe_plugin.executor.plans import random_plan
+from octopipe_plugin.testing.plans import random_plan
 from octopipe_plugin.formats import Cluster, Layer, Link, Model
 from octopipe_plugin.schedules.messages import plan_messages
 from octopipe_plugin.simulator import SimOptions, simulate

@@ -6,7 +6,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from octopipe_plugin.executor.plans import random_plan
+from octopipe_plugin.testing.plans import random_plan
 from octopipe_plugin.simulator import SimOptions, simulate
 from octopipe_plugin.simulator.costs import hop_times
 from octopipe_plugin.simulator.memory import least_live

@@ -113,7 +113,7 @@ def _tune(spec) -> TuneSpec:
 
 
 def _check_gpu(gpu: str, where: str) -> None:
-    from ...costs.gpus import get_gpu
+    from ...gpus import get_gpu
     from ...errors import OctoPipeError
 
     try:

@@ -20,7 +20,7 @@ from torch import nn
 from ...costs.analytic import adam_state_bytes_per_param, layer_cost
 from ...costs.arch import Arch
 from ...costs.blocks import llm_dims, norm
-from ...costs.gpus import get_gpu
+from ...gpus import get_gpu
 from ...costs.ops import matmul, total_times
 from ...errors import OctoPipeError
 from ...formats.model import Layer, Model

@@ -9,6 +9,7 @@
     --octopipe-gpu, --octopipe-tune-seconds, --octopipe-tune-iterations, --octopipe-seed, --octopipe-costs
     --octopipe-profile                       measure the layer kinds on this device before tuning (rank 0)
     --octopipe-profile-repeats, --octopipe-profile-cache
+    --octopipe-te-split                      split Transformer Engine linears' backward (after the GPU check)
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def add_octopipe_args(parser):
                        help="timed repeats per layer kind for --octopipe-profile (default 10)")
     group.add_argument("--octopipe-profile-cache", default=None, metavar="DIR",
                        help="profile cache folder for --octopipe-profile (default: the profiler's)")
+    group.add_argument("--octopipe-te-split", action="store_true",
+                       help="run I/W split backward on Transformer Engine linears too (needs the record of "
+                            "`scripts/gpu_check.sh --te-split` on this machine); without it they run fused B")
     return parser
 
 

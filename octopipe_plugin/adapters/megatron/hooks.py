@@ -6,6 +6,9 @@ Nothing else in the package assigns a Megatron attribute: the modules that defin
 records why. `installed()` lists what is patched; a `--pipeline-schedule default` run through the
 launcher installs nothing (the launcher calls `install_entry_points` only for octopipe runs).
 
+Every installation first checks the megatron-core version (compat.SUPPORTED_MEGATRON_CORE): another
+version is refused in one line before any name is replaced.
+
 This module sits below the runtime (it imports only the registry and the pure mapping), so the
 runtime may enter `pipeline_view` without an import running back up.
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..patching import Patches
+from .compat import allow_megatron_training_import, require_supported_megatron
 from .mapping import is_first_stage, is_last_stage
 
 PATCHES = Patches("megatron")
@@ -51,8 +55,7 @@ def uninstall() -> None:
 
 def install_entry_points(*, parse_args: Make, get_forward_backward_func: Callable) -> None:
     """megatron.training's argument parser (OctoPipe's arguments, the plan) and schedule factory."""
-    from .compat import allow_megatron_training_import
-
+    require_supported_megatron()  # another version: one line, and nothing patched
     allow_megatron_training_import()
     import megatron.training.arguments as arguments
     import megatron.training.training as training
@@ -76,6 +79,7 @@ class ModelHooks:
 
 def install_model_hooks(hooks: ModelHooks) -> None:
     """Model construction under a plan whose stage->rank map is not looped (pretrain_hooks' wrappers)."""
+    require_supported_megatron()
     import megatron.core.parallel_state as parallel_state
     import megatron.training.training as training
     from megatron.training.models.gpt import GPTModelBuilder
@@ -111,6 +115,7 @@ def pipeline_view(plan, rank: int, running: int | None = None):
     with `running` (the stage whose forward runs), whether that stage does. The two names are
     replaced once, on first use; outside a view they give Megatron's own answer.
     """
+    require_supported_megatron()
     import megatron.core.parallel_state as ps
 
     PATCHES.replace(ps, "is_pipeline_first_stage", lambda orig: _view_answer(orig, is_first_stage),

@@ -15,10 +15,11 @@ from __future__ import annotations
 import functools
 
 from ...errors import OctoPipeError
-from . import hooks
+from .hooks import install_entry_points
 from .arguments import add_octopipe_args, chain_providers
 from .mapping import plan_of_args
 from .startup import resolve_octopipe_plan
+from .te import te_chunk_problem
 
 
 def parse_args_with_octopipe(original):
@@ -42,15 +43,43 @@ def get_forward_backward_func(*args, **kwargs):
     if getattr(run, "pipeline_schedule", "default") == "octopipe":
         from .schedule import get_octopipe_forward_backward_func
 
-        return get_octopipe_forward_backward_func(plan_of_args(run), *args, **kwargs)
+        plan = plan_of_args(run)
+        return te_checked(plan, get_octopipe_forward_backward_func(plan, *args, **kwargs),
+                          bool(getattr(run, "octopipe_te_split", False)))
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_factory
 
     return megatron_factory(*args, **kwargs)
 
 
+def te_checked(plan, forward_backward_func, te_split: bool):
+    """The schedule, refusing at its first call a chunk of Transformer Engine linears that the plan gives an
+    unverified I/W split (start-up rewrites such plans to B; this catches a model built otherwise), and, with
+    the split on, a W order TE's FIFO wgrad queue cannot follow."""
+    checked: set[int] = set()
+
+    @functools.wraps(forward_backward_func)
+    def run(*args, model=None, **kwargs):
+        if model is not None and id(model) not in checked:
+            from megatron.core import parallel_state
+
+            from .wgrad import check_te_order
+
+            rank = parallel_state.get_pipeline_model_parallel_rank()
+            chunks = model if isinstance(model, (list, tuple)) else [model]
+            problem = te_chunk_problem(plan, rank, chunks, te_split)
+            if problem is not None:
+                raise OctoPipeError(problem)
+            if te_split:
+                check_te_order(plan, rank)
+            checked.add(id(model))
+        return forward_backward_func(*args, model=model, **kwargs)
+
+    return run
+
+
 def install() -> None:
     """Make megatron.training take OctoPipe's arguments and schedule (idempotent; hooks.installed() lists them)."""
-    hooks.install_entry_points(parse_args=parse_args_with_octopipe, get_forward_backward_func=get_forward_backward_func)
+    install_entry_points(parse_args=parse_args_with_octopipe, get_forward_backward_func=get_forward_backward_func)
 
 
 def schedule_of(argv: list[str]) -> str:

@@ -10,8 +10,9 @@ another for a rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ...actions import Action, Kind
 from ...errors import OctoPipeError
 from ...formats import plan_from_dict
 from ...formats.ranges import stage_range_problem
@@ -155,3 +156,28 @@ def stage_layout_args(plan, specs, args) -> dict:
                 "hybrid_override_pattern": None}
     layout = "|".join("".join(GPT_SYMBOLS[s.kind] for s in specs[st.start:st.end]) for st in plan.stages)
     return {"pipeline_model_parallel_layout": layout}
+
+
+def fuse_backward(plan, stages):
+    """The plan with each I of `stages` run as a fused B in its place and their W dropped; (plan, pairs fused).
+
+    B computes what I and W compute together, at I's position (where the input gradient is due), so
+    every dependency still holds; only memory is freed earlier than the split plan said."""
+    fused = set(stages)
+    count = 0
+    schedule = []
+    for actions in plan.schedule:
+        row = []
+        for a in actions:
+            if a.stage in fused and a.kind == Kind.I:
+                row.append(Action(a.stage, Kind.B, a.microbatch))
+                count += 1
+            elif not (a.stage in fused and a.kind == Kind.W):
+                row.append(a)
+        schedule.append(tuple(row))
+    return (replace(plan, schedule=tuple(schedule)) if count else plan), count
+
+
+def split_stages(plan) -> list[int]:
+    """Stages the plan runs with split backward (I and W)."""
+    return sorted({a.stage for actions in plan.schedule for a in actions if a.kind == Kind.I})

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ...errors import OctoPipeError
 from .embeddings import tie_local_copies
 from .hooks import pipeline_view, replace_forward
-from .mapping import chunk_specs, is_first_stage, is_last_stage, stage_symbols
+from .mapping import chunk_specs, stage_symbols
 
 
 def _layout_base():

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...costs.arch import Arch
 from ...errors import OctoPipeError
+from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,34 @@ def transformer_config(arch: Arch, dtype: torch.dtype, device: torch.device, **e
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=device.type != "cuda",
         perform_initialization=True, **moe, **extra)
+
+
+class MegatronSplit:
+    """I and W of a profiled Megatron module as its stage runner runs them (the measure's `octopipe_split_backward`).
+
+    Megatron's linears are one autograd Function computing both GEMMs; made split-capable here
+    (wgrad.enable_wgrad_split, the runner's path), I runs their input GEMM only and W their weight
+    GEMM only, so the profile shows I + W = B instead of I + W = 2B. TE linears deferring their weight
+    GEMM (delay_wgrad_compute) run TE's queue at W, as the runner does."""
+
+    def __init__(self, module: nn.Module):
+        self.phase = Phase()
+        self.linears = enable_wgrad_split(module, self.phase)
+        self.te = te_modules_of(module)
+
+    def backward_input(self, outputs, grad_outputs, inputs, params):
+        """I: input gradients only; returns them and the work W needs."""
+        return input_pass(outputs, grad_outputs, inputs, params, self.phase, self.te)
+
+    def backward_weight(self, work, sink: str = "autograd") -> None:
+        """W: the deferred weight gradients through AccumulateGrad (the runner's only sink)."""
+        weight_pass(work)
+
+
+def with_split_backward(module: nn.Module) -> nn.Module:
+    """`module` timed through its stage runner's I / W (MegatronSplit); returns it."""
+    module.octopipe_split_backward = MegatronSplit(module)
+    return module
 
 
 class LayerModule(nn.Module):
@@ -170,7 +199,8 @@ def _mamba_builder(arch: Arch, dtype: torch.dtype, device: torch.device) -> Call
         config = transformer_config(arch, dtype, device, mamba_state_dim=arch.mamba_state,
                                     mamba_head_dim=arch.mamba_head_dim, mamba_num_groups=arch.mamba_groups,
                                     mamba_num_heads=arch.ssm_heads)
-        return LayerModule(build_module(mamba_stack_spec.submodules.mamba_layer, config=config, layer_number=1))
+        return with_split_backward(LayerModule(build_module(mamba_stack_spec.submodules.mamba_layer, config=config,
+                                                            layer_number=1)))
 
     return build
 
@@ -195,7 +225,8 @@ def megatron_builders(arch: Arch, device: torch.device | str = "cpu", dtype: tor
         def build() -> nn.Module:
             extra = {"window_size": (arch.sliding_window, 0)} if kind == "dense_local" else {}
             config = transformer_config(arch, dtype, device, **extra)
-            return LayerModule(build_module(_layer_spec(arch, kind, config, te), config=config, layer_number=1))
+            return with_split_backward(LayerModule(build_module(_layer_spec(arch, kind, config, te), config=config,
+                                                                layer_number=1)))
 
         return build
 
@@ -204,8 +235,8 @@ def megatron_builders(arch: Arch, device: torch.device | str = "cpu", dtype: tor
         out["dense_local"] = decoder("dense_local")
     if arch.num_experts:
         out["moe"] = decoder("moe")
-    out["embedding"] = lambda: EmbeddingModule(transformer_config(arch, dtype, device), arch)
-    out["lm_head"] = lambda: HeadModule(transformer_config(arch, dtype, device), arch)
+    out["embedding"] = lambda: with_split_backward(EmbeddingModule(transformer_config(arch, dtype, device), arch))
+    out["lm_head"] = lambda: with_split_backward(HeadModule(transformer_config(arch, dtype, device), arch))
     mamba = _mamba_builder(arch, dtype, device)
     if mamba is not None:
         out["mamba"] = mamba

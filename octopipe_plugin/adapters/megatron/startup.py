@@ -4,9 +4,11 @@ Runs right after Megatron parses its arguments and before it validates them, so 
 setting Megatron derives (the virtual pipeline size, the layout in TransformerConfig, the
 hybrid pattern's segments) comes from the plan's stages. The plan is, in this order: the
 `--octopipe-plan` file; the plan saved next to the checkpoint being loaded; or a plan tuned
-on rank 0 for `--octopipe-cluster` and broadcast (the process group is then opened here,
-as Megatron would open it, and Megatron reuses it). Rank 0 saves the plan next to the
-checkpoint (`--save`). A plan that does not match the run stops start-up with one message.
+for `--octopipe-cluster`. The framework-neutral `plan_startup.plan_at_startup` runs those steps
+on rank 0 and broadcasts the plan or rank 0's one-line error (the process group is opened here
+when the launch provides one, as Megatron would open it, and Megatron reuses it). Rank 0 saves
+the plan next to the checkpoint (`--save`). A plan that does not match the run stops start-up
+with one message on every rank.
 A plan whose stage->rank map is not looped also installs the model-construction hooks
 (pretrain_hooks.py) so Megatron builds the plan's chunks.
 """
@@ -14,17 +16,23 @@ A plan whose stage->rank map is not looped also installs the model-construction 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 from dataclasses import replace
+from typing import Callable
 
 from ...errors import OctoPipeError
-from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
+from ...formats import Model, bind_plan, plan_to_dict
+from ...formats.fingerprint import FINGERPRINT_KEY, cost_difference, layer_kinds_of, layer_kinds_text
+from ...plan_startup import PlanSteps, plan_at_startup
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
+from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
 from .mapping import is_looped, stage_layout_args
 from .pretrain_hooks import MODEL_HOOKS
+from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
 
 log = logging.getLogger("octopipe.megatron")
@@ -47,33 +55,44 @@ def resolve_octopipe_plan(args):
                                 f"{args.octopipe_plan} gives the plan; drop one of them")
     if getattr(args, "pipeline_schedule", "default") != "octopipe" or isinstance(args.octopipe_plan, dict):
         return args  # Megatron's own schedule; or resolved already (a patched parse_args under the launcher)
+    require_supported_megatron()  # the patch route reaches here first: refuse another version before anything
     _refuse_stage_args(args)
     specs = layer_specs(args)
     facts = run_facts(args)
-    plan, source = _find_plan(args, specs, facts)
-    check_plan_matches_run(plan, specs, facts, source=source, hybrid=bool(hybrid_pattern(args)))
+    plan, _ = plan_at_startup(_plan_steps(args, specs, facts))
     _apply_stages(args, plan, specs)
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
     if not is_looped(plan):
         # Megatron's model construction is round-robin: let the plan's map decide it (patch route included)
         install_model_hooks(MODEL_HOOKS)
-    _save_next_to_checkpoint(args, plan)
     return args
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",
-                           hybrid: bool = False) -> None:
-    """Refuse, in one message, a plan whose model, pipeline size or micro-batch count differ from the run's."""
+                           hybrid: bool = False, run_model: Callable[[str | None], Model] | None = None) -> None:
+    """Refuse, in one message, a plan whose model, pipeline size or micro-batch count differ from the run's.
+
+    The model check reads the plan's own record of its layer kinds in order (the fingerprint that
+    `bind_plan` writes, or `meta["layer_kinds"]` of plans tuned at start-up), so a plan for another
+    model with the same layer count is refused; layer names are not compared (zoo plans name layers
+    their own way). `run_model(gpu)` builds this run's cost graph: a fingerprint whose costs differ
+    from it is warned about, with the difference (the plan still runs)."""
     problems = []
     if plan.stages[-1].end != len(specs):
         counts = {k: sum(s.kind == k for s in specs) for k in ("mtp",)}
         problems.append(f"it covers {plan.stages[-1].end} layers but this run's model has {len(specs)} (embedding, "
                         f"{len(specs) - 2 - counts['mtp']} decoder layers, {counts['mtp']} MTP layers, output layer)")
-    kinds = (plan.meta or {}).get("layer_kinds")
-    if kinds and plan.stages[-1].end == len(specs) and list(kinds) != [s.kind for s in specs]:
-        first = next(i for i, (a, s) in enumerate(zip(kinds, specs)) if a != s.kind)
-        problems.append(f"it was made for another model: layer {first} is {kinds[first]!r} there and "
-                        f"{specs[first].kind!r} ({specs[first].name}) here")
+    recorded = _recorded_model(plan)
+    kinds = [s.kind for s in specs]
+    if recorded is not None and recorded[1] != kinds:
+        name, theirs = recorded
+        first = next((i for i, (a, b) in enumerate(zip(theirs, kinds)) if a != b), min(len(theirs), len(kinds)))
+        where = (f"layer {first} is {theirs[first]!r} there and {kinds[first]!r} ({specs[first].name}) here"
+                 if first < min(len(theirs), len(kinds)) else "one is longer")
+        problems.append(f"it was made for another model: {name} [{layer_kinds_text(theirs)}], not this run's "
+                        f"[{layer_kinds_text(kinds)}] ({where})")
+    elif run_model is not None:
+        _warn_cost_difference(plan, source, run_model)
     if plan.num_devices != facts.pipeline_size:
         problems.append(f"it has {plan.num_devices} devices but --pipeline-model-parallel-size is "
                         f"{facts.pipeline_size}")
@@ -112,23 +131,101 @@ def _refuse_stage_args(args) -> None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: the plan sets the pipeline stages; drop {', '.join(given)}")
 
 
-def _find_plan(args, specs, facts):
-    """(plan, where it came from): the given file, the one saved with the checkpoint, or a tuned one."""
-    if args.octopipe_plan:
-        return read_plan(args.octopipe_plan), f"plan {args.octopipe_plan}"
-    saved = os.path.join(args.load, PLAN_FILE) if getattr(args, "load", None) else None
-    if saved and os.path.exists(saved):
-        return read_plan(saved), f"plan {saved} (saved with the checkpoint)"
-    if not args.octopipe_cluster:
-        raise OctoPipeError("--pipeline-schedule octopipe needs --octopipe-plan PATH, or --octopipe-cluster NAME|PATH "
-                            "to tune a plan at start-up")
-    return _tune_on_rank0(args, specs, facts), f"the plan tuned for {args.octopipe_cluster}"
+def _recorded_model(plan) -> tuple[str, list[str]] | None:
+    """(how the plan names its model, its layer kinds in order) from the plan's own record; None without one."""
+    meta = plan.meta if isinstance(plan.meta, dict) else {}
+    fp = (meta.get(FINGERPRINT_KEY) or {}).get("model") if isinstance(meta.get(FINGERPRINT_KEY), dict) else None
+    if isinstance(fp, dict) and isinstance(fp.get("kinds"), str):
+        return f"model {fp.get('name')!r} ({fp.get('num_layers')} layers)", layer_kinds_of(fp["kinds"])
+    if meta.get("layer_kinds"):
+        return f"model {plan.model or 'of the plan'!r} ({len(meta['layer_kinds'])} layers)", list(meta["layer_kinds"])
+    return None
 
 
-def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
+def _warn_cost_difference(plan, source: str, run_model) -> None:
+    """One warning line when the plan's fingerprint records other costs than this run's analytic graph."""
+    fp = (plan.meta or {}).get(FINGERPRINT_KEY)
+    recorded = fp.get("model") if isinstance(fp, dict) else None
+    if not isinstance(recorded, dict) or ((plan.meta or {}).get("tuned_for") or {}).get("profiled_kinds"):
+        return  # nothing recorded, or costs measured on the device: an analytic graph is no yardstick
+    try:
+        model = run_model(recorded.get("gpu"))
+    except OctoPipeError as exc:
+        log.warning("octopipe: %s: its costs could not be compared with this run's (%s)", source, exc)
+        return
+    diff = cost_difference(recorded, model)
+    if diff:
+        log.warning("octopipe: %s was made for the same layers with other costs (%s); it runs, but its stage split "
+                    "and predictions may not be the best for this run: re-tune with --octopipe-cluster", source, diff)
+
+
+def _plan_steps(args, specs, facts) -> PlanSteps:
+    """Where this run's plan comes from (plan_startup runs the steps on rank 0 and broadcasts the outcome).
+
+    --octopipe-plan; else the plan saved next to --load; else tuned for --octopipe-cluster. The
+    process group is opened first wherever a launch gives one (rank 0 decides, every rank hears it);
+    --octopipe-profile measures on rank 0 *before* that, since the profiler opens and closes a
+    one-rank group of its own. Rank 0 saves the plan next to --save.
+    """
+    load = getattr(args, "load", None)
+    resume = os.path.join(load, PLAN_FILE) if load else None
+    plan_file = args.octopipe_plan or None
+    rank = int(getattr(args, "rank", 0) or 0)
+    names = {plan_file: f"plan {plan_file}", resume: f"plan {resume} (saved with the checkpoint)"}
+    profiled, failure = None, None
+    if args.octopipe_cluster and getattr(args, "octopipe_profile", False) and rank == 0 and not (
+            resume and os.path.exists(resume)):
+        try:
+            profiled = profiled_costs(args, name=_model_name(args))
+        except OctoPipeError as exc:  # reported through plan_at_startup, so every rank stops with it
+            failure = exc
+    if args.octopipe_cluster or _launched(args):
+        _open_process_group(args, facts)
+
+    decision = functools.cache(lambda: te_backward(args))  # rank 0 decides (the GPU check's record is its)
+
+    def tune():
+        if not args.octopipe_cluster:
+            raise OctoPipeError("--pipeline-schedule octopipe needs --octopipe-plan PATH, or --octopipe-cluster "
+                                "NAME|PATH to tune a plan at start-up (no plan is saved next to --load either)")
+        if failure is not None:
+            raise failure
+        return tune_for_run(args, facts, profiled, decision())
+
+    def check(plan, source):
+        tuned = source not in names
+        check_plan_matches_run(plan, specs, facts, source=names.get(source, f"the plan tuned for "
+                                                                            f"{args.octopipe_cluster}"),
+                               hybrid=bool(hybrid_pattern(args)),
+                               run_model=None if tuned else lambda gpu: _run_graph(args, facts, gpu, decision()))
+
+    def adapt(plan, source):
+        return fuse_te_stages(plan, specs, decision(), source=names.get(source, "the tuned plan"))
+
+    save = getattr(args, "save", None)
+    return PlanSteps(plan_file=plan_file, resume_file=resume, tune=tune, check=check, adapt=adapt,
+                     save_to=(os.path.join(save, PLAN_FILE),) if save and rank == 0 else ())
+
+
+def _run_graph(args, facts, gpu: str | None, decision: TeBackward) -> Model:
+    """This run's analytic cost graph on `gpu` (the plan's recorded one), --octopipe-costs on top, TE fused."""
+    return fused_backward_model(model_from_megatron(args, gpu=gpu or "H100", name=_model_name(args),
+                                                    measured=load_measured_costs(args.octopipe_costs),
+                                                    data_parallel_size=facts.data_parallel_size), decision)
+
+
+def _launched(args) -> bool:
+    """Whether this process belongs to a multi-process launch whose default group can be opened (torchrun's env)."""
+    world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+    return world > 1 and bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT"))
+
+
+def tune_for_run(args, facts: RunFacts, profiled: dict | None = None, decision: TeBackward | None = None):
     """Tune a plan for this run's model and pipeline on the given cluster (what rank 0 does at start-up).
 
     `profiled`: kind -> measured cost fields (--octopipe-profile); the --octopipe-costs file goes on top.
+    `decision`: how TE layers take their backward (te_backward(args) when not given): fused ones reach
+    the tuner as B.
     """
     from ...costs import cost_gpu, resolve_cluster
     from ...tuner import tune
@@ -142,6 +239,7 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
     measured = merge_costs(profiled or {}, load_measured_costs(args.octopipe_costs))
     model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=measured,
                                 data_parallel_size=facts.data_parallel_size)
+    model = fused_backward_model(model, te_backward(args) if decision is None else decision)
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
                   seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations)
     plan = result.plan
@@ -150,7 +248,7 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
-    return replace(plan, meta=meta)
+    return bind_plan(replace(plan, meta=meta), model, cluster)  # saved next to --save: later runs check it
 
 
 def _fastest_looped(result, model, facts):
@@ -174,42 +272,12 @@ def _model_name(args) -> str:
     return "megatron-hybrid" if hybrid_pattern(args) else "megatron-gpt"
 
 
-def _tune_on_rank0(args, specs, facts):
-    """Rank 0 tunes, every rank receives the plan (or rank 0's error) over the default process group."""
-    import torch.distributed as dist
-
-    profiled, failure = None, None
-    if getattr(args, "octopipe_profile", False) and int(getattr(args, "rank", 0) or 0) == 0:
-        # before the run's group opens: the profiler's one-rank group and parallel state are gone after it
-        try:
-            profiled = profiled_costs(args, name=_model_name(args))
-        except OctoPipeError as exc:
-            failure = str(exc)
-    if facts.pipeline_size * facts.data_parallel_size == 1 and not dist.is_initialized():
-        if failure:
-            raise OctoPipeError(failure)
-        return tune_for_run(args, facts, profiled)
-    _open_process_group(args)
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            if failure:
-                raise OctoPipeError(failure)
-            box[0] = {"plan": plan_to_dict(tune_for_run(args, facts, profiled))}
-        except OctoPipeError as exc:
-            box[0] = {"error": str(exc)}
-    dist.broadcast_object_list(box, src=0)
-    if "error" in box[0]:
-        raise OctoPipeError(box[0]["error"])
-    return plan_from_dict(box[0]["plan"], "<plan broadcast from rank 0>")
-
-
-def _open_process_group(args) -> None:
+def _open_process_group(args, facts) -> None:
     """Open the default process group as megatron.training.initialize would; Megatron then reuses it."""
     import torch
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() or facts.pipeline_size * facts.data_parallel_size == 1:
         return
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         torch.cuda.set_device(int(getattr(args, "local_rank", None) or os.environ.get("LOCAL_RANK", "0")))
@@ -222,12 +290,3 @@ def _apply_stages(args, plan, specs) -> None:
         setattr(args, key, value)
     if not hybrid_pattern(args):
         args.num_layers = sum(s.kind in ("dense", "dense_local", "moe") for s in specs)
-
-
-def _save_next_to_checkpoint(args, plan) -> None:
-    save = getattr(args, "save", None)
-    if not save or args.rank != 0:
-        return
-    os.makedirs(save, exist_ok=True)
-    write_plan(plan, os.path.join(save, PLAN_FILE))
-    log.info("octopipe: plan saved to %s", os.path.join(save, PLAN_FILE))

@@ -1,7 +1,8 @@
 """`--octopipe-profile`: measure a Megatron run's distinct layer kinds on this device before tuning at start-up.
 
 Rank 0 builds one real Megatron layer per kind (profile.py's builders, the profiler's on-disk
-cache) and hands the measured costs, by kind, to the model graph's `measured=` seam, so the
+cache; I and W timed as the stage runner splits them, and the fused B where Transformer Engine layers
+run fused, te.py) and hands the measured costs, by kind, to the model graph's `measured=` seam, so the
 tuner plans on this device's times instead of the analytic model's. It runs before the run's
 process group is opened: the profiler opens a one-rank group and Megatron's parallel state of
 its own, and both are torn down afterwards so Megatron's initialisation starts from nothing.
@@ -13,6 +14,7 @@ import logging
 
 from ...errors import OctoPipeError
 from .graph import COST_FIELDS, arch_from_megatron, layer_specs
+from .te import TE_KINDS, te_backward
 
 log = logging.getLogger("octopipe.megatron")
 
@@ -52,10 +54,15 @@ def profiled_costs(args, *, name: str = "megatron") -> dict[str, dict[str, float
         if dist.is_initialized():
             dist.destroy_process_group()
     kinds = {s.kind for s in layer_specs(args)}
+    fused = te_backward(args)
+    fused = fused.te and not fused.split  # TE layers run fused B: their cost is the measured B, not I and W
     out: dict[str, dict[str, float]] = {}
-    for layer in result.model.layers:
+    for layer, record in zip(result.model.layers, result.model.meta["profile"]["layers"]):
         if layer.source == "measured" and layer.kind in kinds:
-            out.setdefault(layer.kind, {f: getattr(layer, f) for f in COST_FIELDS})
+            fields = {f: getattr(layer, f) for f in COST_FIELDS}
+            if fused and layer.kind in TE_KINDS and (record or {}).get("fused_bwd_ms") is not None:
+                fields.update(bwd_ms=float(record["fused_bwd_ms"]), wgrad_ms=0.0)
+            out.setdefault(layer.kind, fields)
     log.info("octopipe: measured layer kinds %s on %s (%d measured, %d from the cache); analytic for %s",
              sorted(out), result.model.meta["gpu"], result.stats.measured, result.stats.cache_hits,
              sorted(kinds - set(out)) or "none")

@@ -22,6 +22,7 @@ Transformer Engine linears defer through their own `delay_wgrad_compute` queue: 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -43,12 +44,9 @@ class Phase:
     """Which part of the backward the deferrable linears compute right now (None: both)."""
 
     value: str | None = None
-    # counters the tests read: forwards that will need a backward, and each GEMM of the backward
-    forward_calls: int = 0
-    weight_gemms: int = 0
-    input_gemms: int = 0
 
 
+@functools.cache  # one class per process: every chunk's linears share it (tests count GEMMs on it)
 def _function_class():
     from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Base
 
@@ -65,13 +63,9 @@ def _function_class():
         def backward(ctx, grad_output):
             phase = ctx.phase
             if phase.value is None or ctx.gtp_remat_size > 1:  # GTP re-gathers weights: keep Megatron's path
-                phase.weight_gemms += 1
-                phase.input_gemms += 1
                 return (None, *Base.backward(ctx, grad_output))
             if phase.value == INPUT:
-                phase.input_gemms += 1
                 return (None, _input_grad(ctx, grad_output), None, None) + (None,) * 7
-            phase.weight_gemms += 1
             grad_weight, grad_bias = _weight_grad(ctx, grad_output)
             return (None, None, grad_weight, grad_bias) + (None,) * 7
 
@@ -147,8 +141,6 @@ def enable_wgrad_split(module: torch.nn.Module, phase: Phase) -> int:
             raise ValueError("defer_embedding_wgrad_compute keeps its own wgrad buffer; with OctoPipe's split "
                              "backward the output layer's weight gradient is already deferred to W: turn it off")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-        if torch.is_grad_enabled():
-            phase.forward_calls += 1
         return split.apply(phase, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, None, wgrad_deferral_limit, tp_group, gtp_remat_size)
 
@@ -251,7 +243,6 @@ def _phases_in(outputs) -> list:
 
 def _direct_weight_grad(node, grad_output) -> list[tuple[GradientEdge, torch.Tensor]]:
     """W of one split linear: its weight (and bias) gradient and the edges they flow into."""
-    node.phase.weight_gemms += 1
     grad_weight, grad_bias = _weight_grad(node, grad_output)
     out = []
     # next_functions holds the tensor arguments of forward only: input, weight, and bias when given

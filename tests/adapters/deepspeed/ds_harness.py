@@ -145,7 +145,7 @@ def reference_run(*, dp: int, m: int, lr: float, momentum: float, clip: float, m
 # ---- plans ---------------------------------------------------------------------------------------------
 def plan_doc(stage_devices, bounds, num_devices: int, m: int, seed: int, split_prob: float = 0.5) -> dict:
     """An irregular plan (random valid order, random split backward) as a document."""
-    from octopipe_plugin.executor.plans import make_plan, sample_schedule
+    from octopipe_plugin.testing.plans import make_plan, sample_schedule
     from octopipe_plugin.formats import plan_to_dict
 
     sched = sample_schedule(stage_devices, num_devices, m, random.Random(seed), split_prob=split_prob)

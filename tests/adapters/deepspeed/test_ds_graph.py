@@ -8,7 +8,7 @@ from octopipe_plugin.adapters.deepspeed.graph import model_from_specs
 from octopipe_plugin.costs.analytic import layer_cost
 from octopipe_plugin.costs.arch import Arch
 from octopipe_plugin.costs.ops import matmul, total_times
-from octopipe_plugin.costs.gpus import get_gpu
+from octopipe_plugin.gpus import get_gpu
 from octopipe_plugin.errors import OctoPipeError
 
 pytestmark = pytest.mark.framework

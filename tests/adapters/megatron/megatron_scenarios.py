@@ -126,6 +126,7 @@ def run_case(case: dict) -> dict:
     from octopipe_plugin.adapters.megatron.mapping import embedding_ranks_fn
     from octopipe_plugin.adapters.megatron.schedule import make_forward_backward_func
     from octopipe_plugin.formats import plan_from_dict
+    from octopipe_plugin.testing.megatron_wgrad import counting_gemms
 
     spec: H.TinyGPT = case["spec"]
     pp, m = case["pp"], case["microbatches"]
@@ -162,36 +163,33 @@ def run_case(case: dict) -> dict:
     placed, device_problems = _placement_check(case, chunks)
     if case.get("deallocate") is False:  # the measurement's control: outputs kept whole after their send
         config.deallocate_pipeline_outputs = False
-    for step in range(STEPS):
-        for c in chunks:
-            c.zero_grad_buffer()
-        opt.zero_grad()
-        its = H.data_iterators(spec, len(chunks), step, m, dp_rank, dp_size)
-        with _peak_memory(peaks if case.get("memory") and step == 1 else None), placed:  # step 1: buffers warm
-            out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                     num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
-        losses.append(_global_loss(out))
-        if step == 0:  # the gradients the optimizer steps on, before any update has hidden their scale
-            grads = H.reduced_main_grads(chunks)
-        ok, _, _ = opt.step()
-        assert ok, "optimizer step skipped"
-        scheduler.step(increment=m * spec.mbs * dp_size)
-        if case.get("eval"):
+    with counting_gemms() as gemms:  # the split linears' GEMMs, counted in this test process only
+        for step in range(STEPS):
             for c in chunks:
-                c.eval()
-            its = H.data_iterators(spec, len(chunks), 100 + step, m, dp_rank, dp_size)
-            with placed:
+                c.zero_grad_buffer()
+            opt.zero_grad()
+            its = H.data_iterators(spec, len(chunks), step, m, dp_rank, dp_size)
+            with _peak_memory(peaks if case.get("memory") and step == 1 else None), placed:  # step 1: buffers warm
                 out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                         num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
-            evals.append(_global_loss(out))
-            for c in chunks:
-                c.train()
+                         num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
+            losses.append(_global_loss(out))
+            if step == 0:  # the gradients the optimizer steps on, before any update has hidden their scale
+                grads = H.reduced_main_grads(chunks)
+            ok, _, _ = opt.step()
+            assert ok, "optimizer step skipped"
+            scheduler.step(increment=m * spec.mbs * dp_size)
+            if case.get("eval"):
+                for c in chunks:
+                    c.eval()
+                its = H.data_iterators(spec, len(chunks), 100 + step, m, dp_rank, dp_size)
+                with placed:
+                    out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
+                             num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
+                evals.append(_global_loss(out))
+                for c in chunks:
+                    c.train()
     weights = H.gathered_weights(chunks)
-    counts = torch.zeros(3, dtype=torch.int64)
-    for c in chunks:
-        phase = getattr(c, "_octopipe_wgrad_phase", None)
-        if phase is not None:
-            counts += torch.tensor([phase.forward_calls, phase.input_gemms, phase.weight_gemms])
+    counts = torch.tensor([gemms.forward_calls, gemms.input_gemms, gemms.weight_gemms], dtype=torch.int64)
     dist.all_reduce(counts)
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
             "grads": grads, "device_problems": _gathered(device_problems) if case.get("device_check") else None,

@@ -12,7 +12,7 @@ import pytest
 import megatron_harness as H
 import test_megatron_schedule as T
 from octopipe_plugin.actions import Action, Kind
-from octopipe_plugin.executor.plans import make_plan
+from octopipe_plugin.testing.plans import make_plan
 from octopipe_plugin.formats import plan_to_dict
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]

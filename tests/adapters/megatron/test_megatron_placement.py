@@ -9,7 +9,7 @@ from octopipe_plugin.adapters.megatron import chunk_specs, mapped_layout
 from octopipe_plugin.adapters.megatron.mapping import copy_ranks, embedding_ranks_fn
 from octopipe_plugin.adapters.megatron.schedule import make_forward_backward_func
 from octopipe_plugin.errors import OctoPipeError
-from octopipe_plugin.executor.plans import make_plan, placement, random_bounds, sample_schedule
+from octopipe_plugin.testing.plans import make_plan, placement, random_bounds, sample_schedule
 from octopipe_plugin.formats import Layer, Model
 
 pytestmark = [pytest.mark.framework]

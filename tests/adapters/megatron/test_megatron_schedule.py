@@ -16,7 +16,7 @@ import megatron_harness as H
 import megatron_scenarios as S
 from octopipe_plugin.adapters.megatron.layout import plan_to_layout
 from octopipe_plugin.executor.launch import spawn
-from octopipe_plugin.executor.plans import make_plan, placement, sample_schedule
+from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.formats import plan_to_dict
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]

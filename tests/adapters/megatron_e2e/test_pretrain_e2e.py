@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from octopipe_plugin.executor.plans import make_plan, sample_schedule
+from octopipe_plugin.testing.plans import make_plan, sample_schedule
 from octopipe_plugin.formats import write_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from octopipe_plugin.executor.launch import spawn
-from octopipe_plugin.executor.plans import make_plan, placement, sample_schedule
+from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.formats import plan_to_dict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "megatron"))

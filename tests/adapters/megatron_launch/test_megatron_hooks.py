@@ -56,3 +56,31 @@ def test_only_hooks_assigns_attributes_of_other_modules():
                             t.value.id in ("training", "arguments", "parallel_state", "ps", "builder_cls"):
                         offenders.append(f"{path.name}:{node.lineno} {ast.unparse(t)} = ...")
     assert offenders == []
+
+
+def test_another_megatron_core_version_is_refused_before_any_patch(monkeypatch):
+    from octopipe_plugin.adapters.megatron import compat, launch
+    from octopipe_plugin.errors import OctoPipeError
+
+    assert compat.check_megatron_version().startswith("0.19.")  # the installed one
+    for ok in ("0.19.0", "0.19.1", "0.19.2+0febf26", "0.19.3rc0"):
+        compat.check_megatron_version(ok)
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.16.1")
+    compat.require_supported_megatron.cache_clear()
+    try:
+        with pytest.raises(OctoPipeError) as exc:
+            launch.prepare_launch(["--num-layers", "2", "--pipeline-schedule", "octopipe", "--octopipe-plan", "p.json"])
+        assert str(exc.value).startswith("megatron-core 0.16.1: OctoPipe's Megatron adapter supports megatron-core "
+                                         f"{compat.SUPPORTED_MEGATRON_CORE} ")
+        assert "\n" not in str(exc.value) and hooks.installed() == []
+        with pytest.raises(OctoPipeError, match="megatron-core 0.20.0: "):
+            compat.check_megatron_version("0.20.0")
+    finally:
+        compat.require_supported_megatron.cache_clear()
+
+
+def test_setup_states_the_supported_range():
+    from octopipe_plugin.adapters.megatron.compat import SUPPORTED_MEGATRON_CORE
+
+    setup = (PACKAGE.parents[2] / "setup.py").read_text()
+    assert f'"megatron-core{SUPPORTED_MEGATRON_CORE}"' in setup

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.framework, pytest.mark.timeout(400)]
 # A stand-in for a Megatron-LM checkout's pretrain script: its argument flow is pretrain_gpt.py's in
 # 0.19.2 (its own extra_args_provider, parse_and_validate_args) and it imports a sibling module.
 SCRIPT = '''
-import json, sys
+import json, subprocess, sys
 from megatron.training.arguments import parse_and_validate_args
 import megatron.core.parallel_state as ps
 import megatron.training.arguments as arguments
@@ -43,7 +43,10 @@ if __name__ == "__main__":
                                   "parse_args_wrapped": hasattr(arguments.parse_args, "__wrapped__"),
                                   "get_model_wrapped": hasattr(training.get_model, "__wrapped__"),
                                   "first_stage": ps.is_pipeline_first_stage.__module__,
-                                  "installed": [line.split(":")[0] for line in hooks.installed()]}))
+                                  "installed": [line.split(":")[0] for line in hooks.installed()],
+                                  # a process the run starts (as the dist-checkpoint writer does) on Python 3.11
+                                  "child_has_override": subprocess.run([sys.executable, "-c",
+                                                                        "from typing import override"]).returncode == 0}))
 '''
 
 
@@ -78,7 +81,8 @@ def test_launcher_runs_the_checkout_script_with_octopipe_arguments(tmp_path):
                    "parse_args_wrapped": True, "get_model_wrapped": False,  # a looped plan: no model hook
                    "first_stage": "megatron.core.parallel_state",
                    "installed": ["megatron.training.arguments.parse_args",
-                                 "megatron.training.training.get_forward_backward_func"]}
+                                 "megatron.training.training.get_forward_backward_func"],
+                   "child_has_override": True}
     # the script path given directly; a plan for another pipeline size stops start-up with one message
     bad = launch([str(root / "pretrain_tiny.py"), *run[:-6], "--pipeline-model-parallel-size", "1",
                   "--global-batch-size", "4", "--pipeline-schedule", "octopipe",
@@ -93,7 +97,7 @@ def test_default_schedule_runs_touch_nothing_of_megatron(tmp_path):
     run = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--own-flag", "3"]
     for extra in ([], ["--pipeline-schedule", "default"], ["--pipeline-schedule=default"]):
         got = result(launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, *extra], tmp_path))
-        assert got["installed"] == [] and got["own"] == 3 and got["layout"] is None
+        assert got["installed"] == [] and got["own"] == 3 and got["layout"] is None and got["child_has_override"]
         assert got["factory"] == "megatron.core.pipeline_parallel.schedules"
         assert not got["parse_args_wrapped"] and not got["get_model_wrapped"]
         assert got["first_stage"] == "megatron.core.parallel_state"

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from octopipe_plugin.adapters.megatron.standin import BOUNDARY_SHAPE, StandInStage, standin_chunk_class
+from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, StandInStage, standin_chunk_class
 from octopipe_plugin.executor.clock import DeviceClock
-from octopipe_plugin.executor.sleep_layer import DTYPE, SleepLayer, stamp
+from octopipe_plugin.testing.sleep_layer import DTYPE, SleepLayer, stamp
 
 pytestmark = [pytest.mark.framework, pytest.mark.timeout(120)]
 F, I, W = 2.0, 3.0, 5.0

@@ -147,3 +147,95 @@ def _tune_worker(rank, world, port, out):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(args.octopipe_plan, fh)
     dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("failure", ["missing-plan-file", "tuning-error"])
+def test_a_rank0_failure_ends_both_ranks_with_its_message(tmp_path, failure):
+    """Rank 0 cannot produce a plan: both ranks stop in Megatron's parse_args with rank 0's one line, no hang.
+
+    Rank 1 is given a good plan file (missing-plan-file), so its stop can only come from rank 0's broadcast."""
+    from octopipe_plugin.executor.launch import spawn
+
+    good = plan_file(tmp_path)
+    spawn(_failing_worker, 2, str(tmp_path), failure, good)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1], got
+    assert got[0]["type"] == "StartupError" and "\n" not in got[0]["message"]
+    if failure == "missing-plan-file":
+        assert str(tmp_path / "missing.json") in got[0]["message"] and "a readable file" in got[0]["message"]
+    else:
+        assert "--octopipe-cluster h100x4 has 4 devices but the pipeline has 2 ranks" in got[0]["message"]
+
+
+def _failing_worker(rank, world, port, out, failure, good):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch.distributed as dist
+
+    from launch_helpers import parse as parse_in_child
+
+    if failure == "missing-plan-file":
+        source = ["--octopipe-plan", os.path.join(out, "missing.json") if rank == 0 else good]
+    else:  # a cluster of 4 devices for a 2-rank pipeline: tune_for_run refuses it on rank 0
+        source = ["--octopipe-cluster", "h100x4", "--octopipe-tune-iterations", "5"]
+    try:
+        parse_in_child(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+                                   "--pipeline-schedule", "octopipe", *source, "--distributed-backend", "gloo",
+                                   "--distributed-timeout-minutes", "1"], world=world, rank=rank, validate=False)
+        report = {"type": None, "message": "start-up went on"}
+    except OctoPipeError as exc:
+        report = {"type": type(exc).__name__, "message": str(exc)}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(report, fh)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _zoo_plan(tmp_path, zoo: str, name: str) -> str:
+    """A plan tuned the `octopipe plan` way for a zoo model (bound to it: fingerprint with its layer kinds)."""
+    from octopipe_plugin.costs import resolve_model
+    from octopipe_plugin.formats import bind_plan
+
+    model = resolve_model(zoo)
+    path = tmp_path / name
+    write_plan(bind_plan(build_plan(model, "1f1b", 2, 4), model), path)
+    return str(path)
+
+
+def _gpt_run(num_layers: int, path: str) -> list[str]:
+    return [*TINY_GPT[:1], str(num_layers), *TINY_GPT[2:], "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "4", "--pipeline-schedule", "octopipe", "--octopipe-plan", path]
+
+
+def test_a_plan_for_another_model_with_the_same_layer_count_is_refused(tmp_path):
+    # deepseek-v3-mini: embedding, 2 dense, 22 MoE, 1 MTP, lm_head = 27 layers; a dense GPT of 25 decoder layers too
+    path = _zoo_plan(tmp_path, "deepseek-v3-mini", "ds.json")
+    with pytest.raises(OctoPipeError) as exc:
+        parse(_gpt_run(25, path), world=2, validate=False)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(f"--pipeline-schedule octopipe: plan {path} does not match this run: ")
+    assert ("it was made for another model: model 'deepseek-v3-mini' (27 layers) "
+            "[embedding dense*2 moe*22 mtp lm_head], not this run's [embedding dense*25 lm_head] "
+            "(layer 3 is 'moe' there and 'dense' (decoder.layers.2) here)") in msg
+    assert "covers" not in msg  # the count matches: the kinds tell the models apart
+
+
+def test_the_same_layers_under_zoo_names_pass_and_other_costs_are_warned(tmp_path, caplog):
+    # llama3-8b from the zoo: embedding, 32 dense layers ('layer0'..), lm_head; this run: the same kinds, tiny sizes
+    path = _zoo_plan(tmp_path, "llama3-8b", "llama.json")
+    with caplog.at_level("WARNING", logger="octopipe.megatron"):
+        args = parse(_gpt_run(32, path), world=2)
+    assert args.pipeline_model_parallel_layout.count("t") == 32
+    warned = [r.getMessage() for r in caplog.records if "other costs" in r.getMessage()]
+    assert len(warned) == 1 and f"plan {path} was made for the same layers with other costs (F+I+W" in warned[0]
+    # a plan bound to this very run's graph: nothing to warn about
+    caplog.clear()
+    graph = model_from_megatron(parse(_gpt_run(32, path)[:-4], world=2, octopipe=False, validate=False))
+    from octopipe_plugin.formats import bind_plan
+
+    write_plan(bind_plan(build_plan(graph, "1f1b", 2, 4), graph), tmp_path / "own.json")
+    with caplog.at_level("WARNING", logger="octopipe.megatron"):
+        parse(_gpt_run(32, str(tmp_path / "own.json")), world=2)
+    assert not [r for r in caplog.records if "other costs" in r.getMessage()]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..graph import live_outputs, producers
-from .interface import TensorMeta
+from ..executor.interface import TensorMeta
 from .toy import AttnBlock, MLPBlock
 
 

@@ -20,26 +20,33 @@ import torch
 import torch.distributed as dist
 
 from ..formats import plan_from_dict
-from .engine import ExecutorOptions, PipelineExecutor
-from .launch import init_gloo
-from .torch_stage import TorchStages
+from ..executor.engine import ExecutorOptions, PipelineExecutor
+from ..executor.launch import init_gloo
+from ..executor.torch_stage import TorchStages
 from .toy_branched import GraphSpec, GraphToy, MaskedSpec, MaskedToy, to_device
 
 
 class NewGroupCounter:
-    """Counts `dist.new_group` calls while installed (the communicators a process opens)."""
+    """Counts `dist.new_group` calls while installed (the communicators a process opens).
+
+    Installed only as a `with` block inside a spawned test worker: importing this module patches
+    nothing, and the original `dist.new_group` is back when the block ends, also on an error.
+    """
 
     def __init__(self):
         self.calls = 0
         self._orig = None
 
     def __enter__(self):
+        if getattr(dist.new_group, "_octopipe_counting", False):  # nested: the outer counter would miss calls
+            raise RuntimeError("NewGroupCounter is already installed in this process")
         self._orig = dist.new_group
 
         def counting(*args, **kwargs):
             self.calls += 1
             return self._orig(*args, **kwargs)
 
+        counting._octopipe_counting = True
         dist.new_group = counting
         return self
 

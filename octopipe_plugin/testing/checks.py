@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from ..formats import plan_from_dict
-from .engine import ExecutorOptions, PipelineExecutor
-from .launch import init_gloo
-from .forward_step import ForwardStepStages
-from .torch_stage import TorchStages
+from ..executor.engine import ExecutorOptions, PipelineExecutor
+from ..executor.launch import init_gloo
+from ..executor.forward_step import ForwardStepStages
+from ..executor.torch_stage import TorchStages
 from .toy import (
     MegatronStyleChunk, ToySpec, boundary_metas, build_layers, loss_fn, megatron_style_forward_step, microbatch,
     reference_step, stage_modules,

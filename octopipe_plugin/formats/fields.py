@@ -1,4 +1,7 @@
-"""Field checks shared by the document readers: each names the file, the JSON path and what was expected."""
+"""Field checks shared by every document reader: each names the file, the JSON path and what was expected.
+
+Public (not `_fields`): the cost model's arch, zoo and cluster readers in costs/ use them too.
+"""
 
 from __future__ import annotations
 

@@ -9,12 +9,67 @@ will do); builds everything on the CPU.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from octopipe_plugin.executor.split_backward import backward_input, backward_weight
+from ..adapters.megatron import wgrad
+from ..adapters.megatron.wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
+from ..executor.split_backward import backward_input, backward_weight
 
-from .wgrad import Phase, enable_wgrad_split, input_pass, weight_pass
+
+@dataclass
+class GemmCounts:
+    """What the split linears of this process ran while `counting_gemms` was installed."""
+
+    forward_calls: int = 0  # forwards under autograd (each will need an input and a weight GEMM)
+    input_gemms: int = 0
+    weight_gemms: int = 0
+
+
+@contextmanager
+def counting_gemms():
+    """Count the split linears' forwards and backward GEMMs in this process while the block runs.
+
+    Test-only: wraps the adapter's one `SplitLinear` class (`apply`, `backward`) and its two
+    half-backward functions for the block's duration, so the runtime path carries no counter.
+    A fused backward (B, Megatron's own) counts one input and one weight GEMM.
+    """
+    counts = GemmCounts()
+    split = wgrad._function_class()
+    orig_apply, orig_backward = split.apply, split.__dict__["backward"]
+    orig_input, orig_weight = wgrad._input_grad, wgrad._weight_grad
+
+    def apply(*args):
+        if torch.is_grad_enabled():
+            counts.forward_calls += 1
+        return orig_apply(*args)
+
+    def input_grad(*args):
+        counts.input_gemms += 1
+        return orig_input(*args)
+
+    def weight_grad(*args):
+        counts.weight_gemms += 1
+        return orig_weight(*args)
+
+    def backward(ctx, grad_output):
+        before = (counts.input_gemms, counts.weight_gemms)
+        out = orig_backward.__func__(ctx, grad_output)
+        if (counts.input_gemms, counts.weight_gemms) == before:  # neither half alone: Megatron's fused B ran
+            counts.input_gemms += 1
+            counts.weight_gemms += 1
+        return out
+
+    split.apply, split.backward = apply, staticmethod(backward)
+    wgrad._input_grad, wgrad._weight_grad = input_grad, weight_grad
+    try:
+        yield counts
+    finally:
+        del split.apply  # back to torch.autograd.Function's classmethod
+        split.backward = orig_backward
+        wgrad._input_grad, wgrad._weight_grad = orig_input, orig_weight
 
 
 class MLPStack(torch.nn.Module):

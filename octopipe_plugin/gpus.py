@@ -1,11 +1,15 @@
-"""GPU spec table for the analytic cost model: peak dense bf16 FLOP/s, memory, HBM and link bandwidths."""
+"""GPU spec table (a leaf: imports only errors): peak dense bf16 FLOP/s, memory, HBM and link bandwidths.
+
+Read by the cost model (costs/), the cluster format (formats/cluster.py checks `gpu` names) and
+the profiler; it sits below formats in the tier table (docs/design.md) so that all of them may import it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ..errors import OctoPipeError
+from .errors import OctoPipeError
 
 GIB = 1 << 30
 

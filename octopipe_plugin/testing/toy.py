@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .interface import TensorMeta
+from ..executor.interface import TensorMeta
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,7 +10,7 @@ its input before that time plus the transfer time of the cut, on the rank's Devi
 (executor/clock.py, the simulator's timing rule). The parameter's size is a knob, so a
 framework's size-based partition (DeepSpeed's `parameters`) cuts the stand-in model where it
 would cut the real one. Adapters only wrap it: a MegatronModule chunk of SleepLayers
-(adapters/megatron/standin.py), a LayerSpec list (adapters/deepspeed/standin.py).
+(testing/megatron_standin.py), a LayerSpec list (testing/deepspeed_standin.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .clock import DeviceClock
+from ..executor.clock import DeviceClock
 
 DTYPE = torch.float64
 

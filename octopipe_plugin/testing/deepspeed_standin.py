@@ -1,6 +1,6 @@
 """Stand-in layers for DeepSpeed pipelines: a LayerSpec list of the core's sleeping layers.
 
-Each model-graph layer becomes one `SleepLayer` (executor/sleep_layer.py: F forward, I on the
+Each model-graph layer becomes one `SleepLayer` (testing/sleep_layer.py: F forward, I on the
 input-gradient path, W on a separate weight path, on the rank's DeviceClock), the same layer
 the Megatron benchmark's chunks hold and the same timing rule as the executor's dry run, so
 the stock PipelineEngine, its DualPipeVEngine and OctoPipeEngine run side by side on one
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ...executor.clock import DeviceClock
-from ...executor.sleep_layer import DTYPE, SleepLayer
+from ..executor.clock import DeviceClock
+from .sleep_layer import DTYPE, SleepLayer
 
 WIDTH = 8  # the activation every stand-in layer passes on: [micro-batch, WIDTH] float64 (element 0: a time stamp)
 

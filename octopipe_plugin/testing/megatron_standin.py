@@ -3,7 +3,7 @@
 Any schedule that drives Megatron chunks (Megatron's own interleaved 1F1B, OctoPipe's) can run
 them: each chunk takes its pipeline input through `set_input_tensor`, the first chunk reads
 its micro-batch from the data iterator, the last returns what a loss function reduces. Each
-layer of the model graph becomes one `SleepLayer` (executor/sleep_layer.py: F, I and W on
+layer of the model graph becomes one `SleepLayer` (testing/sleep_layer.py: F, I and W on
 separate autograd paths, on the rank's DeviceClock), the same layer the DeepSpeed benchmark
 and the executor's timing rule use, so both benchmarks compare executors, not stand-ins.
 The first layer of a chunk waits for the transfer into it, the last charges the one out.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...executor.clock import DeviceClock
-from ...executor.sleep_layer import DTYPE, SleepLayer
+from ..executor.clock import DeviceClock
+from .sleep_layer import DTYPE, SleepLayer
 
 BOUNDARY_SHAPE = (1, 1, 4)  # (sequence, micro-batch, hidden) of every stand-in boundary: the stamp is element 0
 
