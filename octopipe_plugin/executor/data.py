@@ -12,7 +12,7 @@ class MicroBatches:
     order, each batch kept until its `consumers` have taken it."""
 
     def __init__(self, source: Iterable, consumers: int = 1, *, rank: int = 0, limit: int | None = None):
-        self.source = iter(source)
+        self.source = _iterator(source)
         self.consumers = consumers
         self.rank = rank
         self.limit = limit
@@ -35,6 +35,12 @@ class MicroBatches:
         if entry[1] <= 0:
             del self.read[k]
         return entry[0]
+
+
+def _iterator(source):
+    """`source` as an iterator: an object with `__next__` is used as it is (Megatron's RerunDataIterator has
+    `__next__` but no `__iter__`), anything else through iter()."""
+    return source if hasattr(source, "__next__") else iter(source)
 
 
 class StepData:

@@ -16,7 +16,8 @@ The replaced names (megatron-core 0.19.x):
 - `megatron.training.arguments.parse_args` and `megatron.training.training.get_forward_backward_func`
   (`install_entry_points`, the launcher's octopipe runs);
 - `megatron.core.parallel_state.initialize_model_parallel`, `megatron.training.training.get_model`,
-  `GPTModelBuilder.build_model`, `GPTModelBuilder.build_distributed_models` (`install_model_hooks`,
+  `GPTModelBuilder.build_model`, `GPTModelBuilder.build_distributed_models`,
+  `megatron.training.training.build_train_valid_test_data_iterators` (`install_model_hooks`,
   plans whose stage->rank map is not looped);
 - `megatron.core.parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` (`pipeline_view`:
   answer for the plan inside the view, Megatron's own answer outside it);
@@ -73,6 +74,7 @@ class ModelHooks:
     get_model: Make
     build_model: Make
     build_distributed_models: Make
+    build_data_iterators: Make
 
 
 def install_model_hooks(hooks: ModelHooks) -> None:
@@ -88,6 +90,8 @@ def install_model_hooks(hooks: ModelHooks) -> None:
     PATCHES.replace(GPTModelBuilder, "build_model", hooks.build_model, "builds the plan's chunk for a vp_stage")
     PATCHES.replace(GPTModelBuilder, "build_distributed_models", hooks.build_distributed_models,
                     "ties same-rank embedding copies and the plan's fp16 casts")
+    PATCHES.replace(training, "build_train_valid_test_data_iterators", hooks.build_data_iterators,
+                    "each chunk's data iterator where the plan's chunk reads data (V-shape: rank 0's loss chunk)")
 
 
 def _view_answer(original, answer):
@@ -103,12 +107,13 @@ def _view_answer(original, answer):
 
 
 @contextlib.contextmanager
-def pipeline_view(plan, rank: int):
+def pipeline_view(plan, rank: int, running: int | None = None):
     """Inside: `parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for `plan` on `rank`.
 
     Callers that pass `vp_stage` (get_batch, MTP, get_model) learn whether *that chunk* holds the
-    embedding / the loss; with `ignore_virtual=True` whether this rank holds any such chunk. The
-    two names are replaced once, on first use; outside a view they give Megatron's own answer.
+    embedding / the loss; with `ignore_virtual=True` whether this rank holds any such chunk, or,
+    with `running` (the stage whose forward runs), whether that stage does. The two names are
+    replaced once, on first use; outside a view they give Megatron's own answer.
     """
     require_supported_megatron()
     import megatron.core.parallel_state as ps
@@ -117,7 +122,7 @@ def pipeline_view(plan, rank: int):
                     "answers for the plan inside a pipeline_view (labels, MTP, pre/post flags)")
     PATCHES.replace(ps, "is_pipeline_last_stage", lambda orig: _view_answer(orig, is_last_stage),
                     "answers for the plan inside a pipeline_view (labels, MTP, pre/post flags)")
-    saved, _VIEW[0] = _VIEW[0], (plan, rank)
+    saved, _VIEW[0] = _VIEW[0], (plan, rank, running)
     try:
         yield
     finally:

@@ -100,20 +100,26 @@ def plan_of_args(args):
     return plan_from_dict(doc, "<args.octopipe_plan>") if isinstance(doc, dict) and doc else None
 
 
-def is_first_stage(plan, rank: int, *, ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+def is_first_stage(plan, rank: int, running: int | None = None, *, ignore_virtual: bool = True,
+                   vp_stage: int | None = None) -> bool:
     """The plan's answer to Megatron's `is_pipeline_first_stage` on `rank` (a chunk's, or any chunk's)."""
-    return _holds(plan.stages_of(rank), 0, ignore_virtual, vp_stage)
+    return _holds(plan.stages_of(rank), 0, ignore_virtual, vp_stage, running)
 
 
-def is_last_stage(plan, rank: int, *, ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+def is_last_stage(plan, rank: int, running: int | None = None, *, ignore_virtual: bool = True,
+                  vp_stage: int | None = None) -> bool:
     """The plan's answer to Megatron's `is_pipeline_last_stage` on `rank` (a chunk's, or any chunk's)."""
-    return _holds(plan.stages_of(rank), plan.num_stages - 1, ignore_virtual, vp_stage)
+    return _holds(plan.stages_of(rank), plan.num_stages - 1, ignore_virtual, vp_stage, running)
 
 
-def _holds(mine, stage: int, ignore_virtual: bool, vp_stage: int | None) -> bool:
-    if ignore_virtual or vp_stage is None:
-        return stage in mine
-    return vp_stage < len(mine) and mine[vp_stage] == stage
+def _holds(mine, stage: int, ignore_virtual: bool, vp_stage: int | None, running: int | None = None) -> bool:
+    if not ignore_virtual and vp_stage is not None:
+        return vp_stage < len(mine) and mine[vp_stage] == stage
+    if running is not None:
+        # inside a chunk's forward the rank-level question is about that chunk: under a V-shape rank 0
+        # runs stage 0 and the loss stage, and pretrain_gpt's get_batch drops the labels on a "first stage"
+        return running == stage
+    return stage in mine
 
 
 def copy_ranks(plan, model, tied: bool) -> list[int]:

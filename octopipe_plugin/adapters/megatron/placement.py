@@ -101,6 +101,7 @@ def plan_model_provider(plan, model, provider):
     """
     layout = None
     built: list = []
+    made: list = []  # the config made here when get_model hands none (its model_provider route passes config=None)
 
     def wrapped(pre_process=True, post_process=True, vp_stage=None, **kwargs):
         from megatron.core import parallel_state
@@ -108,9 +109,18 @@ def plan_model_provider(plan, model, provider):
         nonlocal layout
         rank = parallel_state.get_pipeline_model_parallel_rank()
         spec = chunk_specs(plan, model, rank)[vp_stage or 0]
-        config = kwargs.get("config")
-        if config is not None and layout is None:
-            layout = mapped_layout(plan, model)
+        if kwargs.get("config") is None:
+            # a provider would build its config from the arguments, whose layout string is round-robin:
+            # chunks would get another stage's layer numbers (a V-shape's layers run in a swapped order)
+            if not made:
+                from megatron.training import get_args
+                from megatron.training.arguments import core_transformer_config_from_args
+
+                made.append(core_transformer_config_from_args(get_args()))
+            kwargs["config"] = made[0]
+        config = kwargs["config"]
+        if layout is None or getattr(config.pipeline_model_parallel_layout, "stage_devices", None) is None:
+            layout = layout or mapped_layout(plan, model)
             apply_layout(config, layout)
         with plan_pipeline_view(plan, rank):
             chunk = provider(pre_process=spec.pre_process, post_process=spec.post_process, vp_stage=vp_stage,

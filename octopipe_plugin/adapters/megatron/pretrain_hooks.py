@@ -113,5 +113,26 @@ def wrap_build_distributed_models(build_distributed):
     return build_distributed_models
 
 
+def wrap_build_data_iterators(original):
+    """build_train_valid_test_data_iterators under the plan's pipeline view.
+
+    pretrain builds one data iterator per model chunk, and the script's dataset provider asks
+    `is_pipeline_first/last_stage(vp_stage=...)` whether the chunk reads data: round-robin, rank
+    0's loss chunk of a V-shape would get no iterator (StopIteration at its first forward).
+    """
+    @functools.wraps(original)
+    def build_train_valid_test_data_iterators(*args, **kwargs):
+        found = plan_to_build()
+        if found is None:
+            return original(*args, **kwargs)
+        from megatron.core import parallel_state
+
+        with plan_pipeline_view(found[0], parallel_state.get_pipeline_model_parallel_rank()):
+            return original(*args, **kwargs)
+
+    return build_train_valid_test_data_iterators
+
+
 MODEL_HOOKS = ModelHooks(initialize_model_parallel=wrap_initialize_model_parallel, get_model=wrap_get_model,
-                         build_model=wrap_build_model, build_distributed_models=wrap_build_distributed_models)
+                         build_model=wrap_build_model, build_distributed_models=wrap_build_distributed_models,
+                         build_data_iterators=wrap_build_data_iterators)

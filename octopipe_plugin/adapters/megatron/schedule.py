@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
+from ...executor.engine import forward_plan
 from .embeddings import sum_local_grads
 from .placement import plan_float16_wrappers, plan_pipeline_view
+from .loss_transfer import recv_loss_dicts, send_loss_dicts
 from .stages import MegatronStages, split_phases
 
 log = logging.getLogger(__name__)
@@ -54,21 +56,28 @@ class _Executors:
     def __init__(self, plan, options: ScheduleOptions):
         self.plan = plan
         self.options = options
-        self.cache: dict[int, PipelineExecutor] = {}
+        self.cache: dict[tuple, PipelineExecutor] = {}
+        self.eval_plans: dict[int, object] = {}
+
+    def plan_for(self, num_microbatches: int):
+        """The plan of a forward-only step of `num_microbatches` (evaluation batches may differ from training's)."""
+        if num_microbatches == self.plan.num_microbatches:
+            return self.plan
+        if num_microbatches not in self.eval_plans:
+            self.eval_plans[num_microbatches] = forward_plan(self.plan, num_microbatches)
+        return self.eval_plans[num_microbatches]
 
     def get(self, runner, rank: int, group) -> PipelineExecutor:
-        """The executor of this group, bound to this step's runner."""
-        ex = self.cache.get(id(group))
+        """The executor of this group and of the runner's plan (the training plan, or a forward-only plan for
+        an evaluation batch of another size), bound to this step's runner (boundaries on the model's device)."""
+        key = (id(group), runner.plan.num_microbatches, runner.plan is self.plan)
+        ex = self.cache.get(key)
         if ex is None:
             opts = ExecutorOptions(timeout_s=self.options.timeout_s, tags=self.options.tags)
-            ex = PipelineExecutor(self.plan, runner, rank=rank, group=group, device=_device(), options=opts)
-            self.cache[id(group)] = ex
+            ex = PipelineExecutor(runner.plan, runner, rank=rank, group=group, device=runner.device, options=opts)
+            self.cache[key] = ex
         ex.runner = runner
         return ex
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions | None = None):
@@ -85,7 +94,8 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         from megatron.core.utils import get_model_config
 
         model = model if isinstance(model, list) else [model]
-        if num_microbatches != plan.num_microbatches:
+        step_plan = executors.plan_for(num_microbatches) if forward_only else plan
+        if num_microbatches != step_plan.num_microbatches:
             raise OctoPipeError(f"the OctoPipe plan was made for {plan.num_microbatches} micro-batches, this step has "
                                 f"{num_microbatches} (global batch / (micro-batch size x data-parallel size)); "
                                 "re-plan for this batch size (batch-size ramp-up changes it)")
@@ -107,7 +117,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         phases = split_phases(model) if options.split_linears else None
         plan_float16_wrappers(model, plan, rank)
         saved_sync = config.grad_sync_func, config.param_sync_func
-        runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
+        runner = MegatronStages(plan=step_plan, rank=rank, model=model, forward_step_func=forward_step_func,
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
                                 collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases)
@@ -130,26 +140,25 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
             sum_local_grads(model)  # same-rank tied copies: summed before their reduction starts
             runner.sync.sync_held()
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
-        return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches)
+        return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches, runner.device)
 
     forward_backward_func.plan = plan
     return forward_backward_func
 
 
-def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: int) -> list:
+def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: int, device) -> list:
     """The loss dicts per micro-batch on the last pipeline rank (where train_step / evaluate reduce and log
-    them), [] elsewhere; under a plan that computes the loss on another rank (V-shape) they are sent there."""
+    them), [] elsewhere; under a plan that computes the loss on another rank (V-shape) they are sent there
+    as tensors (only their structure is pickled: nothing on a GPU travels through pickling)."""
     loss_rank, last = plan.stages[-1].device, dist.get_world_size(pp_group) - 1
     mine = [runner.loss_data[mb] for mb in range(num_microbatches)] if rank == loss_rank else None
     if loss_rank == last:
         return mine if rank == last else []
     if rank == loss_rank:
-        dist.send_object_list([mine], group_dst=last, group=pp_group)
+        send_loss_dicts(mine, last, pp_group)
         return []
     if rank == last:
-        box = [None]
-        dist.recv_object_list(box, group_src=loss_rank, group=pp_group)
-        return box[0]
+        return recv_loss_dicts(loss_rank, pp_group, device)
     return []
 
 

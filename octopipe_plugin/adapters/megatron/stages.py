@@ -4,7 +4,11 @@ F runs Megatron's own `schedules.forward_step` (set_is_first_microbatch on a chu
 executed forward, set_current_microbatch, set_input_tensor through DDP, autocast, the 2-
 and 3-tuple loss scaling, MoE / MTP / attention-variant auxiliary-loss scales on every
 rank), with `is_last_stage` taken from the plan. B runs Megatron's `backward_step`
-(grad_scale_func on the loss). I and W split the backward for real: the linears compute
+(grad_scale_func on the loss). With `deallocate_pipeline_outputs` (Megatron's default) a
+sent output is pseudo-freed as Megatron's schedules do: the executor sends an alias of its
+storage, which lives only until the send completes, and the kept output holds just its
+autograd node (B takes Megatron's `custom_backward`; I and W see the output's shape through
+a zero-stride view of one element). I and W split the backward for real: the linears compute
 only their input GEMM at I and only their weight GEMM at W (`wgrad`), every parameter
 gradient reaches `main_grad` through AccumulateGrad, so DDP's hooks fire.
 
@@ -27,6 +31,7 @@ from octopipe_plugin.executor.data import MicroBatches
 from octopipe_plugin.executor.interface import TensorMeta
 from octopipe_plugin.actions import Kind
 
+from .hooks import pipeline_view
 from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
 
 
@@ -164,7 +169,8 @@ class MegatronStages:
         act = TensorMeta(shape=tuple(tensor_shape), dtype=config.pipeline_dtype or torch.float32)
         self.metas = tuple(act for _ in range(self.num_stages))
         self.loss_data: dict[int, object] = {}
-        self.num_tokens = torch.zeros([], dtype=torch.int)
+        self.device = model_device(self.model)
+        self.num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self._saved: dict[tuple[int, int], dict] = {}
         row = plan.schedule[rank]
         self.position = {a: i for i, a in enumerate(row)}
@@ -199,17 +205,23 @@ class MegatronStages:
             x = inputs.detach().requires_grad_(not self.forward_only)
         store: list = []
         last = stage == self.num_stages - 1
-        out, num_tokens = schedules.forward_step(
-            self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x, store,
-            self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
-            is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
+        with pipeline_view(self.plan, self.rank, running=stage):  # get_batch's rank-level question: this chunk
+            out, num_tokens = schedules.forward_step(
+                self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
+                store, self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
         if last:
             self.num_tokens += num_tokens
             self.loss_data[mb] = store[0] if store else None
         if not (self.forward_only or forward_only):
-            self._saved[(stage, mb)] = {"input": x, "output": out}
+            saved = self._saved[(stage, mb)] = {"input": x, "output": out, "shape": None}
+            if not last and self.config.deallocate_pipeline_outputs:
+                sent = out.detach()  # the storage, alive while the executor sends (or hands) it on
+                saved["shape"] = out.shape  # the shape I and W show autograd while the output is freed
+                schedules.deallocate_output_tensor(out, True)
+                return sent
         if last and not torch.is_tensor(out):  # collect_non_loss_data: nothing flows on
-            return torch.zeros([])
+            return torch.zeros([], device=self.device)
         return out
 
     def backward(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -234,11 +246,12 @@ class MegatronStages:
         g = torch.ones_like(out) if grad_output is None else grad_output
         if x is None:
             # The first stage has no pipeline input: no input gradient to produce, all of it is W's work.
-            self._saved[key] = {"input": None, "output": out, "grad": g}
+            self._saved[key] = {"input": None, "output": out, "grad": g, "shape": saved["shape"]}
             return None
         c = self.chunk_of[stage]
         params = [p for p in self.model[c].parameters() if p.requires_grad]
-        (dx,), split = input_pass([out], [g], [x], params, self.phases[c], self.te[c])
+        with _full_shape(out, saved["shape"]):
+            (dx,), split = input_pass([out], [g], [x], params, self.phases[c], self.te[c])
         self._saved[key] = {"split": split}
         return dx
 
@@ -251,7 +264,8 @@ class MegatronStages:
         if "split" in saved:
             weight_pass(saved["split"])
         else:
-            torch.autograd.backward(saved["output"], grad_tensors=saved["grad"])
+            with _full_shape(saved["output"], saved["shape"]):
+                torch.autograd.backward(saved["output"], grad_tensors=saved["grad"])
         self.sync.after_grad(c, pos)
 
     def pending(self) -> int:
@@ -264,6 +278,30 @@ class MegatronStages:
         from octopipe_plugin.actions import Action
 
         return self.position[Action(stage, kind, mb)]
+
+
+def model_device(model: Sequence[torch.nn.Module]) -> torch.device:
+    """The device of the rank's model chunks (where every tensor the schedule makes belongs)."""
+    for chunk in model:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _full_shape(out: torch.Tensor, shape):
+    """Inside, a pseudo-freed output (`shape` given: one element, Megatron's deallocate_output_tensor) shows its
+    original shape through a zero-stride view of that element, so autograd's shape checks pass; nothing is allocated
+    and the graph never reads the output's values."""
+    freed = shape is not None
+    if freed:
+        stub = out.data
+        out.data = stub.reshape(()).expand(shape)
+    try:
+        yield
+    finally:
+        if freed:
+            out.data = stub
 
 
 _PHASE_ATTR = "_octopipe_wgrad_phase"

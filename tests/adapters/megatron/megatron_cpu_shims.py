@@ -1,114 +1,12 @@
-"""Test-only shims that let megatron-core 0.19.2 run on CPU over gloo (never imported by the plugin).
+"""The tests' CPU shims are the examples' (one copy: examples/megatron/cpu_shims.py)."""
 
-Megatron hard-codes a few CUDA calls (current device, streams, synchronize, `.cuda()`, the
-dropout RNG tracker, `param.type() == 'torch.cuda.FloatTensor'` checks in its optimizers)
-. Each shim redirects one of them to its CPU
-equivalent; the model, DDP, optimizer and schedule code that runs is Megatron's own.
-"""
+import importlib.util
+import pathlib
 
-from __future__ import annotations
+_PATH = pathlib.Path(__file__).resolve().parents[3] / "examples" / "megatron" / "cpu_shims.py"
+_spec = importlib.util.spec_from_file_location("octopipe_example_cpu_shims", _PATH)
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
 
-import contextlib
-import os
-import typing
-
-import torch
-import torch.distributed as dist
-
-_INSTALLED = False
-
-
-def install() -> None:
-    """Install every shim (idempotent); call before importing megatron in a worker."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if not hasattr(typing, "override"):  # megatron.training imports it (Python >= 3.12)
-        typing.override = lambda fn: fn
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.empty_cache = lambda: None
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()
-    torch.cuda.Stream = lambda *a, **k: _NullStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.Event = lambda *a, **k: _NullEvent()
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.manual_seed = lambda seed: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    _cuda_type_names()
-    _cpu_factories()
-
-    import megatron.core.tensor_parallel.random as rnd
-
-    rnd.CudaRNGStatesTracker.add = lambda self, name, seed: self.states_.__setitem__(name, None)
-    rnd.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    rnd._set_cuda_rng_state = lambda *a, **k: None
-
-
-class _NullStream:
-    """A CPU stand-in for a CUDA stream: everything is already ordered."""
-
-    def wait_stream(self, other):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def record_event(self, event=None):
-        return _NullEvent()
-
-
-class _NullEvent:
-    """A CPU stand-in for a CUDA event: already complete."""
-
-    def synchronize(self):
-        return None
-
-    def wait(self, stream=None):
-        return None
-
-    def query(self):
-        return True
-
-    def record(self, stream=None):
-        return None
-
-
-def _cuda_type_names() -> None:
-    """`t.type()` reports CPU float tensors under their CUDA names, as Megatron's optimizers expect."""
-    plain = torch.Tensor.type
-    names = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-             "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
-
-    def type_(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is None and not kwargs:
-            name = plain(self)
-            return names.get(name, name)
-        return plain(self, dtype, non_blocking, **kwargs)
-
-    torch.Tensor.type = type_
-
-
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "zeros_like",
-              "ones_like", "empty_like", "full_like", "as_tensor")
-
-
-def _cpu_factories() -> None:
-    """`device='cuda'` (or a cuda torch.device) in tensor factories means the CPU here."""
-    def fixed(fn):
-        def call(*args, **kwargs):
-            dev = kwargs.get("device")
-            if dev is not None and "cuda" in str(dev):
-                kwargs["device"] = "cpu"
-            return fn(*args, **kwargs)
-
-        call.__wrapped__ = fn
-        return call
-
-    for name in _FACTORIES:
-        setattr(torch, name, fixed(getattr(torch, name)))
+install = _module.install
+install_for_pretrain = _module.install_for_pretrain

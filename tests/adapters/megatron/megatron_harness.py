@@ -10,7 +10,7 @@ forward step and loss function follow pretrain_gpt.py (3-tuple loss, labels only
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ class TinyGPT:
     tied: bool = False
     bf16: bool = False  # Megatron's Float16Module around each chunk, fp32 main params in the optimizer
     three_tuple_loss: bool = True
-    extra: dict = field(default_factory=dict)  # more TransformerConfig fields
+    args: tuple[str, ...] = ()  # more Megatron command-line arguments
 
     def graph(self):
         """The OctoPipe model graph of this GPT (embedding, decoder layers, MTP layers, LM head)."""
@@ -66,31 +66,88 @@ def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def make_config(spec: TinyGPT, pp: int, layout=None, **over):
-    """TransformerConfig of the tiny model for a pipeline of `pp` ranks with `layout` (str or MappedLayout)."""
-    from megatron.core.transformer import TransformerConfig
+# Switched off because they need CUDA (fused kernels, Transformer Engine) — each is a Megatron default on GPU.
+CUDA_ONLY_ARGS = ("--transformer-impl", "local",  # Transformer Engine layers need CUDA
+                  "--no-gradient-accumulation-fusion",  # fused wgrad-into-main_grad CUDA kernel
+                  "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",  # fused kernels
+                  "--no-persist-layer-norm",  # apex persistent layer-norm kernel
+                  "--no-rope-fusion",  # fused RoPE kernel
+                  "--use-cpu-initialization")  # weights initialised on the host (no GPU to initialise on)
+# Not CUDA, but needed by the oracles: dropout draws would differ between schedules that run the forwards in
+# different orders, so the comparisons run without dropout.
+ORACLE_ARGS = ("--hidden-dropout", "0", "--attention-dropout", "0")
 
-    kw = dict(num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-              ffn_hidden_size=2 * spec.hidden, use_cpu_initialization=True, perform_initialization=False,
-              hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-              pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, params_dtype=torch.float32,
-              deallocate_pipeline_outputs=False, batch_p2p_comm=False, bias_dropout_fusion=False,
-              apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-              calculate_per_token_loss=False)
+
+def megatron_argv(spec: TinyGPT, pp: int, global_batch: int, train_iters: int = 3, layout: str | None = None) -> list:
+    """Megatron command-line arguments of the tiny model (what a user would type, CUDA-only switches off)."""
+    argv = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden),
+            "--num-attention-heads", str(spec.heads), "--ffn-hidden-size", str(2 * spec.hidden),
+            "--seq-length", str(spec.seq), "--max-position-embeddings", str(spec.seq),
+            "--micro-batch-size", str(spec.mbs), "--global-batch-size", str(global_batch),
+            "--pipeline-model-parallel-size", str(pp), "--position-embedding-type", "rope",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab),
+            "--lr", "0.01", "--min-lr", "0.01", "--lr-decay-style", "constant", "--weight-decay", "0.01",
+            "--clip-grad", "1.0", "--train-iters", str(train_iters), "--use-distributed-optimizer",
+            *CUDA_ONLY_ARGS, *ORACLE_ARGS]
+    if not spec.tied:
+        argv.append("--untie-embeddings-and-output-weights")
     if spec.moe_layers:
-        freq = [1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)]
-        kw.update(num_moe_experts=spec.num_experts, moe_layer_freq=freq, moe_router_topk=2,
-                  moe_ffn_hidden_size=spec.hidden, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss",
-                  moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+        freq = "[" + ",".join("1" if i in spec.moe_layers else "0" for i in range(spec.num_layers)) + "]"
+        argv += ["--num-experts", str(spec.num_experts), "--moe-layer-freq", freq, "--moe-router-topk", "2",
+                 "--moe-ffn-hidden-size", str(spec.hidden), "--moe-aux-loss-coeff", "0.01",
+                 "--moe-router-load-balancing-type", "aux_loss", "--moe-token-dispatcher-type", "alltoall"]
     if spec.mtp:
-        kw.update(mtp_num_layers=spec.mtp, mtp_loss_scaling_factor=0.1)
+        argv += ["--mtp-num-layers", str(spec.mtp), "--mtp-loss-scaling-factor", "0.1"]
     if spec.bf16:
-        kw.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+        argv.append("--bf16")
     if layout is not None:
-        kw["pipeline_model_parallel_layout"] = layout
-    kw.update(spec.extra)
-    kw.update(over)
-    return TransformerConfig(**kw)
+        argv += ["--pipeline-model-parallel-layout", layout]
+    return argv + list(spec.args)
+
+
+def megatron_args(argv: list, world: int | None = None):
+    """Megatron's own parse_args + validate_args over `argv` (as pretrain_gpt.py's start-up runs them)."""
+    import contextlib
+    import io
+    import os
+    import sys
+
+    from megatron.training.arguments import parse_args, validate_args
+
+    world = dist.get_world_size() if world is None else world
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(dist.get_rank() if dist.is_initialized() else 0)
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", *argv]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+            args = parse_args()
+            validate_args(args, {})
+    finally:
+        sys.argv = saved
+    return args
+
+
+def make_config(spec: TinyGPT, pp: int, layout=None, **over):
+    """TransformerConfig of the tiny model for `pp` pipeline ranks, from Megatron's own parser, validation and
+    `core_transformer_config_from_args` (so Megatron's defaults hold: deallocate_pipeline_outputs=True, ...);
+    `layout` is a layout string (through --pipeline-model-parallel-layout) or a layout object (put in as
+    the adapter's apply_layout does)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    dp = (dist.get_world_size() if dist.is_initialized() else 1) // pp
+    text = layout if isinstance(layout, str) else None
+    args = megatron_args(megatron_argv(spec, pp, spec.mbs * dp, layout=text))
+    config = core_transformer_config_from_args(args)
+    # Megatron's batched isend/irecv (batch_p2p_comm, its default without VP) gives wrong results on gloo
+    # (measured, megatron-contract.md): the Megatron oracles run on CPU need the unbatched p2p path.
+    config.batch_p2p_comm = False
+    if layout is not None and text is None:
+        from octopipe_plugin.adapters.megatron.placement import apply_layout
+
+        apply_layout(config, layout)
+    for k, v in over.items():
+        setattr(config, k, v)
+    return config
 
 
 def build_chunk(spec: TinyGPT, config, pre_process: bool, post_process: bool, vp_stage: int | None):
@@ -255,3 +312,50 @@ def gathered_weights(chunks, group=None) -> dict[str, torch.Tensor]:
         for k, v in part.items():
             out.setdefault(k, v)
     return out
+
+
+def reduced_main_grads(chunks, group=None) -> dict[str, torch.Tensor]:
+    """Every parameter's main_grad after the step's gradient reduction (what the optimizer steps on), by global
+    name over the whole pipeline. With the distributed optimizer each data-parallel rank holds the reduced
+    values of its own shard of each bucket only; the shards are put together over the data-parallel group."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    mine = {}
+    for c in chunks:
+        inner = c.module if isinstance(c, DistributedDataParallel) else c
+        inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
+        name_of = {id(p): n for n, p in global_names(inner).items()}
+        for buf in [*c.buffers, *c.expert_parallel_buffers]:
+            dp_group = buf.data_parallel_group
+            dp, r = dp_group.size(), dp_group.rank()
+            full = torch.zeros_like(buf.grad_data)
+            base, size = buf.grad_data.data_ptr(), buf.grad_data.element_size()
+            for bucket in buf.buckets:
+                local = shard_buffer(bucket.grad_data, dp)[r] if dp > 1 else bucket.grad_data
+                start = (local.data_ptr() - base) // size
+                full[start:start + local.numel()] = local
+            if dp > 1:
+                dist.all_reduce(full, group=dp_group)
+            for p, (s, e, _) in buf.param_index_map.items():
+                mine.setdefault(name_of[id(p)], full[s:e].view(p.shape).double().clone())
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    out = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
+def grad_mismatches(got: dict, want: dict, rel: float = 1e-3) -> list[str]:
+    """Parameters whose gradient differs from the reference by more than `rel` in relative norm (a 1% scale
+    error, x1.01, is a relative difference of 1e-2: ten times this tolerance)."""
+    bad = [f"{name}: missing" for name in want if name not in got]
+    for name, w in want.items():
+        if name in got:
+            err = (got[name] - w).norm().item()
+            scale = w.norm().item()
+            if err > rel * scale + 1e-12:
+                bad.append(f"{name}: |diff| {err:.3e} > {rel} x |want| {scale:.3e}")
+    return bad

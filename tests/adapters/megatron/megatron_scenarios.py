@@ -9,7 +9,6 @@ file the test reads.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import traceback
 
@@ -67,6 +66,58 @@ def _megatron_chunks(spec: H.TinyGPT, layout: str | None, pp: int):
     return config, chunks
 
 
+@contextlib.contextmanager
+def _peak_memory(out: list | None):
+    """Peak bytes held by torch's CPU allocator above the start, inside (torch.profiler's memory events, in
+    time order); appended to `out` (None: nothing measured)."""
+    if out is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for e in events:  # each op's own net allocation, and the frees outside any op
+        current += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, current)
+    out.append(peak)
+
+
+def _placement_check(case: dict, chunks):
+    """(context for the steps, problems list): with case["device_check"], every tensor the plugin makes must be
+    placed on the model's device and no object collective may carry a tensor (device_check.py)."""
+    problems: list[str] = []
+    if not case.get("device_check"):
+        return contextlib.nullcontext(), problems
+    import device_check
+
+    device = next(chunks[0].parameters()).device
+    stack = contextlib.ExitStack()
+
+    class _Both:
+        def __enter__(self):
+            mode = device_check.PlacementCheck(device)
+            stack.enter_context(mode)
+            stack.enter_context(device_check.object_sends_with_tensors(problems))
+            self.mode = mode
+
+        def __exit__(self, *exc):
+            stack.close()
+            problems.extend(self.mode.problems)
+            return False
+
+    return _Both(), problems
+
+
+def _gathered(value) -> list:
+    """`value` of every rank, by rank."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def run_case(case: dict) -> dict:
     """Train one case for STEPS steps (plus a forward-only pass per step); its losses and final weights."""
     from megatron.core import parallel_state as ps
@@ -99,23 +150,31 @@ def run_case(case: dict) -> dict:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     if plan is not None:
-        fb = make_forward_backward_func(plan)
+        from octopipe_plugin.adapters.megatron.schedule import ScheduleOptions
+
+        fb = make_forward_backward_func(plan, options=ScheduleOptions(split_linears=case.get("split", True)))
     else:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         fb = get_forward_backward_func()
     fs = H.make_forward_step(spec)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    losses, evals = [], []
+    losses, evals, peaks = [], [], []
+    placed, device_problems = _placement_check(case, chunks)
+    if case.get("deallocate") is False:  # the measurement's control: outputs kept whole after their send
+        config.deallocate_pipeline_outputs = False
     with counting_gemms() as gemms:  # the split linears' GEMMs, counted in this test process only
         for step in range(STEPS):
             for c in chunks:
                 c.zero_grad_buffer()
             opt.zero_grad()
             its = H.data_iterators(spec, len(chunks), step, m, dp_rank, dp_size)
-            out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                     num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
+            with _peak_memory(peaks if case.get("memory") and step == 1 else None), placed:  # step 1: buffers warm
+                out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
+                         num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=False)
             losses.append(_global_loss(out))
+            if step == 0:  # the gradients the optimizer steps on, before any update has hidden their scale
+                grads = H.reduced_main_grads(chunks)
             ok, _, _ = opt.step()
             assert ok, "optimizer step skipped"
             scheduler.step(increment=m * spec.mbs * dp_size)
@@ -123,8 +182,9 @@ def run_case(case: dict) -> dict:
                 for c in chunks:
                     c.eval()
                 its = H.data_iterators(spec, len(chunks), 100 + step, m, dp_rank, dp_size)
-                out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
-                         num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
+                with placed:
+                    out = fb(forward_step_func=fs, data_iterator=its if len(chunks) > 1 else its[0], model=chunks,
+                             num_microbatches=m, seq_length=spec.seq, micro_batch_size=spec.mbs, forward_only=True)
                 evals.append(_global_loss(out))
                 for c in chunks:
                     c.train()
@@ -132,30 +192,9 @@ def run_case(case: dict) -> dict:
     counts = torch.tensor([gemms.forward_calls, gemms.input_gemms, gemms.weight_gemms], dtype=torch.int64)
     dist.all_reduce(counts)
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
+            "grads": grads, "device_problems": _gathered(device_problems) if case.get("device_check") else None,
+            "peak_bytes": _gathered(peaks[0]) if peaks else None,
             "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
-
-
-def megatron_args(spec: H.TinyGPT, pp: int, microbatches: int, world: int):
-    """Megatron's own parsed and validated arguments for the tiny model (what train_step reads)."""
-    import os
-    import sys
-
-    from megatron.training.arguments import parse_args, validate_args
-
-    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(dist.get_rank())
-    sys.argv = ["pretrain_gpt.py", "--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden),
-                "--num-attention-heads", str(spec.heads), "--ffn-hidden-size", str(2 * spec.hidden),
-                "--seq-length", str(spec.seq), "--max-position-embeddings", str(spec.seq),
-                "--micro-batch-size", str(spec.mbs), "--global-batch-size",
-                str(spec.mbs * microbatches * world // pp), "--pipeline-model-parallel-size", str(pp),
-                "--lr", "0.01", "--min-lr", "0.01", "--lr-decay-style", "constant", "--weight-decay", "0.01",
-                "--clip-grad", "1.0", "--train-iters", str(STEPS), "--use-distributed-optimizer",
-                "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--position-embedding-type", "rope",
-                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab)]
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        args = parse_args()
-        validate_args(args, {})
-    return args
 
 
 def run_train_step_case(case: dict) -> dict:
@@ -172,7 +211,8 @@ def run_train_step_case(case: dict) -> dict:
     spec: H.TinyGPT = case["spec"]
     plan = plan_from_dict(case["plan"])
     m = plan.num_microbatches
-    args = megatron_args(spec, plan.num_devices, m, dist.get_world_size())
+    pp = plan.num_devices
+    args = H.megatron_args(H.megatron_argv(spec, pp, spec.mbs * m * dist.get_world_size() // pp, train_iters=STEPS))
     set_global_variables(args, build_tokenizer=False)
     H.init_parallel(plan.num_devices, len(plan.stages_of(0)), embedding_ranks=embedding_ranks_fn(plan, spec.graph(),
                                                                                                     spec.tied))

@@ -1,0 +1,83 @@
+"""Run a Megatron launch on CPU processes over gloo: check a command and its plan on a laptop before GPU hours.
+
+    python examples/megatron/cpu_run.py --nproc 2 examples/megatron/train_gpt.py \
+        <the Megatron arguments of your run, shrunk to a tiny model> --mock-data \
+        --pipeline-schedule octopipe --octopipe-plan plan.json
+    python examples/megatron/cpu_run.py --nproc 2 --megatron-lm /path/to/Megatron-LM pretrain_gpt.py ...
+
+It starts `--nproc` processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT); each installs the CPU shims (cpu_shims.py: Megatron's hard-coded
+CUDA calls redirected to the CPU, never part of the plugin) and runs `launch.py` with the rest
+of the command line, exactly as a GPU launch would. `--distributed-backend gloo` is added
+unless given. Switch off what needs CUDA in the Megatron arguments: `--transformer-impl local
+--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
+--no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion`, and on resumed runs
+`--no-load-rng` (the shimmed CUDA RNG state saved is empty). On Python 3.11 the
+`typing.override` that megatron.training imports reaches every child process (the
+distributed-checkpoint writer's too) through a sitecustomize.py on PYTHONPATH.
+Exit status: the first non-zero exit status of a rank, else 0.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_SITE = "import typing\nif not hasattr(typing, 'override'):\n    typing.override = lambda fn: fn\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _split(argv: list[str]) -> tuple[int, list[str]]:
+    if len(argv) < 2 or argv[0] != "--nproc":
+        raise SystemExit("usage: cpu_run.py --nproc N [--megatron-lm DIR] SCRIPT [Megatron arguments...]")
+    try:
+        n = int(argv[1])
+    except ValueError:
+        raise SystemExit(f"cpu_run.py: --nproc expects a number of processes, got {argv[1]!r}") from None
+    rest = argv[2:]
+    if "--distributed-backend" not in rest:
+        rest += ["--distributed-backend", "gloo"]
+    return n, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the ranks, wait for all of them; the exit status of the run."""
+    n, rest = _split(list(sys.argv[1:] if argv is None else argv))
+    site = tempfile.mkdtemp(prefix="octopipe-cpu-run-")
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(_SITE)
+    port = str(_free_port())
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   PYTHONPATH=os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-worker", *rest], env=env))
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c != 0), 0)
+
+
+def worker(rest: list[str]) -> None:
+    """One rank: the CPU shims, then the launcher with the run's command line."""
+    sys.path.insert(0, HERE)
+    import cpu_shims
+    import launch
+
+    cpu_shims.install_for_pretrain()
+    launch.main(rest)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank-worker"]:
+        worker(sys.argv[2:])
+    else:
+        sys.exit(main())
