@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / PKG
 # model graph -> plan -> executor -> adapter. `testing` is above everything (it may import all).
 TIERS = {
     "actions": 0, "errors": 0, "limits": 0, "gpus": 0,  # leaves: vocabulary, errors, bounds, GPU table
-    "formats": 1,  # the file formats (model, cluster, plan)
+    "formats": 1, "headroom": 1,  # the file formats (model, cluster, plan); usable memory = memory - headroom
     "graph": 2, "partition": 2, "costs": 2,  # model graph, partitions, cost models
     "simulator": 3, "schedules": 3,  # timing a plan; schedule generators and the plan's messages
     "tuner": 4,  # searching plans
@@ -41,9 +41,8 @@ KNOWN_CYCLES = {
     frozenset({"adapters.megatron.embeddings", "adapters.megatron.placement"}),
     frozenset({"adapters.megatron.launch", "adapters.megatron.pretrain_hooks", "adapters.megatron.startup"}),
 }
-# Runtime -> testing imports known to be on their way out: executor/gpu_check.py (the GPU
-# self-check, scripts/gpu_check.sh) moves to testing/ on the "comm" branch. Same rule: may only shrink.
-KNOWN_TESTING_IMPORTS = {"executor.gpu_check"}
+# Runtime -> testing imports known to be on their way out (none left). Same rule: may only shrink.
+KNOWN_TESTING_IMPORTS: set[str] = set()
 
 
 def _short(name: str) -> str:

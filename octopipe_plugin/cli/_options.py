@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .. import limits as L
 from ..errors import FormatError, OctoPipeError
 
 DEFAULT_GPU = "H100-SXM"
@@ -18,8 +19,20 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `octopipe simulate: error: argument --devices: ... (see -h)`."""
 
     def error(self, message: str):
-        """Print one line naming the option and what was expected, exit 2."""
+        """Print one line naming the option and what was expected (and the closest valid name), exit 2."""
+        from ._suggest import explain_argparse_error
+
+        message = explain_argparse_error(message, self.all_option_strings())
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
+
+    def all_option_strings(self) -> list[str]:
+        """This parser's option strings and, for the top-level parser, those of every sub-command."""
+        out = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    out += list(sub._option_string_actions)
+        return out
 
 
 def integer(lo: int, hi: int, hint: str = ""):
@@ -111,7 +124,11 @@ def load_model(args, cluster=None, option: str = "--model"):
     except FormatError:
         raise  # names the file and field already
     except OctoPipeError as exc:
-        raise OctoPipeError(f"{option} {args.model}: {exc}") from None
+        from ..costs.zoo import ZOO
+        from ._suggest import did_you_mean
+
+        hint = did_you_mean(args.model, ZOO) if not os.path.exists(args.model) else ""
+        raise OctoPipeError(f"{option} {args.model}: {exc}{hint}") from None
     if not from_file:
         return model, Costs(gpu=model.meta.get("gpu"), source="analytic", why=why)
     meta = model.meta if isinstance(model.meta, dict) else {}
@@ -134,7 +151,10 @@ def gpu_option(name: str) -> str:
     try:
         return get_gpu(name).name
     except OctoPipeError as exc:
-        raise OctoPipeError(f"--gpu {name}: {exc}") from None
+        from ..gpus import GPUS
+        from ._suggest import did_you_mean
+
+        raise OctoPipeError(f"--gpu {name}: {exc}{did_you_mean(name, [*GPUS, 'A100', 'H100'])}") from None
 
 
 def load_cluster(name: str):
@@ -174,3 +194,62 @@ def keep_on_failure(write, path: str, plan=None) -> list[str]:
         except OSError as exc:
             msg += f"; keeping it in a temporary file failed too ({exc.strerror or exc})"
     return [msg]
+
+
+def add_headroom_option(p) -> None:
+    """--memory-headroom: memory left free on every device (headroom.py says why the default)."""
+    from ..headroom import DEFAULT, HELP
+
+    p.add_argument("--memory-headroom", type=_headroom_type, default=None, metavar="GIB|FRACTION", help=HELP)
+
+
+def _headroom_type(text: str):
+    from ..headroom import parse_headroom
+
+    try:
+        return parse_headroom(text, "")
+    except OctoPipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
+
+
+_headroom_type.__name__ = "headroom"
+
+
+def apply_headroom(args, cluster, launch_value=None, launch_where: str = ""):
+    """The cluster with --memory-headroom kept free on every device; unset, the launch's own setting
+    (`launch_value`, e.g. its --octopipe-memory-headroom) or the default."""
+    from ..headroom import DEFAULT, parse_headroom, with_headroom
+
+    if args.memory_headroom is not None:
+        return with_headroom(cluster, args.memory_headroom)
+    if launch_value is not None:
+        return with_headroom(cluster, parse_headroom(launch_value, launch_where), launch_where)
+    return with_headroom(cluster, parse_headroom(DEFAULT))
+
+
+def add_constraint_options(p) -> None:
+    """The options that restrict plans to what the user's runtime accepts (tuner/constraints.py)."""
+    from ..tuner.constraints import PLACEMENTS
+
+    g = p.add_argument_group("constraints", "restrict plans to what the runtime you will run them on accepts")
+    g.add_argument("--placement", choices=PLACEMENTS, default="any",
+                   help="stage -> device map: looped (stage s on device s %% P: Megatron's own builders and "
+                        "schedule), v (down the devices and back: ZB-V, DualPipeV) or any (OctoPipe's executor; "
+                        "default)")
+    g.add_argument("--max-stages-per-device", type=integer(1, L.MAX_STAGES_PER_DEVICE), default=None, metavar="N",
+                   help="at most N stages (model chunks) on any device")
+    g.add_argument("--uniform-stages-per-device", action="store_true",
+                   help="the same number of stages on every device (torch.pipelining / torchtitan schedules, "
+                        "Megatron's virtual pipeline)")
+    g.add_argument("--no-split-backward", action="store_true",
+                   help="fused backwards only, no separate input-gradient (I) and weight-gradient (W) actions "
+                        "(for runtimes without split backward)")
+
+
+def constraints_of(args):
+    """The Constraints the options ask for."""
+    from ..tuner.constraints import Constraints
+
+    return Constraints(placement=args.placement, max_stages_per_device=args.max_stages_per_device,
+                       uniform_stages_per_device=args.uniform_stages_per_device,
+                       split_backward=not args.no_split_backward)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from ..costs import ZOO, resolve_model, zoo_description
 from ..costs.zoo import is_model_file
-from ..errors import OctoPipeError
+from ..errors import FormatError, OctoPipeError
 from ..formats.model import Model, model_to_dict, write_model
 from ..graph import ModelGraph
 from .. import limits as L
+from ._suggest import did_you_mean
 from . import write_output
 from ._options import DEFAULT_GPU, check_writable, gpu_option, integer, warn
 
@@ -46,8 +48,15 @@ def run(args) -> int:
     check_writable(args.output, "-o")
     if args.gpu is not None and is_model_file(args.name):
         warn(args, f"--gpu {args.gpu} does not apply to model file {args.name}: its costs are printed as written")
-    model = resolve_model(args.name, gpu_option(args.gpu or DEFAULT_GPU), seq_len=args.seq_len,
-                          micro_batch_size=args.micro_batch_size, tp=args.tp, dp=args.dp, recompute=args.recompute)
+    gpu = gpu_option(args.gpu or DEFAULT_GPU)
+    try:
+        model = resolve_model(args.name, gpu, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                              tp=args.tp, dp=args.dp, recompute=args.recompute)
+    except FormatError:
+        raise
+    except OctoPipeError as exc:
+        hint = did_you_mean(args.name, ZOO) if not os.path.exists(args.name) else ""
+        raise OctoPipeError(f"{exc}{hint}") from None
     if args.output:
         write_output(lambda: write_model(model, args.output), args.output)
         log.info("wrote %s", args.output)

@@ -11,7 +11,9 @@ from ..formats import Plan, bind_plan, check_plan_binding, read_plan, write_plan
 from ..formats.fingerprint import describe_devices, idle_devices
 from ..schedules.registry import SCHEDULES, build_plan, get_schedule
 from ..simulator import SimOptions, SimResult, simulate
-from ._options import check_writable, integer, keep_on_failure, load_cluster, load_model, number, warn
+from ..headroom import fit_word
+from ._options import (add_headroom_option, apply_headroom, check_writable, integer, keep_on_failure, load_cluster,
+                       load_model, number, warn)
 
 _GIB = 2**30
 
@@ -44,6 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--save-plan", metavar="F", help="write the simulated plan (with `predicted`) here")
     p.add_argument("--trace", metavar="F", help="write a Chrome/Perfetto JSON trace here")
     p.add_argument("--png", metavar="F", help="write a Gantt chart PNG here")
+    add_headroom_option(p)
     p.set_defaults(run=run)
 
 
@@ -112,7 +115,7 @@ def run(args) -> int:
     """Build or read the plan, simulate it, write what was asked, print the report."""
     for option, path in (("--save-plan", args.save_plan), ("--trace", args.trace), ("--png", args.png)):
         check_writable(path, option)
-    cluster = load_cluster(args.cluster)
+    cluster = apply_headroom(args, load_cluster(args.cluster))
     model, costs = load_model(args, cluster)
     plan, cluster = _plan(args, model, cluster)
     opts = SimOptions(contention=args.contention, overlap=not args.no_overlap, launch_ms=args.launch_us / 1000.0)
@@ -163,10 +166,14 @@ def _report(model, cluster, plan, res: SimResult) -> dict:
         "devices": [
             {"device": d, "stages": plan.stages_of(d), "busy_ms": res.busy_ms[d], "utilisation": res.utilisation[d],
              "peak_memory_bytes": res.peak_memory_bytes[d], "static_bytes": res.static_bytes[d],
-             "fits": res.peak_memory_bytes[d] <= cluster.memory_bytes}
+             "free_bytes": cluster.memory_bytes - res.peak_memory_bytes[d],
+             "fits": res.peak_memory_bytes[d] <= cluster.usable_memory_bytes,
+             "fit": fit_word(res.peak_memory_bytes[d], cluster)}
             for d in range(plan.num_devices)
         ],
         "memory_bytes": cluster.memory_bytes,
+        "memory_headroom_bytes": cluster.memory_headroom_bytes,
+        "usable_memory_bytes": cluster.usable_memory_bytes,
         "critical_path_length": len(res.critical_path),
     }
 
@@ -175,6 +182,14 @@ def _costs_line(costs: dict | None) -> str:
     if not costs:
         return "as given"
     return f"{costs['source']}, {costs['gpu'] or 'GPU not recorded'} ({costs['why']})"
+
+
+def _memory_line(r: dict) -> str:
+    kept = r.get("memory_headroom_bytes", 0)
+    if not kept:
+        return f"{r['memory_bytes'] / _GIB:.1f} GiB per device, no headroom"
+    return (f"{r['usable_memory_bytes'] / _GIB:.1f} GiB usable of {r['memory_bytes'] / _GIB:.1f} GiB per device "
+            f"({kept / _GIB:.1f} GiB headroom, --memory-headroom)")
 
 
 def format_report(r: dict) -> str:
@@ -189,15 +204,26 @@ def format_report(r: dict) -> str:
         f"  step time   {r['step_time_ms']:.3f} ms",
         f"  bubble      {r['bubble_ratio']:.2%}",
         f"  throughput  {rate}",
+        f"  memory      {_memory_line(r)}",
         "",
-        f"  {'device':>6}  {'stages':<12} {'busy ms':>10} {'util':>7} {'peak GiB':>9} {'of GiB':>7}  fits",
+        f"  {'device':>6}  {'stages':<12} {'busy ms':>10} {'util':>7} {'peak GiB':>9} {'free GiB':>9} {'of GiB':>7}  "
+        f"fits",
     ]
     limit = r["memory_bytes"] / _GIB
     for d in r["devices"]:
         stages = ",".join(str(s) for s in d["stages"])
+        fit = d.get("fit", "yes" if d["fits"] else "NO")
         lines.append(f"  {d['device']:>6}  {stages:<12} {d['busy_ms']:>10.2f} {d['utilisation']:>7.1%} "
-                     f"{d['peak_memory_bytes'] / _GIB:>9.2f} {limit:>7.1f}  {'yes' if d['fits'] else 'NO'}")
-    over = [d for d in r["devices"] if not d["fits"]]
+                     f"{d['peak_memory_bytes'] / _GIB:>9.2f} {(r['memory_bytes'] - d['peak_memory_bytes']) / _GIB:>9.2f}"
+                     f" {limit:>7.1f}  {fit}")
+    kept = r.get("memory_headroom_bytes", 0)
+    tight = [d for d in r["devices"] if d.get("fit") == "only without headroom"]
+    if tight:
+        lines.append(f"  fits only without headroom: device{'s' if len(tight) > 1 else ''} "
+                     f"{', '.join(str(d['device']) for d in tight[:8])}{' ...' if len(tight) > 8 else ''} stay within "
+                     f"the device but eat into the {kept / _GIB:.1f} GiB kept free (--memory-headroom); on a real "
+                     f"GPU that risks an out-of-memory error")
+    over = [d for d in r["devices"] if d.get("fit", "yes" if d["fits"] else "NO") == "NO"]
     if over:
         worst = max(d["peak_memory_bytes"] for d in over) / _GIB
         lines.append(f"  does not fit: device{'s' if len(over) > 1 else ''} "

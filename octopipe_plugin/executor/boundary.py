@@ -147,8 +147,9 @@ def grad_leaves(meta: BoundaryMeta) -> list[int]:
     return [i for i, m in enumerate(leaves) if m.needs_grad]
 
 
-def pack_grads(meta: BoundaryMeta, grads) -> list[torch.Tensor]:
-    """The tensors a gradient message carries: one per leaf that needs a gradient, zeros where the stage gave None."""
+def pack_grads(meta: BoundaryMeta, grads, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The tensors a gradient message carries: one per leaf that needs a gradient, zeros (on `device`) where the
+    stage gave None."""
     leaves, structure = leaf_metas(meta)
     if grads is None:
         glist = [None] * len(leaves)
@@ -160,7 +161,7 @@ def pack_grads(meta: BoundaryMeta, grads) -> list[torch.Tensor]:
     out = []
     for i in grad_leaves(meta):
         g = glist[i]
-        out.append(g if g is not None else torch.zeros(leaves[i].shape, dtype=leaves[i].dtype))
+        out.append(g if g is not None else torch.zeros(leaves[i].shape, dtype=leaves[i].dtype, device=device))
     return out
 
 

@@ -6,25 +6,25 @@ runner declares no meta for a boundary, the first activation of that boundary in
 is preceded by a handshake message holding the meta; posting from that peer pauses at that
 message until the handshake has arrived, so per-peer order is kept.
 
-gloo: one process group, tagged messages, `Work.wait(timeout)` bounds each wait and
-surfaces a dead peer ("connection closed") as soon as the socket closes. gloo with CUDA
-tensors (several ranks on one GPU, where NCCL refuses) stages every tensor through host
-memory.
-NCCL: NCCL ignores tags and serialises the p2p operations of one communicator on one
-stream, so a send to a peer that has not yet posted its receive would block a receive
-queued behind it. Each direction of each rank pair therefore gets its own communicator
-(comm_cache.py), operations are enqueued from a side stream that first waits on an event
-recorded on the compute stream (the tensor is ready), waits poll `is_completed()` against a
-deadline, and received buffers are `record_stream`-ed onto the compute stream so the
-allocator cannot reuse them early.
+This module keeps what every backend shares: the per-peer order, the handshake, the checks
+of what is sent (shape, structure, device) and the named error of a failed wait. How the
+tensors move is a lane's job (lanes.py: plain gloo, host-staged, CUDA streams + events).
+NCCL ignores tags and serialises the p2p operations of one communicator on one stream, so a
+send to a peer that has not yet posted its receive would block a receive queued behind it:
+each direction of each rank pair gets its own communicator (comm_cache.py).
+
+Two exchanges: "message" issues each message as soon as it is ready; "batched" holds a
+step's ready sends and receives and issues them at the next exchange point (the start of
+the next action's posting, a receive that needs them, the end of the step) as one
+`batch_isend_irecv` per (process group, peer), as DualPipe and Megatron do. Both issue the
+same operations in the same order on every communicator, so both ends still match in
+per-peer order; where the backend coalesces a batch into one completion (NCCL), a batch of
+receives holds one message, so a consumer never waits on a later message's arrival.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -36,18 +36,13 @@ from .boundary import (
 from .comm_cache import reusable
 from .errors import ExecutorError
 from .interface import TensorMeta
+from .lanes import Request, Transfer, make_lane
 
 _HANDSHAKE = TensorMeta(shape=(META_BYTES,), dtype=torch.uint8, requires_grad=False)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Posted:
-    """A posted message: its buffers (device tensors, and host copies when staged) and their work handles."""
-
-    msg: Message
-    tensors: tuple[torch.Tensor, ...]
-    works: tuple
-    host: tuple[torch.Tensor, ...] = ()
+EXCHANGES = ("message", "batched")
+# gloo: both exchanges measure the same (benchmarks/exchange_lanes.py; gloo does not coalesce a batch), the
+# per-message one posts earlier; NCCL: not measured yet (scripts/gpu_check.sh checks both)
+DEFAULT_EXCHANGE = {"gloo": "message", "nccl": "message"}
 
 
 def boundary_of(msg: Message) -> int:
@@ -65,12 +60,21 @@ def handshake_messages(orders: dict) -> set[Message]:
     return set(first.values())
 
 
+def default_exchange(backend: str) -> str:
+    """The exchange a backend uses unless told otherwise."""
+    return DEFAULT_EXCHANGE.get(backend, "message")
+
+
 class Transport:
-    """Sends and receives of one rank for one plan; peers are ranks of `group`."""
+    """Sends and receives of one rank for one plan; peers are ranks of `group`.
+
+    `buffers`: the receive-buffer store kept across steps (None: every step allocates its own).
+    `exchange`: "message" or "batched" (None: the backend's default).
+    """
 
     def __init__(self, *, rank: int, num_stages: int, recv_order: dict, send_order: dict, device: torch.device,
                  timeout_s: float, group=None, pair_groups: dict | None = None, tags: bool = True,
-                 buffers: dict | None = None):
+                 buffers: dict | None = None, exchange: str | None = None):
         self.rank = rank
         self.num_stages = num_stages
         self.recv_order = recv_order
@@ -82,30 +86,36 @@ class Transport:
         self.timeout_s = timeout_s
         self.group = group
         self.pair_groups = pair_groups or {}
-        self.gloo = dist.get_backend(group) == "gloo"
-        self.cuda = self.device.type == "cuda"
-        self.staged = self.cuda and self.gloo  # gloo moves host memory: stage device tensors through it
-        self.stream = torch.cuda.Stream(self.device) if self.cuda and not self.staged else None
-        self.tags = tags and self.gloo
+        backend = dist.get_backend(group)
+        self.exchange = exchange or default_exchange(backend)
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange {self.exchange!r}: expected one of {', '.join(EXCHANGES)}")
+        groups = {id(g): g for g in (group, *self.pair_groups.values()) if g is not None}
+        self.lane = make_lane(backend=backend, device=self.device, timeout_s=timeout_s, rank=rank,
+                              groups=tuple(groups.values()),
+                              to_global=lambda r: dist.get_global_rank(group, r) if group is not None else r)
+        self.tags = tags and backend == "gloo"
+        self.keep_buffers = buffers is not None
         self.buffers = {} if buffers is None else buffers
         self.forward_only = False
         self.declared: dict[int, object] = {}
         self.learned: dict[int, object] = {}
         self.target: dict[int, int] = {}
         self.posted_count: dict[int, int] = {}
-        self.posted: dict[Message, Posted] = {}
-        self.meta_posts: dict[Message, Posted] = {}
+        self.posted: dict[Message, Transfer] = {}
+        self.meta_posts: dict[Message, Transfer] = {}
         self.meta_arrived: set[Message] = set()
-        self.in_flight: list[Posted] = []
+        self.in_flight: list[Transfer] = []
+        self.queued: list[Transfer] = []
 
     def begin(self, declared: dict, forward_only: bool) -> None:
         """Start a step: the metas the runner declares now (None where learned by handshake)."""
         self.reset()
+        if not self.keep_buffers:
+            self.buffers.clear()  # reuse_buffers=False: this step's receives get buffers of their own
         self.declared = dict(declared)
         self.forward_only = forward_only
-        if self.stream is not None:
-            # kept buffers are rewritten by this step's receives: not before the last step's compute is done
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.lane.begin()
 
     def reset(self) -> None:
         """Forget the previous step's bookkeeping (all its operations have completed)."""
@@ -116,6 +126,11 @@ class Transport:
         self.meta_posts.clear()
         self.meta_arrived.clear()
         self.in_flight.clear()
+        self.queued.clear()
+
+    def close(self) -> None:
+        """Stop the lane's background work (the watchdog thread on CUDA)."""
+        self.lane.close()
 
     def _meta(self, b: int):
         declared = self.declared.get(b)
@@ -131,13 +146,45 @@ class Transport:
     def _tag(self, msg: Message) -> int:
         return msg.tag(self.num_stages) if self.tags else 0
 
+    # ----- issuing (per message, or held for the step's batch)
+
+    def _issue(self, t: Transfer) -> None:
+        if self.exchange == "batched":
+            self.queued.append(t)
+        else:
+            t.works = self.lane.issue(t.requests)
+
+    def flush(self) -> None:
+        """Issue the held operations: one batch per (process group, peer), in the order they were held."""
+        if not self.queued:
+            return
+        batches: dict[tuple, list[Transfer]] = {}
+        for t in self.queued:
+            r = t.requests[0]
+            # a coalescing backend completes a batch as one: receives of different messages go in different batches
+            split = None if (r.send or not self.lane.coalesces) else id(t)
+            batches.setdefault((id(r.group), r.peer, r.send if self.lane.coalesces else None, split), []).append(t)
+        self.queued = []
+        for transfers in batches.values():
+            requests = [r for t in transfers for r in t.requests]
+            works = self.lane.issue_batch(requests)
+            if len(works) == len(requests):
+                i = 0
+                for t in transfers:
+                    t.works, i = tuple(works[i:i + len(t.requests)]), i + len(t.requests)
+            else:  # coalesced: the batch completes as one
+                for t in transfers:
+                    t.works = tuple(works)
+
     # ----- receives
 
     def post_upto(self, upto) -> None:
         """Post, per peer, every receive up to the given count, in per-peer order (as far as metas are known)."""
+        self._check_watchdog("posting")
         for peer, count in upto:
             self.target[peer] = max(self.target.get(peer, 0), count)
             self._advance(peer)
+        self.flush()  # the exchange point: the last action's send and the receives now in the window
 
     def _advance(self, peer: int) -> None:
         order = self.recv_order.get(peer, ())
@@ -169,35 +216,23 @@ class Transport:
             if msg not in self.meta_arrived:
                 # gloo's receive work cannot be polled (is_completed() stays False until wait()), so there
                 # the handshake is awaited only when its message is consumed (recv)
-                if self.gloo or not all(w.is_completed() for w in hs.works):
+                if not self.lane.pollable() or not hs.completed():
                     return None
-                self._wait(hs, msg.consumer, "receive")
-            buf = hs.host[0] if self.staged else hs.tensors[0]
-            self.learned[b] = decode_meta(buf)
+                self._wait(hs, msg.consumer, "receive", host=True)
+            self.learned[b] = decode_meta(self.lane.received(hs)[0])
         return leaf_metas(self._meta(b))[0]
 
-    def _post(self, msg: Message, metas: list[TensorMeta]) -> Posted:
+    def _post(self, msg: Message, metas: list[TensorMeta]) -> Transfer:
         group, grp_peer = self._route(msg.src, self.rank, msg.src)
         tag = self._tag(msg)
-        tensors, hosts, works = [], [], []
-        for i, meta in enumerate(metas):
-            key = (msg, "meta" if meta is _HANDSHAKE else i)
-            if self.staged:
-                host = self._buffer(key, meta, "cpu")
-                work = dist.irecv(host, group=group, group_src=grp_peer, tag=tag)
-                hosts.append(host)
-                tensors.append(host)
-            elif self.cuda:
-                with torch.cuda.stream(self.stream):
-                    buf = self._buffer(key, meta, self.device)
-                    work = dist.irecv(buf, group=group, group_src=grp_peer, tag=tag)
-                tensors.append(buf)
-            else:
-                buf = self._buffer(key, meta, self.device)
-                work = dist.irecv(buf, group=group, group_src=grp_peer, tag=tag)
-                tensors.append(buf)
-            works.append(work)
-        return Posted(msg=msg, tensors=tuple(tensors), works=tuple(works), host=tuple(hosts))
+        bufs = []
+        with self.lane.issuing():  # CUDA: buffers made on the side stream that fills them
+            for i, meta in enumerate(metas):
+                bufs.append(self._buffer((msg, "meta" if meta is _HANDSHAKE else i), meta, self.lane.wire_device))
+        t = Transfer(msg, tuple(bufs), tuple(Request(send=False, wire=b, group=group, peer=grp_peer, tag=tag)
+                                             for b in bufs))
+        self._issue(t)
+        return t
 
     def _buffer(self, key, meta: TensorMeta, device) -> torch.Tensor:
         buf = self.buffers.get(key)
@@ -207,6 +242,7 @@ class Transport:
 
     def recv(self, msg: Message, action):
         """The received value of `msg` (activation or gradient structure), waiting at most the timeout for it."""
+        self._check_watchdog(action)
         peer = msg.src
         if msg not in self.posted:
             self.target[peer] = max(self.target.get(peer, 0), self.position[msg] + 1)
@@ -217,12 +253,14 @@ class Transport:
             if hs is None:
                 raise ExecutorError(f"rank {self.rank}: {action}: the shapes of {blocking} are unknown (no declared "
                                     f"meta, no handshake, and this rank has not sent its activation)",
-                                    rank=self.rank, action=str(action), awaited=str(blocking))
-            self._wait(hs, action, "receive")
+                                    rank=self.rank, action=str(action), awaited=str(blocking), peer=peer)
+            self._wait(hs, action, "receive", host=True)
             self.meta_arrived.add(blocking)
             self._advance(peer)
         p = self.posted.pop(msg)
-        tensors = self._finish_recv(p, action)
+        self._wait(p, action, "receive")
+        tensors = self.lane.received(p)
+        self._check_devices(tensors, msg, action, "received buffer")
         b = boundary_of(msg)
         if msg.kind is MsgKind.GRAD:
             return unpack_grads(self._meta(b), tensors)
@@ -232,46 +270,39 @@ class Transport:
         return unflatten([t.detach().requires_grad_(grad and m.needs_grad) for t, m in zip(tensors, leaves)],
                          structure)
 
-    def _finish_recv(self, p: Posted, action) -> list[torch.Tensor]:
-        self._wait(p, action, "receive")
-        if self.staged:
-            return [h.to(self.device) for h in p.host]
-        if self.cuda:
-            for t in p.tensors:
-                t.record_stream(torch.cuda.current_stream(self.device))
-        return list(p.tensors)
-
     # ----- sends
 
     def send(self, msg: Message, value, action) -> None:
         """Start sending `value` as `msg` and return at once (the send is awaited in `finish`)."""
+        self._check_watchdog(action)
         b = boundary_of(msg)
         if msg.kind is MsgKind.ACT:
+            self._check_devices(flatten(value)[0], msg, action, "tensor to send")
             tensors = self._activation(msg, b, value, action)
         else:
-            meta = self._meta(b)
-            tensors = self._gradients(msg, meta, value, action)
-        group, grp_peer = self._route(self.rank, msg.dst, msg.dst)
-        tag = self._tag(msg)
-        works, kept = [], []
-        for t in tensors:
-            data = t.detach().contiguous()
-            if self.staged:
-                data = data.cpu()  # waits for the producing kernels: gloo reads host memory at once
-                work = dist.isend(data, group=group, group_dst=grp_peer, tag=tag)
-            elif self.cuda:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(ready)
-                    work = dist.isend(data, group=group, group_dst=grp_peer, tag=tag)
-            else:
-                work = dist.isend(data, group=group, group_dst=grp_peer, tag=tag)
-            works.append(work)
-            kept.append(data)  # holding `data` until completion keeps its buffer from being reused mid-transfer
-        self.in_flight.append(Posted(msg=msg, tensors=tuple(kept), works=tuple(works)))
+            tensors = self._gradients(msg, self._meta(b), value, action)
+            self._check_devices(tensors, msg, action, "tensor to send")
+        self._send_tensors(msg, tensors)
         if msg.kind is MsgKind.ACT:
             self._advance(msg.dst)  # its gradient's receive can now be posted
+
+    def _send_tensors(self, msg: Message, tensors) -> None:
+        group, grp_peer = self._route(self.rank, msg.dst, msg.dst)
+        tag = self._tag(msg)
+        # holding the wire tensors until completion keeps their memory from being reused mid-transfer
+        wires = tuple(self.lane.send_wire(t) for t in tensors)
+        t = Transfer(msg, wires, tuple(Request(send=True, wire=w, group=group, peer=grp_peer, tag=tag) for w in wires))
+        self._issue(t)
+        self.in_flight.append(t)
+
+    def _check_devices(self, tensors, msg: Message, action, what: str) -> None:
+        """Refuse a tensor on another device than the executor's (a device mix-up fails here, by name)."""
+        for i, t in enumerate(tensors):
+            if t.device != self.device:
+                raise ExecutorError(
+                    f"rank {self.rank}: {action}: {what} {i} of {msg} is on {t.device}, the executor runs on "
+                    f"{self.device} (build the executor with device= the model's device, and place the stage's "
+                    f"tensors there)", rank=self.rank, action=str(action), awaited=str(msg))
 
     def _activation(self, msg: Message, b: int, value, action) -> list[torch.Tensor]:
         actual = meta_of(value, grad=not self.forward_only)
@@ -289,12 +320,13 @@ class Transport:
                                     awaited=str(msg))
             self.learned[b] = actual
             if msg in self.handshakes:
-                self._send_raw(msg, encode_meta(actual))
+                # the handshake goes ahead of the message's data (same route, same tag)
+                self._send_tensors(msg, [encode_meta(actual).to(self.device)])
         return flatten(value)[0]
 
     def _gradients(self, msg: Message, meta, value, action) -> list[torch.Tensor]:
         try:
-            grads = pack_grads(meta, value)
+            grads = pack_grads(meta, value, device=self.device)
         except ValueError as exc:
             raise ExecutorError(f"rank {self.rank}: {action}: {exc}", rank=self.rank, action=str(action),
                                 awaited=str(msg)) from None
@@ -305,52 +337,64 @@ class Transport:
                     f"rank {self.rank}: {action} produced a gradient {tuple(g.shape)} {g.dtype} for leaf {i} of "
                     f"{msg}, the boundary is {leaves[i].shape} {leaves[i].dtype}", rank=self.rank,
                     action=str(action), awaited=str(msg))
-        return [g.to(self.device) for g in grads]
-
-    def _send_raw(self, msg: Message, buf: torch.Tensor) -> None:
-        """Send one handshake tensor ahead of the message's data (same route, same tag)."""
-        group, grp_peer = self._route(self.rank, msg.dst, msg.dst)
-        if self.cuda and not self.staged:
-            buf = buf.to(self.device)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(ready)
-                work = dist.isend(buf, group=group, group_dst=grp_peer, tag=self._tag(msg))
-        else:
-            work = dist.isend(buf, group=group, group_dst=grp_peer, tag=self._tag(msg))
-        self.in_flight.append(Posted(msg=msg, tensors=(buf,), works=(work,)))
+        return grads
 
     def reap(self) -> None:
         """Drop sends that have completed (frees their buffers early)."""
+        self._check_watchdog("reap")
         if self.in_flight:
-            self.in_flight = [p for p in self.in_flight if not all(w.is_completed() for w in p.works)]
+            self.in_flight = [t for t in self.in_flight if not t.completed()]
 
     def finish(self, action="end of step") -> None:
         """Wait for every send of the step, each for at most the timeout."""
+        self.flush()
         while self.in_flight:
             self._wait(self.in_flight.pop(0), action, "send")
+        self._check_watchdog(action)
 
-    def _wait(self, p: Posted, action, what: str) -> None:
+    # ----- waits
+
+    def _wait(self, t: Transfer, action, what: str, host: bool = False) -> None:
+        if t.works is None:
+            self.flush()  # a held batch: issue it before waiting on it
+        peer = t.msg.src if what == "receive" else t.msg.dst
         start = time.monotonic()
         try:
-            for work in p.works:
-                if self.gloo:
-                    # each tensor of a message gets the whole bound (the first one is what waits on the peer)
-                    work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-                else:
-                    while not work.is_completed():
-                        if time.monotonic() - start > self.timeout_s:
-                            raise TimeoutError(f"no completion after {self.timeout_s:g} s")
-                        time.sleep(0.0001)
-                    work.wait()
+            (self.lane.wait_host if host else self.lane.wait)(t, (action, what, peer))
         except Exception as exc:  # gloo raises RuntimeError for both a timeout and a dead peer
-            waited = time.monotonic() - start
-            peer = f"from rank {p.msg.src}" if what == "receive" else f"to rank {p.msg.dst}"
-            raise ExecutorError(
-                f"rank {self.rank}: {action}: {what} of {p.msg} (tag {p.msg.tag(self.num_stages)}) {peer} "
-                f"failed after {waited:.1f} s (timeout {self.timeout_s:g} s): {_first_line(exc)}",
-                rank=self.rank, action=str(action), awaited=str(p.msg)) from exc
+            failure = self.lane.failure()
+            if failure is not None:
+                raise self._named(*failure) from exc
+            raise self._error(t, action, what, time.monotonic() - start, _reason(exc)) from exc
+        self._check_watchdog(action)
+
+    def _check_watchdog(self, action) -> None:
+        failure = self.lane.failure()
+        if failure is not None:
+            raise self._named(*failure)
+
+    def _named(self, entry, reason: str) -> ExecutorError:
+        if entry is None:
+            return ExecutorError(f"rank {self.rank}: {reason}", rank=self.rank)
+        t, action, what, waited = entry
+        return self._error(t, action, what, waited, reason)
+
+    def _error(self, t: Transfer, action, what: str, waited: float, reason: str) -> ExecutorError:
+        """The one named error of a failed wait: rank, action, message (and its tag), peer, time waited, why."""
+        peer = t.msg.src if what == "receive" else t.msg.dst
+        return ExecutorError(
+            f"rank {self.rank}: {action}: {what} of {t.msg} (tag {t.msg.tag(self.num_stages)}) "
+            f"{'from' if what == 'receive' else 'to'} rank {peer} failed after {waited:.1f} s "
+            f"(timeout {self.timeout_s:g} s): {reason}",
+            rank=self.rank, action=str(action), awaited=str(t.msg), peer=peer)
+
+
+def _reason(exc: Exception) -> str:
+    """The backend's one-line reason, with what it means when it says the peer's socket closed."""
+    line = _first_line(exc)
+    if "by peer" in line or "Connection closed" in line:
+        return f"peer died or left ({line})"
+    return line
 
 
 def _first_line(exc: Exception) -> str:

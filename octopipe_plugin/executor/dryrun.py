@@ -129,9 +129,11 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     # warm-up step without sleeping: opens every gloo pair so the timed step pays no connection setup
     zero = StandInCosts(fwd=(0.0,) * len(costs.fwd), bwd=(0.0,) * len(costs.fwd), wgrad=(0.0,) * len(costs.fwd),
                         hop=(0.0,) * len(costs.fwd))
-    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank, live=live), options=opts).run_step()
+    # the stand-ins' payloads are CPU tensors: the executor is told so (a device is never implied)
+    device = torch.device("cpu")
+    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank, live=live), device=device, options=opts).run_step()
     runner = SleepStages(costs=costs, rank=rank, clock=clock, live=live)
-    executor = PipelineExecutor(plan, runner, options=opts)
+    executor = PipelineExecutor(plan, runner, device=device, options=opts)
     start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks
     t0 = float(start[0])

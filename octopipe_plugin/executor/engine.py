@@ -35,12 +35,16 @@ class ExecutorOptions:
     tags: bool = True
     # one process group per direction of each rank pair: None = where the backend needs it (not gloo)
     pair_groups: bool | None = None
-    # keep receive buffers for the next step (and the next executor on the same plan and group)
+    # keep receive buffers for the next step (and the next executor on the same plan and group); False: each
+    # step receives into buffers of its own
     reuse_buffers: bool = True
     # initialise every per-direction communicator when the executor is built, all ranks in one global order
     # (sorted pair, direction); False leaves NCCL to create each at its first use inside a step, which
     # deadlocks 1F1B-like plans (executor.nccl_rules refuses such a plan on a non-gloo backend)
     eager_comms: bool = True
+    # "message" (each message issued when ready) or "batched" (a step's ready sends and receives issued as one
+    # batch_isend_irecv per peer); None: the backend's default (comm.DEFAULT_EXCHANGE)
+    exchange: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -150,7 +154,8 @@ class PipelineExecutor:
             tp = self._transports[key] = Transport(
                 rank=self.rank, num_stages=self.plan.num_stages, recv_order=prog.recv_order,
                 send_order=prog.send_order, device=self.device, timeout_s=self.options.timeout_s, group=self.group,
-                pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers)
+                pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers,
+                exchange=self.options.exchange)
         return tp
 
     def run_step(self, data=None, *, forward_only: bool = False, num_microbatches: int | None = None) -> StepResult:

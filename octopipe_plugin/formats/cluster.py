@@ -36,6 +36,17 @@ class Cluster:
     name: str = "cluster"
     # GPU whose analytic costs fit this cluster (canonical name of octopipe_plugin/gpus.py, e.g. "A100-80G"); None: unsaid
     gpu: str | None = None
+    # bytes kept free on every device for what no plan accounts for (headroom.py); not part of the file format
+    memory_headroom_bytes: int = 0
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Memory a plan may fill on each device: device memory less the headroom (the one place of this rule)."""
+        return self.memory_bytes - self.memory_headroom_bytes
+
+    def node_of(self, device: int) -> int:
+        """The node a device sits in."""
+        return device // self.devices_per_node
 
     def same_node(self, d1: int, d2: int) -> bool:
         """Whether two devices share a node."""

@@ -3,7 +3,11 @@
 Each device gets a row of compute boxes coloured by kind (F, B, I, W; later virtual stages of
 a device in a lighter shade) with the micro-batch number inside when it fits, idle time shown
 as hatching behind the boxes, and under it a strip with the device's memory over time (static
-state + live activations) scaled to the cluster's memory, whose limit is the strip's top.
+state + live activations) scaled to the cluster's memory, whose limit is the strip's top (a
+dashed line marks the usable memory when the cluster keeps headroom). Each row is labelled
+with the device and the layer ranges its stages hold; the legend explains colours and shades.
+Rows thin out and fonts shrink with the device count, so 16-64 devices stay legible; dotted
+lines separate nodes.
 """
 
 from __future__ import annotations
@@ -27,8 +31,31 @@ def _lighter(hex_colour: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * amount for c in rgb)
 
 
-def draw(ax, plan, result: SimResult, memory_bytes: int) -> None:
-    """Draw the chart of `result` on a matplotlib axis."""
+def _row_inches(num_devices: int) -> float:
+    """Height of one device row: roomy for a few devices, thinner for many (64 rows fit ~22 inches)."""
+    return 0.75 if num_devices <= 8 else 0.5 if num_devices <= 24 else 0.32
+
+
+def _hatch(num_devices: int) -> str:
+    """Idle hatching: sparser on thin rows, where dense lines would drown the boxes."""
+    return "////" if num_devices <= 16 else "//"
+
+
+def _font(num_devices: int) -> float:
+    return 7.0 if num_devices <= 16 else 6.0 if num_devices <= 32 else 5.0
+
+
+def device_label(plan, device: int, most: int = 3) -> str:
+    """'dev 3  L4-6, L29-31' (the layers each stage of the device holds, in model order), abridged past `most`."""
+    ranges = [f"L{st.start}-{st.end - 1}" if st.end - st.start > 1 else f"L{st.start}"
+              for st in plan.stages if st.device == device and st.end > st.start]
+    shown = ", ".join(ranges[:most]) + (f", +{len(ranges) - most}" if len(ranges) > most else "")
+    return f"dev {device}  {shown or 'idle'}"
+
+
+def draw(ax, plan, result: SimResult, memory_bytes: int, usable_bytes: int | None = None,
+         devices_per_node: int | None = None) -> None:
+    """Draw the chart of `result` on a matplotlib axis (usable memory and node lines when given)."""
     nd, step = plan.num_devices, result.step_time_ms or 1.0
     chunk = _chunk_of_stage(plan)
     v = max(chunk) + 1 if chunk else 1
@@ -37,13 +64,17 @@ def draw(ax, plan, result: SimResult, memory_bytes: int) -> None:
     for d in range(nd):
         base = (nd - 1 - d) * _ROW
         ax.broken_barh([(0, step)], (base + _BOX[0], _BOX[1]), facecolors="none", edgecolor="#bbbbbb",
-                       hatch="////", linewidth=0.0)
+                       hatch=_hatch(nd), linewidth=0.0)
         _draw_boxes(ax, result.timeline[d], base, chunk, v, step, width_pts)
-        _draw_memory(ax, result, d, base, step, mem_scale, memory_bytes)
+        _draw_memory(ax, result, d, base, step, mem_scale, memory_bytes, usable_bytes, _font(nd) - 1)
+    if devices_per_node and devices_per_node < nd:
+        for d in range(devices_per_node, nd, devices_per_node):  # between device d-1 and d
+            y = (nd - d) * _ROW - 0.04
+            ax.plot([0, step], [y, y], color="#444444", linewidth=0.8, linestyle=":")
     ax.set_xlim(0, step * 1.001)
     ax.set_ylim(-0.1, nd * _ROW)
     ax.set_yticks([(nd - 1 - d) * _ROW + _BOX[0] + _BOX[1] / 2 for d in range(nd)])
-    ax.set_yticklabels([f"dev {d}" for d in range(nd)])
+    ax.set_yticklabels([device_label(plan, d) for d in range(nd)], fontsize=_font(nd))
     ax.set_xlabel("time (ms)")
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right", "left"):
@@ -76,7 +107,8 @@ def _draw_boxes(ax, row, base: float, chunk: list[int], v: int, step: float, wid
                     fontsize=size, color="white", clip_on=True)
 
 
-def _draw_memory(ax, result: SimResult, d: int, base: float, step: float, scale: int, limit: int) -> None:
+def _draw_memory(ax, result: SimResult, d: int, base: float, step: float, scale: int, limit: int,
+                 usable: int | None = None, fontsize: float = 6.0) -> None:
     pts = result.memory_curve(d) + [(step, None)]
     xs = [t for t, _ in pts]
     ys = [base + _MEM[0] + _MEM[1] * (b if b is not None else pts[-2][1]) / scale for _, b in pts]
@@ -86,20 +118,36 @@ def _draw_memory(ax, result: SimResult, d: int, base: float, step: float, scale:
     if limit <= scale:
         y_lim = bottom + _MEM[1] * limit / scale
         ax.plot([0, step], [y_lim, y_lim], color="#999999", linewidth=0.5, linestyle="--")
+    if usable is not None and usable < limit:
+        y_use = bottom + _MEM[1] * usable / scale
+        ax.plot([0, step], [y_use, y_use], color="#C44E52", linewidth=0.6, linestyle="--")
     peak = result.peak_memory_bytes[d]
-    ax.text(step * 1.003, bottom + _MEM[1] / 2, f"{peak / 2**30:.1f}/{limit / 2**30:.0f} GiB", fontsize=6,
-            va="center", ha="left", color="#5a4e8c", clip_on=False)
+    ax.text(step * 1.003, bottom + _MEM[1] / 2, f"{peak / 2**30:.1f}/{(usable or limit) / 2**30:.0f} GiB",
+            fontsize=fontsize, va="center", ha="left",
+            color="#C44E52" if usable is not None and peak > usable else "#5a4e8c", clip_on=False)
 
 
-def _legend(ax, result: SimResult) -> None:
+def _legend(ax, result: SimResult, plan=None, headroom: bool = False) -> None:
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     used = sorted({a.kind for row in result.timeline for a, _, _ in row}, key=KINDS.index)
     handles = [Patch(facecolor=KIND_COLOURS.get(k.value, _OTHER),
                      label=f"{k.value} {KIND_NAMES.get(k.value, RULES[k].noun)}") for k in used]
-    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", hatch="////", label="idle"))
+    v = max(_chunk_of_stage(plan)) + 1 if plan is not None and plan.stages else 1
+    if v > 1:  # the shades: a device's first stage in the full colour, its later ones lighter
+        first = KIND_COLOURS.get(used[0].value, _OTHER) if used else KIND_COLOURS["F"]
+        later = "2nd stage" if v == 2 else f"later stages (2nd..{v}th)"
+        handles.append(Patch(facecolor=_lighter(first, 0.45),
+                             label=f"lighter shade: the device's {later}, layers as listed at left"))
+    nd = plan.num_devices if plan is not None else 1
+    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", hatch=_hatch(nd), label="idle"))
     handles.append(Patch(facecolor="#8172B3", alpha=0.35, label="memory (strip top = device memory)"))
-    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=7,
+    if headroom:
+        handles.append(Line2D([0], [0], color="#C44E52", linewidth=0.8, linestyle="--",
+                              label="usable memory (device less headroom)"))
+    ncol = len(handles) if len(handles) <= 5 else (len(handles) + 1) // 2
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, fontsize=7,
               frameon=False)
 
 
@@ -113,14 +161,18 @@ def write_png(model, cluster, plan, path, options: SimOptions | None = None, res
 
     res = detailed(model, cluster, plan, options, result)
     nd = plan.num_devices
-    fig, ax = plt.subplots(figsize=(min(24.0, 10 + 0.05 * max(len(r) for r in plan.schedule)), 1.0 + 0.75 * nd))
+    fig, ax = plt.subplots(figsize=(min(24.0, 10 + 0.05 * max(len(r) for r in plan.schedule)),
+                                    1.4 + _row_inches(nd) * nd))
+    usable = getattr(cluster, "usable_memory_bytes", cluster.memory_bytes)
     try:
-        draw(ax, plan, res, cluster.memory_bytes)
-        _legend(ax, res)
+        draw(ax, plan, res, cluster.memory_bytes, usable if usable < cluster.memory_bytes else None,
+             cluster.devices_per_node)
+        _legend(ax, res, plan, headroom=usable < cluster.memory_bytes)
         name = plan.meta.get("schedule", "custom schedule")
         ax.set_title(title or f"{plan.model}: {name}, {nd} devices x {plan.num_microbatches} micro-batches, "
                               f"{plan.num_stages} stages - step {res.step_time_ms:.2f} ms, "
-                              f"bubble {res.bubble_ratio:.1%}", fontsize=9, pad=18)
+                              f"bubble {res.bubble_ratio:.1%}", fontsize=9, pad=30 if len(ax.get_legend().legend_handles) > 5
+                                                                       else 18)
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=130)
     finally:

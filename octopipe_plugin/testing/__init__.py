@@ -11,5 +11,6 @@ Nothing here runs in a training run, and importing a module here patches nothing
 - `torch_interop`: the same plan run by torch.distributed.pipelining (benchmark);
 - `sleep_layer`, `megatron_standin`, `deepspeed_standin`: sleeping stand-in layers on a
   DeviceClock and the Megatron / DeepSpeed chunks the framework benchmarks build from them;
-- `megatron_wgrad`: Megatron MLP stacks for the I/W split checks and the GEMM counter.
+- `megatron_wgrad`: Megatron MLP stacks for the I/W split checks and the GEMM counter;
+- `gpu_check`: the device self-check `scripts/gpu_check.sh` runs.
 """

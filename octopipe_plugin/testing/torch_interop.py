@@ -7,21 +7,12 @@ compute-only CSV (one row per rank) and torch lowers it with its own comm passes
 
 from __future__ import annotations
 
-import csv
-import io
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
-
-def plan_to_torch_csv(plan) -> str:
-    """The plan's per-device action lists as torch's compute-only CSV text."""
-    buf = io.StringIO()
-    writer = csv.writer(buf)
-    for row in plan.schedule:
-        writer.writerow([str(a) for a in row])
-    return buf.getvalue()
+from ..schedules.torch_csv import plan_to_torch_csv  # the CSV's one home (`octopipe export --torch-csv` too)
 
 
 def torch_runtime(plan, modules: Mapping[int, nn.Module], loss_fn: Callable, rank: int, csv_path: str,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..schedules.registry import SCHEDULES
 from .seeds import Baseline
@@ -33,9 +33,14 @@ class Row:
         return asdict(self)
 
 
-def best_of(baselines, name: str, split: str) -> Baseline | None:
-    """The fastest fitting run of a schedule on a split (any v); else the fastest that ran at all."""
+def best_of(baselines, name: str, split: str, allowed=None) -> Baseline | None:
+    """The fastest fitting run of a schedule on a split (any v); else the fastest that ran at all.
+
+    `allowed` (a Baseline -> bool) prefers the runs that keep to the tuner's constraints when any ran.
+    """
     runs = [b for b in baselines if b.name == name and b.split == split and b.outcome is not None]
+    if allowed is not None and any(allowed(b) for b in runs):
+        runs = [b for b in runs if allowed(b)]
     if not runs:
         return None
     fitting = [b for b in runs if b.outcome.fits]
@@ -61,9 +66,14 @@ def best_builtin_ms(baselines) -> float | None:
     return min(runs) if runs else None
 
 
-def comparison_rows(result) -> list[Row]:
-    """OctoPipe first, then each built-in schedule on the Megatron and the balanced split."""
+def comparison_rows(result, cluster=None) -> list[Row]:
+    """OctoPipe first, then each built-in schedule on the Megatron and the balanced split.
+
+    With the `cluster` the plans were tuned for, notes say which built-ins the tuner's
+    constraints exclude and which fit only without the cluster's memory headroom.
+    """
     base = baseline_ms(result.baselines)
+    cons = getattr(result, "constraints", None)
     rows = [Row(label="OctoPipe (tuned)", schedule="octopipe", split="tuned",
                 stages_per_device=per_device(result.plan), step_ms=result.step_ms,
                 bubble=result.bubble, peak_bytes=max(result.peak), fits=True,
@@ -71,12 +81,34 @@ def comparison_rows(result) -> list[Row]:
                 note="" if result.source == "octopipe" else f"= {result.source}")]
     for name in SCHEDULES:  # the registry's order (gpipe ... dualpipev), one row pair per built-in
         for split in ("megatron", "balanced"):
-            rows.append(_row(result.baselines, name, split, base))
+            rows.append(_noted(_row(result.baselines, name, split, base, cons, cluster), cons, cluster))
     return rows
 
 
-def _row(baselines, name, split, base) -> Row:
-    b = best_of(baselines, name, split)
+def _excluded(cons, cluster, name: str, v) -> str:
+    """The options that exclude a built-in run ('' when none does, or without constraints)."""
+    if cons is None or not cons.active or cluster is None or not isinstance(v, int) or v < 1:
+        return ""
+    from ..schedules.registry import SCHEDULES
+
+    return cons.excludes_builtin(SCHEDULES[name], cluster.num_devices, v)
+
+
+def _noted(row: Row, cons, cluster) -> Row:
+    """The row with what the constraints and the headroom say of it added to its note."""
+    notes = [row.note] if row.note else []
+    why = _excluded(cons, cluster, row.schedule, row.stages_per_device) if row.step_ms is not None else ""
+    if why:
+        notes.append(f"excluded by {why}")
+    if cluster is not None and cluster.memory_headroom_bytes and row.peak_bytes is not None and not row.fits \
+            and row.peak_bytes <= cluster.memory_bytes:
+        notes.append(f"fits only without the {cluster.memory_headroom_bytes / 2**30:.1f} GiB headroom")
+    return replace(row, note="; ".join(notes))
+
+
+def _row(baselines, name, split, base, cons=None, cluster=None) -> Row:
+    b = best_of(baselines, name, split,
+                None if cons is None else (lambda x: not _excluded(cons, cluster, x.name, x.stages_per_device)))
     label = f"{name} ({split})"
     if b is None:
         why = next((x.reason for x in baselines if x.name == name and x.split == split), "not run")
@@ -96,7 +128,7 @@ def per_device(plan) -> int | str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def format_table(rows: list[Row], memory_bytes: int) -> str:
+def format_table(rows: list[Row], memory_bytes: int, headroom_bytes: int = 0) -> str:
     """The comparison as aligned text."""
     head = f"{'schedule':<28} {'v':>3} {'step ms':>10} {'bubble':>7} {'peak GiB':>9} {'fits':>4} {'speedup':>8}  note"
     lines = [head, "-" * len(head)]
@@ -107,6 +139,9 @@ def format_table(rows: list[Row], memory_bytes: int) -> str:
         sp = f"{r.speedup:.2f}x" if r.speedup else "-"
         lines.append(f"{r.label:<28} {r.stages_per_device!s:>3} {r.step_ms:>10.1f} {r.bubble:>7.1%} "
                      f"{r.peak_bytes / 2**30:>9.1f} {'yes' if r.fits else 'NO':>4} {sp:>8}  {r.note}")
-    lines.append(f"(memory per device {memory_bytes / 2**30:.1f} GiB; speedup = baseline step / step, "
+    room = (f"{(memory_bytes - headroom_bytes) / 2**30:.1f} GiB usable per device ({memory_bytes / 2**30:.1f} GiB "
+            f"less {headroom_bytes / 2**30:.1f} GiB headroom)" if headroom_bytes else
+            f"memory per device {memory_bytes / 2**30:.1f} GiB")
+    lines.append(f"({room}; speedup = baseline step / step, "
                  f"baseline = interleaved-1f1b on the Megatron split, best v)")
     return "\n".join(lines)

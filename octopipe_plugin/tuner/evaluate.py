@@ -102,7 +102,7 @@ class Evaluator:
         job, _, static = self.job(layout)
         nd = self.cluster.num_devices
         live = least_live(layout.devices, job.activation, nd)
-        return max(static[d] + live[d] for d in range(nd)) <= self.cluster.memory_bytes
+        return max(static[d] + live[d] for d in range(nd)) <= self.cluster.usable_memory_bytes
 
     def scheduled(self, layout: Layout, policy: Policy) -> Outcome | None:
         """List-schedule a layout under a policy and simulate it; None when the policy starves."""
@@ -135,7 +135,7 @@ class Evaluator:
         peak = tuple(static[d] + live[d] for d in range(self.cluster.num_devices))
         bubble = 1.0 - busy / (step * self.cluster.num_devices) if step > 0 else 0.0
         return Outcome(plan=plan, step_ms=step, bubble=bubble, peak=peak,
-                       fits=max(peak) <= self.cluster.memory_bytes, judged=False)
+                       fits=max(peak) <= self.cluster.usable_memory_bytes, judged=False)
 
     def judge(self, out: Outcome | None) -> Outcome | None:
         """The outcome replayed by the simulator (the judge); as it is when it already was."""
@@ -180,4 +180,4 @@ class Evaluator:
             return None
         peak = tuple(res.peak_memory_bytes)
         return Outcome(plan=plan, step_ms=res.step_time_ms, bubble=res.bubble_ratio, peak=peak,
-                       fits=max(peak) <= self.cluster.memory_bytes)
+                       fits=max(peak) <= self.cluster.usable_memory_bytes)

@@ -49,7 +49,7 @@ def make_job(model, cluster, num_microbatches: int, layout: Layout,
     static = sc.device_state(stages, nd)
     devs = layout.devices
     hop = hop_times(cluster, devs, sc.output, launch_ms)
-    cap = tuple(float(cluster.memory_bytes - static[d]) for d in range(nd))
+    cap = tuple(float(cluster.usable_memory_bytes - static[d]) for d in range(nd))
     job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
               wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap)
     return job, sc, static

@@ -22,10 +22,12 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
-from ..errors import OutOfMemoryError
+from ..errors import OctoPipeError, OutOfMemoryError
 from ..formats import Plan
+from ..schedules.registry import SCHEDULES
 from ..simulator import SimOptions, simulate
 from .bounds import Bound, lower_bound
+from .constraints import Constraints
 from .encoded import ActionTable
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
@@ -74,6 +76,7 @@ class TuneResult:
     elapsed_s: float
     stopped_by: str
     seeded_s: float  # when a plan at least as good as every fitting built-in was in hand
+    constraints: Constraints = Constraints()  # what the plan was made to keep to
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +144,7 @@ class _InHand:
     floor_ms: float = float("inf")  # the fastest fitting built-in seen
     elite: list[Candidate] = field(default_factory=list)  # the search's pool, for Ctrl-C
     history: list = field(default_factory=list)  # (seconds, step ms) of each plan taken in hand
+    constraints: Constraints = Constraints()  # what every plan taken in hand keeps to
 
     def offer(self, out: Outcome | None, source: str, phase: str) -> None:
         """Keep `out` if it is a fitting full plan faster than the one in hand (own plans win ties); report.
@@ -155,7 +159,7 @@ class _InHand:
         self.report(phase)
 
     def _better(self, out: Outcome | None, source: str) -> bool:
-        if out is None or out.plan is None or not out.fits:
+        if out is None or out.plan is None or not out.fits or not self.constraints.allows_plan(out.plan):
             return False
         cur = self.outcome
         own_tie = source == "octopipe" and self.source != "octopipe"
@@ -168,7 +172,7 @@ class _InHand:
     def builtin(self, b) -> None:
         """A built-in's full outcome has arrived."""
         o = b.outcome
-        if o is not None and o.fits:
+        if o is not None and o.fits and allowed_builtin(self.constraints, b, self.budget.ev.cluster.num_devices):
             self.floor_ms = min(self.floor_ms, o.step_ms)
         self.offer(o, _label(b), "built-ins")
 
@@ -180,10 +184,14 @@ class _InHand:
 
 
 def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
-         iterations: int | None = None, progress=None, options: SimOptions | None = None) -> TuneResult:
+         iterations: int | None = None, progress=None, options: SimOptions | None = None,
+         constraints: Constraints | None = None) -> TuneResult:
     """Search partition, placement and per-device schedule for the fastest plan that fits memory.
 
     `options` are the simulator switches plans are judged by (the list scheduler plans with the same).
+    Plans fit `cluster.usable_memory_bytes` (device memory less the cluster's headroom) and keep to
+    `constraints` (placement, stages per device, split backward): seeds, moves and built-ins that
+    break them are never taken, and the returned plan is checked once more.
 
     Anytime: the fastest fitting built-in is in hand first and every later plan only replaces
     it when faster; Ctrl-C (KeyboardInterrupt) ends the search and returns the plan in hand.
@@ -196,18 +204,21 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     evs = ev.at(search_count(num_microbatches, nd))
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
                      deadline=t0 + time_budget_s, seconds=time_budget_s)
-    hand = _InHand(budget=budget, progress=progress, t0=t0)
+    cons = constraints or Constraints()
+    hand = _InHand(budget=budget, progress=progress, t0=t0, constraints=cons)
     rng = random.Random(seed)
     baselines: list = []
     try:
-        layouts = [lay for _, lay in seed_layouts(model, nd) if evs.static_fits(lay)]
+        layouts = [lay for _, lay in seed_layouts(model, nd) if evs.static_fits(lay)
+                   and cons.allows_devices(lay.devices, nd)]
         layouts.sort(key=evs.work_floor)
         first = _first_plan(ev, evs, layouts, hand)
         baselines = builtin_baselines(ev, model, nd, num_microbatches, search_ev=evs, on_result=hand.builtin,
                                       deadline=budget.setup_deadline())
-        fitting = [b.search for b in baselines if b.search is not None and b.search.fits]
+        allowed = [b for b in baselines if allowed_builtin(cons, b, nd)]
+        fitting = [b.search for b in allowed if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
-        hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(baselines))
+        hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed))
         _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
     except KeyboardInterrupt:
         _interrupted(budget, hand, baselines)
@@ -219,10 +230,16 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     except KeyboardInterrupt:
         _interrupted(budget, hand, baselines)
     if hand.outcome is None:
-        raise OutOfMemoryError(_oom_message(ev, model, cluster, num_microbatches, baselines))
+        raise OutOfMemoryError(_oom_message(ev, model, cluster, num_microbatches, baselines, cons))
     if budget.stopped_by == "wall clock":
         log.warning("tuner stopped by the wall clock before its work budget: the result may vary between runs")
-    return _result(ev, hand.outcome, hand.source, baselines, budget, t0, hand.seeded_s())
+    return _result(ev, hand.outcome, hand.source, baselines, budget, t0, hand.seeded_s(), cons)
+
+
+def allowed_builtin(constraints: Constraints, b, num_devices: int) -> bool:
+    """Whether a built-in run (a Baseline) keeps to the constraints (judged by its name and v: its plan may be gone)."""
+    return not constraints.active or not constraints.excludes_builtin(SCHEDULES[b.name], num_devices,
+                                                                      b.stages_per_device)
 
 
 def _interrupted(budget, hand, baselines) -> None:
@@ -245,7 +262,7 @@ def _first_plan(ev, evs, layouts, hand) -> list[Candidate]:
         return []
     lay, nd = layouts[0], ev.cluster.num_devices
     found = []
-    for pol in seed_policies(lay, nd, evs.m)[:2]:
+    for pol in seed_policies(lay, nd, evs.m, split_backward=hand.constraints.split_backward)[:2]:
         out = evs.scheduled(lay, pol)
         if out is not None and out.fits and out.plan is not None:
             found.append(Candidate(step_ms=out.step_ms, layout=lay, spec=pol, outcome=out))
@@ -262,7 +279,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[Candidate]:
     for i, lay in enumerate(layouts):
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
-        for pol in seed_policies(lay, nd, ev.m):
+        for pol in seed_policies(lay, nd, ev.m, split_backward=hand.constraints.split_backward):
             if (found or floor is not None) and time.monotonic() >= budget.setup_deadline():
                 break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
@@ -316,7 +333,8 @@ def _search(ev, rng, budget, ctx, hand) -> None:
         ev.work += STEP_UNITS
         parent = elite[0] if rng.random() < 0.6 else rng.choice(elite)
         cand = _neighbour(rng, ctx, parent.layout, parent.spec)
-        if cand is None or not ev.static_fits(cand[0]) or ev.work_floor(cand[0]) >= elite[0].step_ms - 1e-9:
+        if cand is None or not hand.constraints.admits(cand[0], cand[1], ctx.num_devices) or \
+                not ev.static_fits(cand[0]) or ev.work_floor(cand[0]) >= elite[0].step_ms - 1e-9:
             hand.report("search")
             continue
         out = ev.run(*cand)
@@ -385,8 +403,11 @@ def _polish(ev, rng, hand, budget) -> None:
         hand.report("polish")
 
 
-def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> TuneResult:
-    plan, step, bubble, peak = _without_empty_stages(ev, final)
+def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s, constraints: Constraints) -> TuneResult:
+    plan, step, bubble, peak = _without_empty_stages(ev, final, constraints)
+    broken = constraints.plan_problems(plan)
+    if broken:  # every plan in hand was checked: this would be a tuner bug, never a plan to run
+        raise OctoPipeError(f"internal error: the tuned plan breaks {constraints.describe()}: {'; '.join(broken)}")
     plan = replace(plan, schedule=tuple(tuple(row) for row in plan.schedule))  # materialise an encoded one
     meta = dict(plan.meta)
     meta["tuner"] = {"source": source, "iterations": budget.done, "evaluations": ev.evaluations}
@@ -396,10 +417,10 @@ def _result(ev, final: Outcome, source, baselines, budget, t0, seeded_s) -> Tune
     return TuneResult(plan=plan, step_ms=step, bubble=bubble, peak=tuple(peak), bound=bound,
                       baselines=tuple(baselines), source=source, iterations=budget.done,
                       evaluations=ev.evaluations, elapsed_s=time.monotonic() - t0,
-                      stopped_by=budget.stopped_by or "converged", seeded_s=seeded_s)
+                      stopped_by=budget.stopped_by or "converged", seeded_s=seeded_s, constraints=constraints)
 
 
-def _without_empty_stages(ev, final: Outcome):
+def _without_empty_stages(ev, final: Outcome, constraints: Constraints = Constraints()):
     """(plan, step, bubble, peak): the plan without empty stages when no slower and still fitting, else as judged.
 
     The plan in hand was replayed by the simulator at the full count when it was taken, so its
@@ -407,20 +428,26 @@ def _without_empty_stages(ev, final: Outcome):
     """
     plan = final.plan
     pruned = drop_empty_stages(plan)
-    if pruned is not plan:
+    if pruned is not plan and constraints.allows_plan(pruned):
         res = simulate(ev.model, ev.cluster, pruned, ev.options, detail=False)
-        if res.step_time_ms <= final.step_ms and max(res.peak_memory_bytes) <= ev.cluster.memory_bytes:
+        if res.step_time_ms <= final.step_ms and max(res.peak_memory_bytes) <= ev.cluster.usable_memory_bytes:
             return pruned, res.step_time_ms, res.bubble_ratio, res.peak_memory_bytes
     return plan, final.step_ms, final.bubble, final.peak
 
 
-def _oom_message(ev, model, cluster, m, baselines) -> str:
+def _oom_message(ev, model, cluster, m, baselines, constraints: Constraints = Constraints()) -> str:
     """Name the smallest per-device memory any plan needed."""
     need = [b.outcome.max_peak for b in baselines if b.outcome is not None]
     need.append(minimal_memory_need(ev, model, cluster.num_devices))
     least = min(need)
-    return (f"no plan fits the {cluster.memory_bytes / 2**30:.1f} GiB per device of {cluster.name} for {model.name} "
+    kept = cluster.memory_headroom_bytes
+    room = f"{cluster.memory_bytes / 2**30:.1f} GiB per device of {cluster.name}"
+    if kept:
+        room += (f" less its {kept / 2**30:.1f} GiB headroom ({cluster.usable_memory_bytes / 2**30:.1f} GiB usable; "
+                 f"--memory-headroom lowers it)")
+    return (f"no plan fits the {room} for {model.name} "
             f"on {cluster.num_devices} devices with {m} micro-batches; the smallest per-device memory any plan "
             f"needed (one micro-batch in flight included) was {least / 2**30:.2f} GiB. Try: more devices (a larger cluster), full activation recompute "
             f"(`recompute: true` in the architecture, or `octopipe model ... --recompute -o m.json`), tensor "
-            f"parallelism (--tp) or a larger --dp to shard the optimizer, or a GPU with more memory")
+            f"parallelism (--tp) or a larger --dp to shard the optimizer, or a GPU with more memory"
+            + (f"; or loosen the constraints ({constraints.describe()})" if constraints.active else ""))

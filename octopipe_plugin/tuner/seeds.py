@@ -203,8 +203,21 @@ def seed_layouts(model, num_devices: int) -> list[tuple[str, Layout]]:
     return out
 
 
-def seed_policies(layout: Layout, num_devices: int, num_microbatches: int) -> list[Policy]:
-    """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout."""
+def seed_policies(layout: Layout, num_devices: int, num_microbatches: int, *,
+                  split_backward: bool = True) -> list[Policy]:
+    """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout (all fused without split backward)."""
+    pols = _seed_policies(layout, num_devices, num_microbatches)
+    if split_backward:
+        return pols
+    fused = (Split.FUSED,) * num_devices
+    out = []
+    for pol in (replace(p, split=fused) for p in pols):
+        if pol not in out:
+            out.append(pol)
+    return out
+
+
+def _seed_policies(layout: Layout, num_devices: int, num_microbatches: int) -> list[Policy]:
     m, nd = num_microbatches, num_devices
     big = m * max(1, layout.num_stages // nd)
     v_shape = len(set(layout.devices[:nd])) == nd and layout.num_stages >= 2 * nd and \
@@ -234,4 +247,4 @@ def minimal_memory_need(ev: Evaluator, model, num_devices: int) -> int:
         out = ev.simulated(ev.plan_of(lay, schedule), costs=sc)
         if out is not None and (least is None or out.max_peak < least):
             least = out.max_peak
-    return least if least is not None else ev.cluster.memory_bytes + 1
+    return least if least is not None else ev.cluster.usable_memory_bytes + 1

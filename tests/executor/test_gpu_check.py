@@ -1,12 +1,19 @@
-"""scripts/gpu_check.sh's CPU-runnable parts: setup choice, plans, prediction, and one run on CPU tensors."""
+"""scripts/gpu_check.sh's CPU-runnable parts: setup choice, plans, prediction, hooks, and the script on CPU tensors."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from octopipe_plugin.executor import gpu_check
 from octopipe_plugin.testing.toy import ToySpec
+from octopipe_plugin.testing import gpu_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_setup_uses_nccl_per_gpu_gloo_on_a_shared_gpu_and_cpu_without_one():
@@ -33,10 +40,26 @@ def test_plans_and_prediction_from_measured_layer_costs():
         assert 0 < pred <= serial * 1.0001
 
 
+def test_a_framework_hook_is_skipped_not_failed_when_its_package_or_hook_is_absent():
+    cpu = torch.device("cpu")
+    assert gpu_check.hook_check("no_such_package_xyz", "octopipe_plugin.testing.nope", "f", cpu) == (
+        "skipped", "not installed (no_such_package_xyz)")
+    status, detail = gpu_check.hook_check("torch", "octopipe_plugin.testing.no_such_hook", "one_step", cpu)
+    assert status == "skipped" and "hook not provided" in detail
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_check_runs_on_cpu_tensors(capsys):
-    assert gpu_check.main(["--device", "cpu", "--ranks", "2", "--steps", "1", "--plans", "zb-v,tuned"]) == 0
-    out = capsys.readouterr().out
+@pytest.mark.timeout(400)
+def test_the_script_runs_on_cpu_tensors():
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--ranks", "2", "--steps", "1",
+                           "--plans", "zb-v,tuned"], cwd=ROOT, capture_output=True, text=True, timeout=380,
+                          env={**os.environ, "PYTHON": sys.executable})
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
     assert "backend gloo, 2 ranks on cpu" in out
-    assert out.count(" ok ") == 2 and "FAIL" not in out
+    assert "[passed] plan zb-v:" in out and "[passed] plan tuned:" in out, out
+    assert "[passed] local stages:" in out and "[skipped] cuda lane self path: needs CUDA" in out, out
+    assert "[failed]" not in out, out
+    last = out.strip().splitlines()[-1]
+    m = re.fullmatch(r"gpu check: (\d+) passed, 0 failed", last)
+    assert m and int(m.group(1)) >= 3, last

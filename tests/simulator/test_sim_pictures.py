@@ -56,3 +56,39 @@ def test_png_is_written(tmp_path, name):
     write_png(model, cluster, plan, path, result=res)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_png_labels_layers_and_explains_shades_at_16_to_64_devices(tmp_path):
+    """Each row names its device and the layer ranges of its stages; the legend says what the shades mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from octopipe_plugin.formats import Cluster, Layer, Link, Model
+    from octopipe_plugin.headroom import Headroom, with_headroom
+    from octopipe_plugin.schedules.registry import build_plan
+    from octopipe_plugin.simulator.gantt import _legend, device_label, draw
+
+    for nd in (16, 64):
+        model = Model(name="flat", layers=tuple(Layer(name=f"l{i}", kind="dense", fwd_ms=1.0, bwd_ms=1.0,
+                                                      wgrad_ms=1.0, state_bytes=2**20, activation_bytes=2**20,
+                                                      output_bytes=2**10) for i in range(2 * nd)))
+        link = Link(bandwidth_gb_per_s=100, latency_us=1)
+        cl = with_headroom(Cluster(num_devices=nd, devices_per_node=8, memory_bytes=2**30, intra_node=link,
+                                   inter_node=link), Headroom(fraction=0.1))
+        plan = build_plan(model, "zb-v", nd, nd)
+        assert device_label(plan, 0) == f"dev 0  L0, L{2 * nd - 1}"
+        res = simulate(model, cl, plan, detail=True)
+        fig, ax = plt.subplots()
+        draw(ax, plan, res, cl.memory_bytes, cl.usable_memory_bytes, cl.devices_per_node)
+        _legend(ax, res, plan, headroom=True)
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels[1] == f"dev 1  L1, L{2 * nd - 2}" and len(labels) == nd
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert any("lighter shade: the device's 2nd stage" in t for t in legend)
+        assert any("usable memory" in t for t in legend)
+        plt.close(fig)
+        path = tmp_path / f"g{nd}.png"
+        write_png(model, cl, plan, path, result=res)
+        assert path.read_bytes()[:4] == b"\x89PNG"

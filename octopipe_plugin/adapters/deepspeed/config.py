@@ -4,6 +4,7 @@
       "enabled": true,                  # false (or no block): DeepSpeed runs as it always does
       "plan": "plan.json",              # an octopipe-plan/1 file ...
       "tune": {"cluster": "h100x8", "gpu": "H100", "time_budget_s": 60, "seed": 0, "seq_len": 4096,  # or tune
+               "memory_headroom": "8%",  # left free per rank (GiB or a fraction; default 8%, headroom.py)
                "profile": true, "profile_repeats": 10, "profile_input": [1, 4096]},  # measure layers first
       "save_plan": "run/plan.json",     # where rank 0 writes the plan it tuned (or was given)
       "model": "model.json",            # optional octopipe-model/1 file: measured costs for tuning
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import FormatError
+from ...errors import FormatError, OctoPipeError
+from ...headroom import DEFAULT as HEADROOM, parse_headroom
 
 CONFIG_KEY = "octopipe"
 _SRC = "ds_config"
 _FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s")
-_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len", "profile", "profile_repeats", "profile_input")
+_TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len", "profile", "profile_repeats", "profile_input",
+                "memory_headroom")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +42,7 @@ class TuneSpec:
     profile: bool = False  # measure the layer list on this device (profiler, disk-cached) and tune on that
     profile_repeats: int = 10  # timed runs per distinct layer when profiling
     profile_input: tuple[int, ...] | None = None  # shape of a float first-layer input; None: token ids
+    memory_headroom: str = HEADROOM  # left free on every rank: GiB ("6", 6) or a fraction ("8%", 0.08); headroom.py
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,7 +110,13 @@ def _tune(spec) -> TuneSpec:
             isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
         raise FormatError(_SRC, f"{where}.profile_input",
                           "the shape of the first layer's input, a list of positive integers", shape)
-    return TuneSpec(cluster=cluster, gpu=gpu, time_budget_s=_number(spec, "time_budget_s", f"{where}.time_budget_s",
+    headroom = spec.get("memory_headroom", HEADROOM)
+    try:
+        parse_headroom(headroom, "")
+    except OctoPipeError:
+        raise FormatError(_SRC, f"{where}.memory_headroom", 'GiB (6, "6GiB") or a fraction of device memory '
+                          '("8%", 0.08)', headroom) from None
+    return TuneSpec(memory_headroom=str(headroom), cluster=cluster, gpu=gpu, time_budget_s=_number(spec, "time_budget_s", f"{where}.time_budget_s",
                                                                     60.0), seed=seed, seq_len=seq_len,
                     profile=profile, profile_repeats=repeats,
                     profile_input=tuple(shape) if shape is not None else None)

@@ -68,8 +68,11 @@ def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners, costs=No
     from ...costs import resolve_cluster, resolve_model
     from ...tuner import tune
 
+    from ...headroom import parse_headroom, with_headroom
+
     spec = block.tune
-    cluster = resolve_cluster(spec.cluster)
+    where = f"ds_config: $.{CONFIG_KEY}.tune.memory_headroom"
+    cluster = with_headroom(resolve_cluster(spec.cluster), parse_headroom(spec.memory_headroom, where), where)
     world = dist.get_world_size()
     pipe = cluster.num_devices
     if world % pipe:

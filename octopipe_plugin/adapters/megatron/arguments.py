@@ -7,6 +7,7 @@
     --octopipe-plan PATH                     an octopipe-plan/1 file to run
     --octopipe-cluster NAME|PATH             tune a plan at start-up for this cluster (rank 0, broadcast)
     --octopipe-gpu, --octopipe-tune-seconds, --octopipe-tune-iterations, --octopipe-seed, --octopipe-costs
+    --octopipe-memory-headroom GIB|FRACTION  memory the tuned plan leaves free per rank (default 8%)
     --octopipe-profile                       measure the layer kinds on this device before tuning (rank 0)
     --octopipe-profile-repeats, --octopipe-profile-cache
 """
@@ -18,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from ...errors import OctoPipeError
+from ...headroom import DEFAULT as HEADROOM, HELP as HEADROOM_HELP
 
 SCHEDULES = ("default", "octopipe")
 PLAN_FILE = "octopipe-plan.json"  # written next to the checkpoint (--save), read back on --load
@@ -42,6 +44,8 @@ def add_octopipe_args(parser):
     group.add_argument("--octopipe-tune-iterations", type=int, default=None,
                        help="tuning iterations instead of a time budget (same plan on every run)")
     group.add_argument("--octopipe-seed", type=int, default=0, help="tuner seed (default 0)")
+    group.add_argument("--octopipe-memory-headroom", default=HEADROOM, metavar="GIB|FRACTION",
+                       help="memory the tuned plan leaves free on every rank: " + HEADROOM_HELP.split(": ", 1)[1])
     group.add_argument("--octopipe-costs", default=None, metavar="PATH",
                        help="measured per-layer costs (JSON: layer name or kind -> {fwd_ms, bwd_ms, wgrad_ms, ...}) "
                             "that replace the analytic ones")

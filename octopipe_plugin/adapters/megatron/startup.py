@@ -152,10 +152,10 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
 
     `profiled`: kind -> measured cost fields (--octopipe-profile); the --octopipe-costs file goes on top.
     """
-    from ...costs import cost_gpu, resolve_cluster
+    from ...costs import cost_gpu
     from ...tuner import tune
 
-    cluster = resolve_cluster(args.octopipe_cluster)
+    cluster = tuning_cluster(args)
     if cluster.num_devices != facts.pipeline_size:
         raise OctoPipeError(f"--octopipe-cluster {args.octopipe_cluster} has {cluster.num_devices} devices but the "
                             f"pipeline has {facts.pipeline_size} ranks; give one device per pipeline rank "
@@ -173,6 +173,16 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None):
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
     return replace(plan, meta=meta)
+
+
+def tuning_cluster(args):
+    """--octopipe-cluster with --octopipe-memory-headroom kept free on every rank."""
+    from ...costs import resolve_cluster
+    from ...headroom import DEFAULT, parse_headroom, with_headroom
+
+    where = "--octopipe-memory-headroom"
+    return with_headroom(resolve_cluster(args.octopipe_cluster),
+                         parse_headroom(getattr(args, "octopipe_memory_headroom", DEFAULT), where), where)
 
 
 def is_looped(plan) -> bool:

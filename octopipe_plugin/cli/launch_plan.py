@@ -1,0 +1,205 @@
+"""`octopipe plan --megatron-args` / `--deepspeed-config --module`: tune for the job the user runs, compare with it.
+
+The launch's arguments are parsed and validated by Megatron (adapters/megatron/from_args.py,
+imported only here); the plan is tuned under the constraints Megatron's start-up needs on top
+of the user's own, written with what the start-up checks, and printed with the arguments to
+add to the launch and a table against the launch's current stages under Megatron's own schedule.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import OctoPipeError, PlanError
+from ..formats import bind_plan, plan_to_dict, write_model, write_plan
+from ..schedules.registry import build_plan
+from ..simulator import simulate
+from ..tuner.compare import comparison_rows, format_table
+from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
+
+DEFAULT_PLAN = "octopipe-plan.json"
+_GIB = 2**30
+
+
+def run_from_megatron(args) -> int:
+    """Plan from a Megatron launch's arguments (see the module docstring)."""
+    from ..adapters.megatron.from_args import args_to_add, run_constraints, stamp, view_launch
+    from .plan_report import check_size, summary, tuned
+
+    for flag in ("model", "microbatches"):
+        if getattr(args, flag) is not None:
+            raise OctoPipeError(f"--{flag} comes from --megatron-args (the launch's model and batch); drop --{flag}")
+    output = args.output or DEFAULT_PLAN
+    check_writable(output, "-o")
+    check_writable(args.png, "--png")
+    bare = load_cluster(args.cluster)
+    view = view_launch(args.megatron_args, bare, world_size=args.world_size, gpu=args.gpu)
+    launch_headroom = view.args.octopipe_memory_headroom if "--octopipe-memory-headroom" in " ".join(view.argv) \
+        else None  # the launch's own setting, unless --memory-headroom overrides it
+    cluster = apply_headroom(args, bare, launch_headroom, "--octopipe-memory-headroom of --megatron-args")
+    model, facts = view.model, view.facts
+    check_size(model, cluster, facts.num_microbatches, args.time_budget)
+    cons, added = run_constraints(view.args, constraints_of(args))
+    result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
+    plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
+    failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
+    model_file = model_path(output)
+    failed += keep_on_failure(lambda: write_model(model, model_file), model_file)
+    if args.png:
+        from ..simulator.gantt import write_png
+
+        failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png)
+    current = current_setup(view, cluster)
+    add, drop = args_to_add(output, view.argv)
+    costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
+                  why="the launch's arguments, as Megatron's start-up costs them")
+    rows = comparison_rows(result, cluster)
+    if args.json:
+        print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          "model_file": model_file,
+                          "launch": {"pipeline_size": facts.pipeline_size, "data_parallel_size":
+                                     facts.data_parallel_size, "num_microbatches": facts.num_microbatches,
+                                     "num_layers": model.num_layers, "current": current},
+                          "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,
+                                    "peak_bytes": list(result.peak)},
+                          "memory_headroom_bytes": cluster.memory_headroom_bytes,
+                          "usable_memory_bytes": cluster.usable_memory_bytes,
+                          "constraints": result.constraints.as_dict(), "constraints_added": added,
+                          "add_arguments": add, "drop_arguments": drop,
+                          "comparison": [r.as_dict() for r in rows]}, indent=1))
+    else:
+        print(summary(result, model, cluster, costs.line()))
+        print()
+        print(launch_report(view, result, current, added, add, drop, output,
+                            f"--model {model_file} --cluster {args.cluster}"))
+        print()
+        print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
+    if failed:
+        raise OctoPipeError("; ".join(failed))
+    return 0
+
+
+def run_from_deepspeed(args) -> int:
+    """Plan from a DeepSpeed config and the function returning its PipelineModule's layer list."""
+    from ..adapters.deepspeed.from_config import view_job
+    from .plan_report import check_size, summary, tuned
+
+    for flag in ("model", "microbatches"):
+        if getattr(args, flag) is not None:
+            raise OctoPipeError(f"--{flag} comes from --deepspeed-config and --module; drop --{flag}")
+    output = args.output or DEFAULT_PLAN
+    check_writable(output, "-o")
+    check_writable(args.png, "--png")
+    bare = load_cluster(args.cluster)
+    job = view_job(args.deepspeed_config, args.module, bare, world_size=args.world_size, gpu=args.gpu,
+                   partition_method=args.partition_method)
+    tune = (job.config.get("octopipe") or {}).get("tune") or {}
+    cluster = apply_headroom(args, bare, tune.get("memory_headroom"),
+                             f"{args.deepspeed_config}: $.octopipe.tune.memory_headroom")
+    model, m = job.model, job.num_microbatches
+    check_size(model, cluster, m, args.time_budget)
+    result = tuned(args, model, cluster, m)
+    plan = bind_plan(result.plan, model, cluster)
+    failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
+    model_file = model_path(output)
+    failed += keep_on_failure(lambda: write_model(model, model_file), model_file)
+    if args.png:
+        from ..simulator.gantt import write_png
+
+        failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png)
+    current = _simulated({"schedule": "1f1b", "stages": f"DeepSpeed's {job.current_source}", "stages_per_rank": 1},
+                         model, cluster, "1f1b", cluster.num_devices, m, 1, job.current)
+    costs = Costs(gpu=model.meta.get("gpu"), source=str(model.meta.get("cost_model", "analytic")),
+                  why="the layer list, as the DeepSpeed start-up costs it")
+    block = {"plan": output}
+    rows = comparison_rows(result, cluster)
+    if args.json:
+        print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          "model_file": model_file, "job": {"num_microbatches": m, "num_layers": model.num_layers,
+                                                            "current": current},
+                          "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,
+                                    "peak_bytes": list(result.peak)},
+                          "memory_headroom_bytes": cluster.memory_headroom_bytes,
+                          "usable_memory_bytes": cluster.usable_memory_bytes,
+                          "octopipe_block": block, "comparison": [r.as_dict() for r in rows]}, indent=1))
+    else:
+        print(summary(result, model, cluster, costs.line()))
+        print()
+        lines = [f"Your job: {cluster.num_devices} pipeline ranks x {m} micro-batches per step "
+                 f"(gradient_accumulation_steps), {model.num_layers} layers in the PipelineModule list",
+                 f"Run the plan: add `import octopipe_plugin.deepspeed` to the script and to {args.deepspeed_config}"
+                 f"   \"octopipe\": {json.dumps(block)}",
+                 f"  check it on CPU first: octopipe dryrun {output} --model {model_file} --cluster {args.cluster}",
+                 "", f"  your job now: DeepSpeed's PipelineEngine (1F1B, one stage per rank) on {job.current_source}",
+                 *_table(current, result)]
+        print("\n".join(lines))
+        print()
+        print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
+    if failed:
+        raise OctoPipeError("; ".join(failed))
+    return 0
+
+
+def _simulated(out: dict, model, cluster, name, pp, m, v, bounds) -> dict:
+    """`out` with the step, bubble and per-rank peaks of a built-in on given boundaries (or why it cannot run)."""
+    try:
+        plan = build_plan(model, name, pp, m, stages_per_device=v, boundaries=list(bounds))
+    except PlanError as exc:
+        return {**out, "error": str(exc)}
+    res = simulate(model, cluster, plan)
+    return {**out, "step_ms": res.step_time_ms, "bubble": res.bubble_ratio, "peak_bytes": list(res.peak_memory_bytes)}
+
+
+def current_setup(view, cluster) -> dict:
+    """The launch as it runs now: Megatron's own schedule on its stages, simulated (or why it cannot run)."""
+    pp, v = view.facts.pipeline_size, view.stages_per_rank
+    name = "interleaved-1f1b" if v > 1 else "1f1b"
+    out = {"schedule": name, "stages": view.current_source, "stages_per_rank": v}
+    return _simulated(out, view.model, cluster, name, pp, view.facts.num_microbatches, v, view.current)
+
+
+def model_path(plan_path: str) -> str:
+    """Where the launch's model is written next to its plan: plan.json -> plan.model.json."""
+    stem = plan_path[:-5] if plan_path.endswith(".json") else plan_path
+    return f"{stem}.model.json"
+
+
+def launch_report(view, result, current: dict, added: list[str], add: list[str], drop: list[str],
+                  output: str, inputs: str) -> str:
+    """What to add to the launch, and the plan against the launch's current setup (step, bubble, peak per rank)."""
+    f = view.facts
+    lines = [f"Your launch: {f.pipeline_size} pipeline ranks x {f.num_microbatches} micro-batches per step "
+             f"(data-parallel size {f.data_parallel_size}), {view.model.num_layers} layers",
+             *[f"  constraint added for Megatron: {note}" for note in added],
+             f"Run the plan: add to the launch   {' '.join(add)}",
+             *([f"  and drop {', '.join(drop)} (the plan sets the stages)"] if drop else []),
+             f"  check it on CPU first: octopipe simulate {inputs} --plan {output}; octopipe dryrun {output} "
+             f"{inputs}",
+             "",
+             f"  your launch now: Megatron's {current['schedule']} on {current['stages']}, "
+             f"{current['stages_per_rank']} stage(s) per rank",
+             *_table(current, result)]
+    return "\n".join(lines)
+
+
+def _table(current: dict, result) -> list[str]:
+    """Your setup against the plan: v, step, bubble, peak GiB per rank."""
+    lines = [f"  {'setup':<16} {'v':>3} {'step ms':>10} {'bubble':>7}  peak GiB per rank"]
+    if "error" in current:
+        lines.append(f"  {'your setup':<16} {current['stages_per_rank']:>3} {'-':>10} {'-':>7}  "
+                     f"(cannot run: {current['error'][:80]})")
+    else:
+        lines.append(f"  {'your setup':<16} {current['stages_per_rank']:>3} {current['step_ms']:>10.1f} "
+                     f"{current['bubble']:>7.1%}  {_peaks(current['peak_bytes'])}")
+    per = {len(result.plan.stages_of(d)) for d in range(result.plan.num_devices)}
+    lines.append(f"  {'OctoPipe plan':<16} {'-'.join(map(str, sorted(per))):>3} {result.step_ms:>10.1f} "
+                 f"{result.bubble:>7.1%}  {_peaks(result.peak)}")
+    if "step_ms" in current:
+        lines.append(f"  {current['step_ms'] / result.step_ms:.2f}x faster than your current setup; fullest rank "
+                     f"{max(result.peak) / _GIB:.1f} GiB against {max(current['peak_bytes']) / _GIB:.1f} GiB now")
+    return lines
+
+
+def _peaks(peaks) -> str:
+    shown = " ".join(f"{p / _GIB:.1f}" for p in peaks[:16])
+    return shown + (f" ... (max {max(peaks) / _GIB:.1f})" if len(peaks) > 16 else "")

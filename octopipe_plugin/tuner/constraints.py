@@ -1,0 +1,123 @@
+"""What the runtime a plan is made for accepts: placement, stages per device, split backward.
+
+One frozen `Constraints` value travels from the front end (the CLI's options, an adapter's
+start-up) into `tune`, which keeps to it everywhere: seeds, moves, built-ins taken as its plan,
+and the returned plan (checked once more before it is returned). Runtimes that need them:
+
+- `placement="looped"`: Megatron's own model builders (stage s on rank s % P); `"v"`: the
+  V-shape of ZB-V / DualPipeV; `"any"`: OctoPipe's executor.
+- `uniform_stages_per_device`: the same number of stages on every rank (torch.pipelining and
+  torchtitan schedules, Megatron's virtual pipeline).
+- `max_stages_per_device`: at most N model chunks on a rank.
+- `split_backward=False`: runtimes without a separate input-gradient (I) / weight-gradient (W).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..actions import Kind
+from ..errors import OctoPipeError
+from ..schedules.placement import Placement, place_stages
+
+PLACEMENTS = ("looped", "v", "any")
+_SPLIT_KINDS = frozenset({Kind.I, Kind.W})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Constraints:
+    """Limits a plan must keep to; the default admits every plan."""
+
+    placement: str = "any"  # "looped" | "v" | "any"
+    max_stages_per_device: int | None = None
+    uniform_stages_per_device: bool = False
+    split_backward: bool = True
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise OctoPipeError(f"placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        if self.max_stages_per_device is not None and self.max_stages_per_device < 1:
+            raise OctoPipeError(f"max stages per device {self.max_stages_per_device}: expected 1 or more")
+
+    @property
+    def active(self) -> bool:
+        """Whether any plan could be refused."""
+        return self != Constraints()
+
+    def placement_problem(self, devices, num_devices: int) -> str | None:
+        """Why a stage -> device list breaks the constraints, or None."""
+        if self.placement != "any" and list(devices) != place_stages(Placement(self.placement), num_devices,
+                                                                      len(devices)):
+            return f"stages are not placed {self.placement} (stage -> device {list(devices)[:12]}...)"
+        if self.max_stages_per_device is None and not self.uniform_stages_per_device:
+            return None
+        counts = Counter(devices)
+        per = [counts.get(d, 0) for d in range(num_devices)]
+        if self.max_stages_per_device is not None and max(per) > self.max_stages_per_device:
+            return f"a device holds {max(per)} stages, more than {self.max_stages_per_device}"
+        if self.uniform_stages_per_device and len(set(per)) > 1:
+            return f"devices hold different numbers of stages ({min(per)} to {max(per)})"
+        return None
+
+    def allows_devices(self, devices, num_devices: int) -> bool:
+        """Whether a stage -> device list keeps to the constraints."""
+        return self.placement_problem(devices, num_devices) is None
+
+    def admits(self, layout, spec, num_devices: int) -> bool:
+        """Whether a search candidate (a layout and a list-scheduling Policy or an explicit order) keeps to them."""
+        if not self.active:
+            return True
+        if not self.allows_devices(layout.devices, num_devices):
+            return False
+        if self.split_backward:
+            return True
+        from .listsched import Policy, Split
+
+        if isinstance(spec, Policy):
+            return all(s is Split.FUSED for s in spec.split)
+        return not any(a.kind in _SPLIT_KINDS for row in spec for a in row)
+
+    def plan_problems(self, plan) -> list[str]:
+        """Every way a plan breaks the constraints (empty when it keeps to them)."""
+        out = []
+        problem = self.placement_problem([st.device for st in plan.stages], plan.num_devices)
+        if problem:
+            out.append(problem)
+        if not self.split_backward and any(a.kind in _SPLIT_KINDS for row in plan.schedule for a in row):
+            out.append("the schedule splits backwards into I and W")
+        return out
+
+    def allows_plan(self, plan) -> bool:
+        """Whether a plan keeps to the constraints (cheap when none is set)."""
+        return not self.active or not self.plan_problems(plan)
+
+    def excludes_builtin(self, spec, num_devices: int, stages_per_device: int) -> str:
+        """Why a built-in schedule at v stages per device is excluded ('' when it is not), as the options."""
+        why = []
+        devices = place_stages(spec.placement, num_devices, num_devices * stages_per_device)
+        if self.placement != "any" and devices != place_stages(Placement(self.placement), num_devices, len(devices)):
+            why.append(f"--placement {self.placement}")
+        if self.max_stages_per_device is not None and stages_per_device > self.max_stages_per_device:
+            why.append(f"--max-stages-per-device {self.max_stages_per_device}")
+        if not self.split_backward and spec.uses_split_backward:
+            why.append("--no-split-backward")
+        return ", ".join(why)
+
+    def describe(self) -> str:
+        """The constraints as the CLI options that set them ('none' when inactive)."""
+        parts = []
+        if self.placement != "any":
+            parts.append(f"--placement {self.placement}")
+        if self.max_stages_per_device is not None:
+            parts.append(f"--max-stages-per-device {self.max_stages_per_device}")
+        if self.uniform_stages_per_device:
+            parts.append("--uniform-stages-per-device")
+        if not self.split_backward:
+            parts.append("--no-split-backward")
+        return " ".join(parts) or "none"
+
+    def as_dict(self) -> dict:
+        """JSON form."""
+        return {"placement": self.placement, "max_stages_per_device": self.max_stages_per_device,
+                "uniform_stages_per_device": self.uniform_stages_per_device, "split_backward": self.split_backward}
