@@ -119,8 +119,9 @@ class PipelineExecutor:
             use_pairs = not gloo
         if self.options.validate and not gloo:
             # NCCL creates communicators lazily and orders each one's operations: refuse a hang before any send
+            # the CUDA lane waits on the stream (lanes.CudaLane), any other lane blocks the host
             check_nccl_rules(plan, prefetch=self.options.prefetch, pair_groups=use_pairs,
-                             eager=self.options.eager_comms)
+                             eager=self.options.eager_comms, host_waits=self.device.type != "cuda")
         self.pair_groups = (self.cache.direction_groups(plan, group, warm_up=self.options.eager_comms,
                                                         device=self.device, timeout_s=self.options.timeout_s)
                             if use_pairs else None)

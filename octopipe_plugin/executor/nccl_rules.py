@@ -11,9 +11,9 @@ the order `run_step` posts them):
 2. the operations one rank posts on one communicator run one after the other, in posting
    order (one NCCL stream per communicator), each send or receive pairing with the peer's
    operation in the same position of the peer's sequence, and both ends must run together;
-3. a host wait (`Work.wait`, the polling of `is_completed`) blocks the host until the
-   operation completed; with `host_waits=False` a receive's wait is a stream dependency of
-   the compute that consumes it instead, and only the end-of-step send waits block the host.
+3. with `host_waits` (every lane but CUDA's) a wait blocks the host until the operation
+   completed; with `host_waits=False` (`lanes.CudaLane`) a receive's wait is a stream
+   dependency of the compute that consumes it, and the host runs on.
 
 With `pair_groups` each direction of each rank pair is its own communicator (comm_cache);
 without, both directions of a pair share one (NCCL's per-pair communicator of one group).

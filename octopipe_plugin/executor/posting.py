@@ -1,7 +1,9 @@
 """The operations one rank posts in one step, in order, and their text form.
 
-This is the host-side order of `PipelineExecutor.run_step` over the per-message lane of
-`Transport`, with every boundary meta declared: per step, the receives its `post_upto`
+This is the host-side order of `PipelineExecutor.run_step` with the per-message exchange
+of `Transport` (`ExecutorOptions(exchange="message")`, every backend's default) and every
+boundary meta declared (the batched exchange issues the same operations in the same order
+per communicator, held until the next exchange point; it is not replayed here): per step, the receives its `post_upto`
 asks for (a per-peer prefix), then the wait for its own input, its compute, then the
 non-blocking send of its output; at the end of the step, the wait for every send in the
 order it was posted (`Transport.finish`). The NCCL-rules checker replays these lists, and

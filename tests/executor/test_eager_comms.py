@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 from octopipe_plugin.actions import Kind
-from octopipe_plugin.executor import ExecutorOptions, PipelineExecutor, TensorMeta, TorchStages, default_cache
+from octopipe_plugin.executor import (
+    CommCache, ExecutorOptions, PipelineExecutor, TensorMeta, TorchStages, default_cache,
+)
 from octopipe_plugin.executor.launch import init_gloo, spawn
 from octopipe_plugin.testing.plans import make_plan
 from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for
@@ -138,6 +140,22 @@ def _worker(rank: int, world: int, port: int) -> None:
         assert sorted(evaluation.losses) == list(range(M_EVAL))
         for mb, loss in evaluation.losses.items():
             torch.testing.assert_close(loss, ref_losses[mb], rtol=1e-12, atol=1e-12)
+
+    # the control: without the warm-up, building touches no group and the step is where each is first used
+    lazy = CommCache()
+    touched.clear()
+    phase[0] = "build"
+    layers2 = _layers()
+    runner2 = TorchStages(modules={s: layers2[s] for s in plan.stages_of(rank)}, num_stages=plan.num_stages,
+                          num_microbatches=M, metas=[TensorMeta(shape=(2, WIDTH), dtype=torch.float64)] * 2 * P,
+                          load_input=_input, loss_fn=_loss, scale_loss=lambda loss, n: loss)
+    ex2 = PipelineExecutor(plan, runner2, cache=lazy,
+                           options=ExecutorOptions(timeout_s=30, pair_groups=True, eager_comms=False))
+    assert not lazy.warmed and not touched, f"rank {rank}: {touched}"
+    phase[0] = "step"
+    ex2.run_step()
+    used = {id(g) for _, g in touched}
+    assert used == {id(g) for pair, g in ex2.pair_groups.items() if rank in pair}, f"rank {rank}: {touched}"
     dist.batch_isend_irecv, dist.irecv, dist.isend, dist.P2POp = batch, irecv, isend, p2p_op
     dist.destroy_process_group()
 
