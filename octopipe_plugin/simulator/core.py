@@ -49,8 +49,9 @@ class Transfer(NamedTuple):
 
     @property
     def label(self) -> str:
-        """'act 3F12' for an activation, 'grad 4I7' for a gradient."""
-        return f"{RULES[self.producer.kind].sends.value} {self.producer}"
+        """'act 3F12' for an activation, 'grad 4I7' for a gradient, 'split 7H3' to or from a split layer's shard."""
+        flow = RULES[self.producer.kind].sends
+        return f"{flow.value if flow is not None else 'split'} {self.producer}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +158,10 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     `detail=False` skips the timeline, transfers and critical path (for search loops).
     """
     opts = options or SimOptions()
+    if getattr(plan, "splits", ()):
+        from .split import simulate_split  # split layers: their own (slower) loop; plans without keep this one
+
+        return simulate_split(model, cluster, plan, opts, costs=costs, detail=detail)
     sc = costs if costs is not None else stage_costs(model, plan.stages)
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]
