@@ -1,0 +1,180 @@
+"""The tuner decides on split layers: whether to split the LM head, over which devices, in which shares.
+
+`tune_split` keeps the best plan without splits (today's `tune`) as a candidate and adds split
+ones: the tuner's own search on the model without the head's work (so boundaries, placement and
+orders are chosen for the layers that stay whole), then the head's shards spread over the
+devices in shares that even out each device's work (or fill each device's idle time), placed
+into the bubbles by `split_sched.insert_shards`, the shares refined from the simulated idle
+time. Every candidate is judged by the simulator with its communication; one whose messages
+cost more than its split saves simply loses to the plan without splits, which is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from ..formats.splits import SplitLayer
+from ..simulator import SimOptions, simulate
+from ..simulator.split import link_bytes, without_split_layers
+from ..simulator.costs import stage_costs
+from .search import tune
+from .split_sched import ShardPolicy, insert_shards
+
+log = logging.getLogger(__name__)
+
+STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target logit, per token
+# Measured on the zoo (benchmarks/split_layers.py): shard passes first and a look-ahead of a few actions
+# win; waiting for the own order (window 1) or running the shards last leave the devices idle.
+POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=4, window=w) for w in (4, 8, 16))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitTuneResult:
+    """The chosen plan (split or not), its figures, and both bests for the comparison table."""
+
+    plan: object
+    step_ms: float
+    bubble: float
+    peak: tuple[int, ...]
+    unsplit_ms: float  # the best plan without splits
+    unsplit_peak: tuple[int, ...]
+    split_ms: float | None  # the best plan with a split (None when none was made or none fits)
+    unsplit: object = None  # that TuneResult
+    tried: tuple = field(default_factory=tuple)  # (label, step ms or None, fits)
+
+    @property
+    def split(self) -> SplitLayer | None:
+        """The chosen plan's split head, None when the plan has no split."""
+        return self.plan.splits[0] if self.plan.splits else None
+
+    def describe(self) -> str:
+        """'no split' or 'head over 16 devices, shares 0.03-0.09'."""
+        sp = self.split
+        if sp is None:
+            return "no split"
+        return (f"layer {sp.layer} over {len(sp.devices)} devices, shares "
+                f"{min(sp.shares):.3f}-{max(sp.shares):.3f}")
+
+
+def stats_bytes(model) -> int:
+    """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch)."""
+    arch = (model.meta or {}).get("arch") or {}
+    tokens = int(arch.get("seq_len", 0)) * int(arch.get("micro_batch_size", 1))
+    if tokens > 0:
+        return STATS_BYTES_PER_TOKEN * tokens
+    return max(1, link_bytes(model, model.num_layers - 1) // 64)  # unknown width: a generous guess from the input
+
+
+def splittable_head(model) -> int | None:
+    """Index of the model's LM head when it can be split (an `lm_head` last layer), else None."""
+    if model.num_layers > 1 and model.layers[-1].kind == "lm_head":
+        return model.num_layers - 1
+    return None
+
+
+def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
+               iterations: int | None = None, options: SimOptions | None = None, unsplit=None) -> SplitTuneResult:
+    """The fastest fitting plan with or without a split LM head; never slower than the best without.
+
+    `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here).
+    """
+    opts = options or SimOptions()
+    if unsplit is None:
+        unsplit = tune(model, cluster, num_microbatches, time_budget_s=time_budget_s, seed=seed,
+                       iterations=iterations, options=opts)
+    best = (unsplit.step_ms, unsplit.plan, unsplit.bubble, tuple(unsplit.peak))
+    tried = [("no split", unsplit.step_ms, True)]
+    head = splittable_head(model)
+    split_best = None
+    if head is not None and cluster.num_devices > 1 and not opts.contention and opts.overlap:
+        for out in _split_candidates(model, cluster, num_microbatches, head, time_budget_s, seed, iterations, opts):
+            label, res, plan = out
+            fits = res is not None and max(res.peak_memory_bytes) <= cluster.memory_bytes
+            tried.append((label, None if res is None else res.step_time_ms, fits))
+            if not fits:
+                continue
+            if split_best is None or res.step_time_ms < split_best[0]:
+                split_best = (res.step_time_ms, plan, res.bubble_ratio, tuple(res.peak_memory_bytes))
+    if split_best is not None and split_best[0] < best[0] - 1e-9:
+        best = split_best
+    step, plan, bubble, peak = best
+    if plan.splits:
+        meta = dict(plan.meta)
+        meta["tuner"] = {**meta.get("tuner", {}), "split": True, "unsplit_ms": round(unsplit.step_ms, 6)}
+        plan = replace(plan, predicted={"step_time_ms": round(step, 6), "bubble_ratio": round(bubble, 6),
+                                        "peak_memory_bytes": list(peak)}, meta=meta)
+    return SplitTuneResult(plan=plan, step_ms=step, bubble=bubble, peak=peak, unsplit_ms=unsplit.step_ms,
+                           unsplit_peak=tuple(unsplit.peak), split_ms=None if split_best is None else split_best[0],
+                           unsplit=unsplit, tried=tuple(tried))
+
+
+def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
+    """(label, SimResult or None, plan) of each split candidate, from one tune of the model without the head."""
+    nd = cluster.num_devices
+    lay = model.layers[head]
+    probe = SplitLayer(layer=head, devices=tuple(range(nd)), shares=tuple([1.0 / nd] * nd))
+    reduced = without_split_layers(model, (probe,))
+    # room the shards will take on every device: its share of the head's state and a few micro-batches' logits
+    reserve = (lay.state_bytes + 2 * lay.activation_bytes) // nd
+    small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
+    try:
+        base = tune(reduced, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
+    except Exception as exc:  # noqa: BLE001 - no plan of the rest fits: no split candidate, the unsplit plan stands
+        log.info("no split candidate: %s", exc)
+        return
+    plan = base.plan
+    if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
+        return
+    work = _device_work(reduced, plan)
+    total = lay.total_ms
+    stats = stats_bytes(model)
+    balanced = _balance(work, total)
+    equal = [1.0 / nd] * nd
+    for label, shares in (("equal", equal), ("balance work", balanced),
+                          ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
+        for pol in POLICIES:
+            sp = _split_of(head, shares, stats)
+            cand = insert_shards(model, cluster, replace(plan, splits=(sp,), meta=_meta(plan, pol)), pol,
+                                 opts.launch_ms)
+            res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
+            yield f"{label} {pol.describe()}", res, cand
+
+
+def _meta(plan, pol: ShardPolicy) -> dict:
+    meta = dict(plan.meta)
+    meta["split_policy"] = pol.describe()
+    return meta
+
+
+def _device_work(model, plan) -> list[float]:
+    """Per micro-batch compute of every device for the stage actions (the head's work taken out)."""
+    sc = stage_costs(model, plan.stages)
+    out = [0.0] * plan.num_devices
+    for s, st in enumerate(plan.stages):
+        out[st.device] += sc.fwd[s] + sc.bwd[s] + sc.wgrad[s]
+    return out
+
+
+def _balance(work: list[float], head: float) -> list[float]:
+    """Shares that bring every device's work to the same level (water filling): light devices take more."""
+    lo, hi = min(work), max(work) + head
+    for _ in range(60):  # bisection on the common level
+        mid = (lo + hi) / 2
+        if sum(max(0.0, mid - w) for w in work) > head:
+            hi = mid
+        else:
+            lo = mid
+    raw = [max(0.0, lo - w) for w in work]
+    s = sum(raw)
+    return [x / s for x in raw] if s > 0 else [1.0 / len(work)] * len(work)
+
+
+def _split_of(head: int, shares, stats: int) -> SplitLayer:
+    """The split record over the devices with a share worth keeping (at least 0.2% of the rows)."""
+    keep = [(d, s) for d, s in enumerate(shares) if s >= 0.002]
+    tot = sum(s for _, s in keep)
+    devices = tuple(d for d, _ in keep)
+    vals = [s / tot for _, s in keep]
+    vals[-1] = 1.0 - sum(vals[:-1])  # exactly 1 in total
+    return SplitLayer(layer=head, devices=devices, shares=tuple(vals), stats_bytes=stats)
