@@ -38,15 +38,23 @@ class ShardPolicy:
 def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: float = 0.0) -> Plan | None:
     """`plan` (with its `splits` set, its schedule holding stage actions only) with every shard action placed."""
     sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
-    g = _Graph(cluster, plan, sc, split_costs(model, plan), launch_ms)
-    return _Inserter(g, plan, policy).run()
+    splits = split_costs(model, plan)
+    g = _Graph(cluster, plan, sc, splits, launch_ms)
+    static = sc.device_state(plan.stages, plan.num_devices)
+    for c in splits:
+        for d, share in zip(c.split.devices, c.split.shares):
+            static[d] += int(round(share * c.state))
+    room = [cluster.memory_bytes - b for b in static]
+    return _Inserter(g, plan, policy, room).run()
 
 
 class _Inserter:
     """State of one insertion run."""
 
-    def __init__(self, g: _Graph, plan: Plan, policy: ShardPolicy):
+    def __init__(self, g: _Graph, plan: Plan, policy: ShardPolicy, room: list[int]):
         self.g, self.plan, self.pol = g, plan, policy
+        self.room = room  # per device, the bytes live activations may take
+        self.live = [0] * plan.num_devices
         nd, m = plan.num_devices, plan.num_microbatches
         self.nd, self.m = nd, m
         self.base = [list(row) for row in plan.schedule]
@@ -95,15 +103,20 @@ class _Inserter:
 
         return replace(self.plan, schedule=tuple(tuple(r) for r in self.out))
 
+    def _fits(self, a: Action, d: int) -> bool:
+        """Whether running `a` keeps device d within its memory (actions that free or keep always do)."""
+        c = self.g.live(a, d)
+        return c <= 0 or self.live[d] + c <= self.room[d]
+
     def _candidates(self, d: int) -> list[tuple[int, float, Action]]:
-        """(rank, ready time, action) of every action device d could run next whose inputs are known."""
+        """(rank, ready time, action) of every action device d could run next whose inputs are known and that fit."""
         out = []
         row, ran, i, seen = self.base[d], self.ran[d], self.bpos[d], 0
         while i < len(row) and seen < self.pol.window:
             if not ran[i]:
                 seen += 1
                 r = self._ready(row[i], d)
-                if r is not None:  # earlier in the order ranks first
+                if r is not None and self._fits(row[i], d):  # earlier in the order ranks first
                     out.append(((1 if self.pol.shard_first else 0) + seen * 1e-3, r, (row[i], i)))
             i += 1
         for k, mb in self.spos[d].items():
@@ -111,7 +124,7 @@ class _Inserter:
                 continue
             a = Action(self.owner[k], k, mb)
             r = self._ready(a, d)
-            if r is None:
+            if r is None or not self._fits(a, d):
                 continue
             if k is Kind.K or k is Kind.G:
                 rank = -1 if self.pending_k[d] > self.pol.k_limit else 3
@@ -158,6 +171,7 @@ class _Inserter:
         end = t + dur
         self.free[d] = end
         self.out[d].append(a)
+        self.live[d] += self.g.live(a, d)
         rule = RULES[a.kind]
         if rule.side is None:
             ran = self.ran[d]
