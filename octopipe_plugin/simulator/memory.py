@@ -15,7 +15,10 @@ from ..actions import RULES, Kind
 
 def activation_changes(activation: tuple[int, ...]) -> dict[Kind, tuple[int, ...]]:
     """Per kind, the signed change of live bytes when it runs on each stage (precomputed for hot loops)."""
-    return {kind: tuple(rule.activation * a for a in activation) for kind, rule in RULES.items()}
+    # a split layer's shard kinds change their share of that layer's activation, not the stage's
+    # (simulator/split.py counts them): nothing here, so sums over kinds stay the stage kinds' own
+    return {kind: tuple(rule.activation * a if rule.side is None else 0 for a in activation)
+            for kind, rule in RULES.items()}
 
 
 def peak_live(changes: Iterable[int]) -> int:
