@@ -1,8 +1,9 @@
 """The tuner decides on split layers: whether to split the LM head, over which devices, in which shares.
 
 `tune_split` keeps the best plan without splits (today's `tune`) as a candidate and adds split
-ones: the tuner's own search on the model without the head's work (so boundaries, placement and
-orders are chosen for the layers that stay whole), then the head's shards spread over the
+ones: the tuner's own search on the model without the head's work, or with one shard's worth of
+it on the owner stage (so boundaries, placement and orders are chosen for the layers that stay
+whole), then the head's shards spread over the
 devices in shares that even out each device's work (or fill each device's idle time), placed
 into the bubbles by `split_sched.insert_shards`, the shares refined from the simulated idle
 time. Every candidate is judged by the simulator with its communication; one whose messages
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
+from ..errors import OctoPipeError
 from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target logit, per token
 # Measured on the zoo (benchmarks/split_layers.py): shard passes first and a look-ahead of a few actions
 # win; waiting for the own order (window 1) or running the shards last leave the devices idle.
+STAND_INS = (0.0, 1.0)  # the head's work while the rest is tuned, in shards' worth (0: none, 1: one shard's pass)
 POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=4, window=w) for w in (4, 8, 16))
 
 
@@ -110,26 +113,43 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
 
 
 def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
-    """(label, SimResult or None, plan) of each split candidate, from one tune of the model without the head."""
+    """(label, SimResult or None, plan) of each split candidate, from tunes of the model without the head's work.
+
+    Two stand-ins for the head while the rest is tuned: nothing at all, and one shard's pass on the
+    owner stage (the latency H and J add between the owner's F and its backward).
+    """
     nd = cluster.num_devices
     lay = model.layers[head]
-    probe = SplitLayer(layer=head, devices=tuple(range(nd)), shares=tuple([1.0 / nd] * nd))
-    reduced = without_split_layers(model, (probe,))
     # room the shards will take on every device: its share of the head's state and a few micro-batches' logits
     reserve = (lay.state_bytes + 2 * lay.activation_bytes) // nd
     small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
-    try:
-        base = tune(reduced, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
-    except Exception as exc:  # noqa: BLE001 - no plan of the rest fits: no split candidate, the unsplit plan stands
-        log.info("no split candidate: %s", exc)
-        return
-    plan = base.plan
+    for stand_in in STAND_INS:
+        rest = _with_head_scaled(model, head, stand_in / nd)
+        try:
+            base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
+        except OctoPipeError as exc:  # no plan of the rest fits: no candidate from it, the unsplit plan stands
+            log.info("no split candidate: %s", exc)
+            continue
+        yield from _insertions(model, cluster, m, head, base.plan, opts, f"stand-in {stand_in:g}/D")
+
+
+def _with_head_scaled(model, head: int, factor: float):
+    """The model with the head's times scaled by `factor` and its state and activation left to the shards."""
+    lay = model.layers[head]
+    layers = list(model.layers)
+    layers[head] = replace(lay, fwd_ms=lay.fwd_ms * factor, bwd_ms=lay.bwd_ms * factor, wgrad_ms=lay.wgrad_ms * factor,
+                           state_bytes=0, activation_bytes=0)
+    return replace(model, layers=tuple(layers))
+
+
+def _insertions(model, cluster, m, head, plan, opts, label0):
+    """The head's shards put into `plan`'s orders under every share rule and policy, each simulated."""
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
-    work = _device_work(reduced, plan)
-    total = lay.total_ms
+    nd = cluster.num_devices
+    work = _device_work(without_split_layers(model, (SplitLayer(layer=head, devices=(0,), shares=(1.0,)),)), plan)
     stats = stats_bytes(model)
-    balanced = _balance(work, total)
+    balanced = _balance(work, model.layers[head].total_ms)
     equal = [1.0 / nd] * nd
     for label, shares in (("equal", equal), ("balance work", balanced),
                           ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
@@ -138,7 +158,7 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
             cand = insert_shards(model, cluster, replace(plan, splits=(sp,), meta=_meta(plan, pol)), pol,
                                  opts.launch_ms)
             res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
-            yield f"{label} {pol.describe()}", res, cand
+            yield f"{label0} {label} {pol.describe()}", res, cand
 
 
 def _meta(plan, pol: ShardPolicy) -> dict:
