@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target logit, per token
 # Measured on the zoo (benchmarks/split_layers.py): shard passes first and a look-ahead of a few actions
 # win; waiting for the own order (window 1) or running the shards last leave the devices idle.
-STAND_INS = (0.0, 1.0)  # the head's work while the rest is tuned, in shards' worth (0: none, 1: one shard's pass)
+# (the head's work while the rest is tuned, in shards' worth: 0 none, 1 one shard's pass; embedding split too)
+VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
 POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=4, window=w) for w in (4, 8, 16))
 
 
@@ -49,15 +50,16 @@ class SplitTuneResult:
     @property
     def split(self) -> SplitLayer | None:
         """The chosen plan's split head, None when the plan has no split."""
-        return self.plan.splits[0] if self.plan.splits else None
+        return next((sp for sp in self.plan.splits if sp.layer > 0), None)
 
     def describe(self) -> str:
-        """'no split' or 'head over 16 devices, shares 0.03-0.09'."""
+        """'no split' or 'head over 16 devices (shares 0.031-0.073), embedding over 8'."""
         sp = self.split
         if sp is None:
             return "no split"
-        return (f"layer {sp.layer} over {len(sp.devices)} devices, shares "
-                f"{min(sp.shares):.3f}-{max(sp.shares):.3f}")
+        text = f"head over {len(sp.devices)} devices (shares {min(sp.shares):.3f}-{max(sp.shares):.3f})"
+        emb = next((e for e in self.plan.splits if e.layer == 0), None)
+        return text + (f", embedding over {len(emb.devices)}" if emb is not None else "")
 
 
 def stats_bytes(model) -> int:
@@ -116,49 +118,84 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
     """(label, SimResult or None, plan) of each split candidate, from tunes of the model without the head's work.
 
     Two stand-ins for the head while the rest is tuned: nothing at all, and one shard's pass on the
-    owner stage (the latency H and J add between the owner's F and its backward).
+    owner stage (the latency H and J add between the owner's F and its backward); with the second,
+    also the embedding split over stage 0's node (its state leaves stage 0's device, which is
+    often the fullest: the room lets the rest run deeper schedules).
     """
     nd = cluster.num_devices
     lay = model.layers[head]
-    # room the shards will take on every device: its share of the head's state and a few micro-batches' logits
-    reserve = (lay.state_bytes + 2 * lay.activation_bytes) // nd
-    small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
-    for stand_in in STAND_INS:
+    emb = splittable_embedding(model)
+    for stand_in, with_emb in VARIANTS:
+        if with_emb and emb is None:
+            continue
+        # room the shards take on every device: their share of the state and a few micro-batches' logits
+        reserve = (lay.state_bytes + 2 * lay.activation_bytes) // nd
         rest = _with_head_scaled(model, head, stand_in / nd)
+        if with_emb:
+            reserve += model.layers[emb].state_bytes // min(nd, cluster.devices_per_node)
+            rest = _with_layer_scaled(rest, emb, 0.0)
+        small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
         try:
             base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
         except OctoPipeError as exc:  # no plan of the rest fits: no candidate from it, the unsplit plan stands
             log.info("no split candidate: %s", exc)
             continue
-        yield from _insertions(model, cluster, m, head, base.plan, opts, f"stand-in {stand_in:g}/D")
+        label = f"stand-in {stand_in:g}/D" + (" +embedding" if with_emb else "")
+        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label)
+
+
+def splittable_embedding(model) -> int | None:
+    """0 when the model's first layer is an `embedding` (of an unbranched model), else None."""
+    if model.num_layers > 1 and model.layers[0].kind == "embedding" and not model.inputs:
+        return 0
+    return None
 
 
 def _with_head_scaled(model, head: int, factor: float):
     """The model with the head's times scaled by `factor` and its state and activation left to the shards."""
-    lay = model.layers[head]
+    return _with_layer_scaled(model, head, factor)
+
+
+def _with_layer_scaled(model, index: int, factor: float):
+    """The model with one layer's times scaled by `factor` and its state and activation left to the shards."""
+    lay = model.layers[index]
     layers = list(model.layers)
-    layers[head] = replace(lay, fwd_ms=lay.fwd_ms * factor, bwd_ms=lay.bwd_ms * factor, wgrad_ms=lay.wgrad_ms * factor,
-                           state_bytes=0, activation_bytes=0)
+    layers[index] = replace(lay, fwd_ms=lay.fwd_ms * factor, bwd_ms=lay.bwd_ms * factor,
+                            wgrad_ms=lay.wgrad_ms * factor, state_bytes=0, activation_bytes=0)
     return replace(model, layers=tuple(layers))
 
 
-def _insertions(model, cluster, m, head, plan, opts, label0):
-    """The head's shards put into `plan`'s orders under every share rule and policy, each simulated."""
+def _insertions(model, cluster, head, emb, plan, opts, label0):
+    """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated."""
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
     nd = cluster.num_devices
-    work = _device_work(without_split_layers(model, (SplitLayer(layer=head, devices=(0,), shares=(1.0,)),)), plan)
+    gone = [SplitLayer(layer=head, devices=(0,), shares=(1.0,))]
+    extra = ()
+    if emb is not None:
+        gone.append(SplitLayer(layer=emb, devices=(0,), shares=(1.0,)))
+        first = plan.stages[0].device
+        node = tuple(d for d in range(nd) if cluster.same_node(d, first))
+        extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
+    work = _device_work(without_split_layers(model, tuple(gone)), plan)
     stats = stats_bytes(model)
     balanced = _balance(work, model.layers[head].total_ms)
     equal = [1.0 / nd] * nd
     for label, shares in (("equal", equal), ("balance work", balanced),
                           ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
         for pol in POLICIES:
-            sp = _split_of(head, shares, stats)
-            cand = insert_shards(model, cluster, replace(plan, splits=(sp,), meta=_meta(plan, pol)), pol,
+            splits = extra + (_split_of(head, shares, stats),)
+            cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol,
                                  opts.launch_ms)
             res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
             yield f"{label0} {label} {pol.describe()}", res, cand
+
+
+def _exact(vals: list[float]) -> tuple[float, ...]:
+    """Shares summing to exactly 1 (the last one takes the rounding)."""
+    vals = list(vals)
+    vals[-1] = 1.0 - sum(vals[:-1])
+    return tuple(vals)
 
 
 def _meta(plan, pol: ShardPolicy) -> dict:
@@ -195,6 +232,4 @@ def _split_of(head: int, shares, stats: int) -> SplitLayer:
     keep = [(d, s) for d, s in enumerate(shares) if s >= 0.002]
     tot = sum(s for _, s in keep)
     devices = tuple(d for d, _ in keep)
-    vals = [s / tot for _, s in keep]
-    vals[-1] = 1.0 - sum(vals[:-1])  # exactly 1 in total
-    return SplitLayer(layer=head, devices=devices, shares=tuple(vals), stats_bytes=stats)
+    return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)
