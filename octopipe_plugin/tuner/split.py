@@ -44,6 +44,8 @@ class SplitTuneResult:
     unsplit_ms: float  # the best plan without splits
     unsplit_peak: tuple[int, ...]
     split_ms: float | None  # the best plan with a split (None when none was made or none fits)
+    split_bubble: float | None = None
+    split_peak: int | None = None  # its fullest device's bytes
     unsplit: object = None  # that TuneResult
     tried: tuple = field(default_factory=tuple)  # (label, step ms or None, fits)
 
@@ -111,6 +113,8 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
                                         "peak_memory_bytes": list(peak)}, meta=meta)
     return SplitTuneResult(plan=plan, step_ms=step, bubble=bubble, peak=peak, unsplit_ms=unsplit.step_ms,
                            unsplit_peak=tuple(unsplit.peak), split_ms=None if split_best is None else split_best[0],
+                           split_bubble=None if split_best is None else split_best[2],
+                           split_peak=None if split_best is None else max(split_best[3]),
                            unsplit=unsplit, tried=tuple(tried))
 
 
@@ -233,3 +237,22 @@ def _split_of(head: int, shares, stats: int) -> SplitLayer:
     tot = sum(s for _, s in keep)
     devices = tuple(d for d, _ in keep)
     return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)
+
+
+def comparison_rows_with_splits(result: SplitTuneResult) -> list:
+    """The comparison table (tuner/compare.py) led by the best plan with splits and the best without."""
+    from .compare import Row, comparison_rows, per_device
+
+    rows = comparison_rows(result.unsplit)
+    base = rows[0].speedup * result.unsplit_ms if rows[0].speedup else None
+    if result.split_ms is None:
+        rows[0] = replace(rows[0], label="OctoPipe (no split)", note=(rows[0].note + " no split fits").strip())
+        return rows
+    best = result.plan if result.plan.splits else None
+    note = "chosen" if best is not None else "slower than without splits: not chosen"
+    split_row = Row(label="OctoPipe (split layers)", schedule="octopipe", split="tuned",
+                    stages_per_device=per_device(result.plan), step_ms=result.split_ms,
+                    bubble=result.split_bubble, peak_bytes=result.split_peak, fits=True,
+                    speedup=base / result.split_ms if base else None,
+                    note=(result.describe() + "; " if best is not None else "") + note)
+    return [split_row, replace(rows[0], label="OctoPipe (no split)")] + rows[1:]

@@ -51,3 +51,14 @@ def test_a_model_without_a_vocabulary_head_gets_the_unsplit_plan():
     m = Model(name=m.name, layers=m.layers[:-1])
     r = tune_split(m, cluster(), 8, iterations=10, time_budget_s=120, seed=1)
     assert not r.plan.splits and r.tried == (("no split", r.unsplit_ms, True),)
+
+
+def test_the_comparison_table_shows_the_best_plan_with_and_without_splits():
+    from octopipe_plugin.tuner.compare import format_table
+    from octopipe_plugin.tuner.split import comparison_rows_with_splits
+
+    r = tune_split(model(3.0), cluster(), 8, iterations=20, time_budget_s=120, seed=1)
+    rows = comparison_rows_with_splits(r)
+    assert [rows[0].label, rows[1].label] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
+    assert rows[0].step_ms == r.split_ms and rows[1].step_ms == r.unsplit_ms
+    assert "head over" in format_table(rows, cluster().memory_bytes)
