@@ -69,6 +69,8 @@ class SimResult:
     transfers: list[Transfer] = field(default_factory=list)
     critical_path: list[tuple[int, Action]] = field(default_factory=list)
     stage_activation: tuple[int, ...] = ()
+    # split plans: per device, the live-bytes change of each timeline entry (shard actions hold shares)
+    live_changes: list[list[int]] | None = None
 
     @property
     def idle_ms(self) -> list[float]:
@@ -84,7 +86,8 @@ class SimResult:
     def memory_curve(self, device: int, activation: tuple[int, ...] | None = None) -> list[tuple[float, int]]:
         """(time, bytes) steps of one device's memory: static plus live activations."""
         act = self.stage_activation if activation is None else activation
-        return memory_curve(self.timeline[device], act, self.static_bytes[device])
+        live = self.live_changes[device] if self.live_changes is not None and activation is None else None
+        return memory_curve(self.timeline[device], act, self.static_bytes[device], live)
 
     def summary(self) -> dict:
         """The `predicted` block of a plan file."""

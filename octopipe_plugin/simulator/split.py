@@ -237,7 +237,9 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     return SimResult(step_time_ms=step, bubble_ratio=bubble, busy_ms=busy,
                      peak_memory_bytes=[static[d] + peak_act[d] for d in range(nd)], static_bytes=static,
                      peak_activation_bytes=peak_act, timeline=timeline if detail else [[] for _ in range(nd)],
-                     transfers=transfers or [], critical_path=[], stage_activation=sc.activation)
+                     transfers=transfers or [], critical_path=[], stage_activation=sc.activation,
+                     live_changes=[[g.live(a, d) for a, _, _ in row] for d, row in enumerate(timeline)]
+                     if detail else None)
 
 
 def _transfers(g: _Graph, rows, done, transfer_type) -> list:

@@ -178,3 +178,11 @@ def test_split_messages_follow_the_sender_list_order():
                                                "head-partial[1J0->1B0] dev0->dev1"]
     assert [str(m) for m in pairs[(1, 0)]] == ["head-input[1F0->1H0] dev1->dev0", "stats[1H0->1J0] dev1->dev0",
                                                "grad[1B0->0B0] dev1->dev0"]
+
+
+def test_memory_curve_of_a_split_plan_counts_the_shards():
+    res = simulate(HEAD_MODEL, cluster(), head_plan())
+    for d in range(2):
+        curve = res.memory_curve(d)
+        assert max(b for _, b in curve) == res.peak_memory_bytes[d] == 550
+        assert curve[-1][1] == res.static_bytes[d] == 500
