@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..actions import RULES, Action, Kind, render_grid
+from ..actions import RULES, Action, Kind
 from ..errors import DeadlockError, PlanError
 from ..formats.splits import SplitLayer, check_model_splits, owner_stage, side_of
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
@@ -95,7 +95,7 @@ def check_split_options(options) -> None:
                         "(fix: drop --contention / --no-overlap, launch_ms is allowed)")
 
 
-class _Graph:
+class SplitGraph:
     """Each device's actions with their (producer key, delay) lists, durations and memory changes."""
 
     def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float):
@@ -180,7 +180,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         check_model_splits(model, plan.splits)
     splits = split_costs(model, plan)
     sc = costs if costs is not None else stage_costs(without_split_layers(model, plan.splits), plan.stages)
-    g = _Graph(cluster, plan, sc, splits, options.launch_ms)
+    g = SplitGraph(cluster, plan, sc, splits, options.launch_ms)
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
     done: dict = {}
@@ -242,7 +242,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
                      if detail else None)
 
 
-def _transfers(g: _Graph, rows, done, transfer_type) -> list:
+def _transfers(g: SplitGraph, rows, done, transfer_type) -> list:
     """Every cross-device hand-over as a Transfer (for pictures and traces), from the dependency lists."""
     out = []
     where = {key: (d, a) for d, row in enumerate(rows) for a, key, _, _ in row}
@@ -284,4 +284,4 @@ def _name(key) -> str:
     return text + (f" on device {key[3]}" if len(key) > 3 else "")
 
 
-__all__ = ["simulate_split", "split_costs", "without_split_layers", "link_bytes", "render_grid"]
+__all__ = ["SplitGraph", "simulate_split", "split_costs", "without_split_layers", "link_bytes"]

