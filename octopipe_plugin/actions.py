@@ -19,12 +19,19 @@ from types import MappingProxyType
 
 
 class Kind(str, enum.Enum):
-    """F forward, B fused backward, I input-gradient backward, W weight-gradient backward."""
+    """F forward, B fused backward, I input-gradient backward, W weight-gradient backward; the shard kinds
+    of a split layer (docs/formats.md, "Split layers"): H, J, K of the LM head, E, G of the embedding."""
 
     F = "F"
     B = "B"
     I = "I"  # noqa: E741 - the letter is the notation
     W = "W"
+    # Appended after F, B, I, W so their integer codes (CODE, encoded schedules) stay as they were.
+    H = "H"  # head shard forward: logits of the device's vocabulary rows, local max and sum of exponentials
+    J = "J"  # head shard input-gradient: after the global softmax statistics; a partial of the head's input gradient
+    K = "K"  # head shard weight-gradient: deferrable like W
+    E = "E"  # embedding shard lookup: the partial embedding of the device's vocabulary rows
+    G = "G"  # embedding shard weight-gradient: after the embedding's output gradient has arrived
 
 
 class Flow(str, enum.Enum):
@@ -55,6 +62,16 @@ class KindRule:
     # its action finishes the parameter gradients of (s, m): a stage's last such action in a step is where
     # its weight gradients are final (the executor's `last_backward`, a framework's gradient reduction)
     weight_grad: bool
+    # Shard kinds of a split layer (None for the stage kinds above): which end of the model the split
+    # layer sits at ("output": the LM head, the last layer; "input": the embedding, layer 0). A shard
+    # action runs once per shard device, its stage field names the stage that owns the split layer, its
+    # costs are the split layer's times the device's share; `receives`/`sends` stay None (the flows
+    # below are not stage-to-stage).
+    side: str | None = None
+    takes: str | None = None  # "owner": waits for the owner stage's hand-over (its F output / its B-I gradient);
+    #                           "peers": waits for `peer` of the same micro-batch on every shard device (the statistics)
+    peer: "Kind | None" = None
+    gives: str | None = None  # "owner": the owner stage's F (input side) or B/I (output side) waits for it on every shard
 
 
 RULES: Mapping[Kind, KindRule] = MappingProxyType({
@@ -71,6 +88,27 @@ RULES: Mapping[Kind, KindRule] = MappingProxyType({
     Kind.W: KindRule(kind=Kind.W, noun="weight-gradient", receives=None, after=Kind.I, sends=None,
                      cost=("wgrad",), activation=-1, phase="backward", form="split",
                      weight_grad=True),
+    # The LM head split by vocabulary rows: H needs the head's input from the owner stage's F; J needs
+    # every shard's statistics (max, sum-exp, target logit) and sends its input-gradient partial to the
+    # owner, whose B/I sums them; K, like W, frees the shard's logits.
+    # shard kinds' weight_grad is False: a shard's gradients belong to the split layer, not to the owner
+    # stage's last backward (the executor does not run shard kinds yet)
+    Kind.H: KindRule(kind=Kind.H, noun="head-shard forward", receives=None, after=None, sends=None,
+                     cost=("fwd",), activation=1, phase="head-forward", form="shard",
+                     side="output", takes="owner", weight_grad=False),
+    Kind.J: KindRule(kind=Kind.J, noun="head-shard input-gradient", receives=None, after=Kind.H, sends=None,
+                     cost=("bwd",), activation=0, phase="head-backward", form="shard",
+                     side="output", takes="peers", peer=Kind.H, gives="owner", weight_grad=False),
+    Kind.K: KindRule(kind=Kind.K, noun="head-shard weight-gradient", receives=None, after=Kind.J, sends=None,
+                     cost=("wgrad",), activation=-1, phase="head-wgrad", form="shard", side="output", weight_grad=False),
+    # The embedding split by vocabulary rows: E looks up the shard's rows (the micro-batch is there at t = 0)
+    # and sends its partial to the owner (stage 0), whose F sums them; G needs the owner B/I's input gradient.
+    Kind.E: KindRule(kind=Kind.E, noun="embedding-shard lookup", receives=None, after=None, sends=None,
+                     cost=("fwd",), activation=1, phase="embedding-forward", form="shard",
+                     side="input", gives="owner", weight_grad=False),
+    Kind.G: KindRule(kind=Kind.G, noun="embedding-shard weight-gradient", receives=None, after=Kind.E, sends=None,
+                     cost=("bwd", "wgrad"), activation=-1, phase="embedding-backward", form="shard",
+                     side="input", takes="owner", weight_grad=False),
 })
 
 
@@ -80,12 +118,24 @@ CODE: Mapping[Kind, int] = MappingProxyType({k: i for i, k in enumerate(KINDS)})
 
 
 def forms() -> dict[str, dict[str, tuple[Kind, ...]]]:
-    """phase -> form -> the kinds that together run it (e.g. backward: fused (B,) or split (I, W))."""
+    """phase -> form -> the kinds that together run it (e.g. backward: fused (B,) or split (I, W)); stage kinds only."""
     out: dict[str, dict[str, tuple[Kind, ...]]] = {}
     for rule in RULES.values():
+        if rule.side is not None:
+            continue
         group = out.setdefault(rule.phase, {})
         group[rule.form] = group.get(rule.form, ()) + (rule.kind,)
     return out
+
+
+def shard_kinds(side: str | None = None) -> tuple[Kind, ...]:
+    """The kinds a split layer's shard devices run (of one side, "output" or "input", when given)."""
+    return tuple(k for k, r in RULES.items() if r.side is not None and (side is None or r.side == side))
+
+
+def stage_kinds() -> tuple[Kind, ...]:
+    """The kinds of a stage's own actions (F, B, I, W), run on the stage's device."""
+    return tuple(k for k, r in RULES.items() if r.side is None)
 
 
 def receivers(flow: Flow) -> tuple[Kind, ...]:

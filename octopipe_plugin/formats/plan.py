@@ -7,8 +7,9 @@ from dataclasses import dataclass, field as dc_field
 from .fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError, PlanError
-from ..actions import RULES, Action, Kind, format_schedule, forms
+from ..actions import RULES, Action, Kind, format_schedule, forms, shard_kinds
 from .ranges import stage_range_problem
+from .splits import SplitLayer, owner_stage, side_of, split_problem, splits_from_list, splits_to_list
 
 PLAN_FORMAT = "octopipe-plan/1"
 
@@ -38,6 +39,8 @@ class Plan:
     schedule: tuple[tuple[Action, ...], ...]
     predicted: dict = dc_field(default_factory=dict)
     meta: dict = dc_field(default_factory=dict)
+    # Layers split over several devices by vocabulary rows (formats/splits.py); empty: every layer is whole.
+    splits: tuple[SplitLayer, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -71,6 +74,11 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
         stages.append(Stage(start=start, end=end, device=dev))
     _check_coverage(stages, src, num_layers)
     schedule = _read_schedule(data, src, num_devices)
+    raw_splits = data.get("splits") or []
+    splits = splits_from_list(raw_splits, src) if raw_splits else ()
+    problem = split_problem(splits, stages, num_devices)
+    if problem is not None:
+        raise FormatError(src, "$.splits", "split layers that fit the plan's stages and devices", problem)
     plan = Plan(
         model=field(data, "model", src, "$", str, default=""),
         num_devices=num_devices,
@@ -79,6 +87,7 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
         schedule=schedule,
         predicted=field(data, "predicted", src, "$", dict, default={}),
         meta=field(data, "meta", src, "$", dict, default={}),
+        splits=splits,
     )
     try:
         validate_plan(plan)
@@ -122,13 +131,21 @@ def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bo
     if len(plan.schedule) != plan.num_devices:
         raise PlanError(f"schedule has {len(plan.schedule)} device lists, plan has {plan.num_devices} devices")
     ns, m = plan.num_stages, plan.num_microbatches
+    problem = split_problem(plan.splits, plan.stages, plan.num_devices)
+    if problem is not None:
+        raise PlanError(problem)
+    shard_of = _shard_owners(plan)
     seen: set[Action] = set()
+    shard_seen: set[tuple[int, Action]] = set()
     for d, row in enumerate(plan.schedule):
         for a in row:
             if not 0 <= a.stage < ns:
                 raise PlanError(f"device {d}: action {a} names stage {a.stage}, plan has stages 0..{ns - 1}")
             if not 0 <= a.microbatch < m:
                 raise PlanError(f"device {d}: action {a} names micro-batch {a.microbatch}, plan has 0..{m - 1}")
+            if RULES[a.kind].side is not None:
+                _check_shard_action(shard_of, shard_seen, d, a)
+                continue
             owner = plan.stages[a.stage].device
             if owner != d:
                 raise PlanError(f"device {d}: action {a} belongs to stage {a.stage} on device {owner}")
@@ -145,6 +162,48 @@ def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bo
         for mb in range(m):
             for phase, options in phases.items():
                 _check_phase(seen, s, mb, phase, options)
+    if not forward_only:
+        _check_shards_complete(plan, shard_seen)
+    elif shard_seen:
+        raise PlanError(f"a forward-only plan runs forwards only, it has {min(a for _, a in shard_seen)}")
+
+
+def _shard_owners(plan: Plan) -> dict[str, tuple[int, SplitLayer]]:
+    """side ('output' / 'input') -> (owner stage, split record) of the plan's split layers."""
+    num_layers = plan.stages[-1].end if plan.stages else 0
+    return {side_of(sp, num_layers): (owner_stage(sp, plan.stages), sp) for sp in plan.splits}
+
+
+def _check_shard_action(shard_of, shard_seen, d: int, a: Action) -> None:
+    """A shard action names its split layer's owner stage and runs on one of the layer's shard devices, once."""
+    side = RULES[a.kind].side
+    got = shard_of.get(side)
+    what = "LM head" if side == "output" else "embedding"
+    if got is None:
+        raise PlanError(f"device {d}: action {a} is a {RULES[a.kind].noun}, but the plan splits no {what} "
+                        f"(add it to `splits` or drop the action)")
+    owner, sp = got
+    if a.stage != owner:
+        raise PlanError(f"device {d}: action {a} names stage {a.stage}; the split {what} belongs to stage {owner}")
+    if d not in sp.devices:
+        raise PlanError(f"device {d}: action {a} runs on a device without a shard of layer {sp.layer} "
+                        f"(its shards are on devices {list(sp.devices)})")
+    if (d, a) in shard_seen:
+        raise PlanError(f"device {d}: action {a} appears twice")
+    shard_seen.add((d, a))
+
+
+def _check_shards_complete(plan: Plan, shard_seen) -> None:
+    """Every shard device runs each of its side's shard kinds once for every micro-batch."""
+    for side, (owner, sp) in _shard_owners(plan).items():
+        for d in sp.devices:
+            for k in shard_kinds(side):
+                for mb in range(plan.num_microbatches):
+                    a = Action(owner, k, mb)
+                    if (d, a) not in shard_seen:
+                        raise PlanError(f"device {d}: no {RULES[k].noun} {a} (device {d} holds a shard of layer "
+                                        f"{sp.layer}, so it runs {'/'.join(x.value for x in shard_kinds(side))} "
+                                        f"of every micro-batch)")
 
 
 def _check_phase(seen: set[Action], s: int, mb: int, phase: str, options: dict[str, tuple[Kind, ...]]) -> None:
@@ -179,6 +238,8 @@ def plan_to_dict(plan: Plan) -> dict:
         doc["predicted"] = plan.predicted
     if plan.meta:
         doc["meta"] = plan.meta
+    if plan.splits:
+        doc["splits"] = splits_to_list(plan.splits)
     return doc
 
 

@@ -49,8 +49,9 @@ class Transfer(NamedTuple):
 
     @property
     def label(self) -> str:
-        """'act 3F12' for an activation, 'grad 4I7' for a gradient."""
-        return f"{RULES[self.producer.kind].sends.value} {self.producer}"
+        """'act 3F12' for an activation, 'grad 4I7' for a gradient, 'split 7H3' to or from a split layer's shard."""
+        flow = RULES[self.producer.kind].sends
+        return f"{flow.value if flow is not None else 'split'} {self.producer}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,8 @@ class SimResult:
     transfers: list[Transfer] = field(default_factory=list)
     critical_path: list[tuple[int, Action]] = field(default_factory=list)
     stage_activation: tuple[int, ...] = ()
+    # split plans: per device, the live-bytes change of each timeline entry (shard actions hold shares)
+    live_changes: list[list[int]] | None = None
 
     @property
     def idle_ms(self) -> list[float]:
@@ -83,7 +86,8 @@ class SimResult:
     def memory_curve(self, device: int, activation: tuple[int, ...] | None = None) -> list[tuple[float, int]]:
         """(time, bytes) steps of one device's memory: static plus live activations."""
         act = self.stage_activation if activation is None else activation
-        return memory_curve(self.timeline[device], act, self.static_bytes[device])
+        live = self.live_changes[device] if self.live_changes is not None and activation is None else None
+        return memory_curve(self.timeline[device], act, self.static_bytes[device], live)
 
     def summary(self) -> dict:
         """The `predicted` block of a plan file."""
@@ -157,6 +161,10 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     `detail=False` skips the timeline, transfers and critical path (for search loops).
     """
     opts = options or SimOptions()
+    if getattr(plan, "splits", ()):
+        from .split import simulate_split  # split layers: their own (slower) loop; plans without keep this one
+
+        return simulate_split(model, cluster, plan, opts, costs=costs, detail=detail)
     sc = costs if costs is not None else stage_costs(model, plan.stages)
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]

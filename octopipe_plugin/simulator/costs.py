@@ -34,6 +34,8 @@ def kind_durations(costs) -> dict[Kind, tuple[float, ...]]:
     out = {}
     for kind, rule in RULES.items():
         fields = [getattr(costs, name) for name in rule.cost]
+        if rule.side is not None:  # a shard kind costs its share of the split layer (simulator/split.py), not the stage
+            fields = [tuple(0.0 for _ in fields[0])]
         out[kind] = tuple(sum(vals) for vals in zip(*fields))
     return out
 

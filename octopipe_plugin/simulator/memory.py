@@ -15,7 +15,10 @@ from ..actions import RULES, Kind
 
 def activation_changes(activation: tuple[int, ...]) -> dict[Kind, tuple[int, ...]]:
     """Per kind, the signed change of live bytes when it runs on each stage (precomputed for hot loops)."""
-    return {kind: tuple(rule.activation * a for a in activation) for kind, rule in RULES.items()}
+    # a split layer's shard kinds change their share of that layer's activation, not the stage's
+    # (simulator/split.py counts them): nothing here, so sums over kinds stay the stage kinds' own
+    return {kind: tuple(rule.activation * a if rule.side is None else 0 for a in activation)
+            for kind, rule in RULES.items()}
 
 
 def peak_live(changes: Iterable[int]) -> int:
@@ -28,17 +31,18 @@ def peak_live(changes: Iterable[int]) -> int:
     return peak
 
 
-def memory_curve(timeline, activation: tuple[int, ...], static: int) -> list[tuple[float, int]]:
+def memory_curve(timeline, activation: tuple[int, ...], static: int, live=None) -> list[tuple[float, int]]:
     """(time, bytes) steps of one device's memory from its (action, start, end) timeline.
 
     Memory is taken when an action starts and given back when it ends, so a curve never
-    dips below what is really held.
+    dips below what is really held. `live`, when given, is each timeline entry's change
+    (a split plan's, whose shard actions change their share of the split layer).
     """
     changes = activation_changes(activation)
     cur = static
     pts = [(0.0, cur)]
-    for a, start, end in timeline:
-        c = changes[a.kind][a.stage]
+    for i, (a, start, end) in enumerate(timeline):
+        c = changes[a.kind][a.stage] if live is None else live[i]
         if c:
             cur += c
             pts.append((start if c > 0 else end, cur))

@@ -1,0 +1,114 @@
+"""Split-layer benchmark: the tuner on the zoo's big-vocabulary models with and without vocabulary splits.
+
+For each model, device count D (h100xD) and micro-batches per device (M = factor * D) it tunes
+the plan without splits (today's tuner) and, unless --no-split, the plan the split-aware tuner
+returns (`tuner.split.tune_split`: whole-layer plans and plans whose LM head / embedding is split
+over several devices, the unsplit best kept as a candidate). Columns: step time, step over the
+no-idle bound M * sum(work) / D, the gain (step without splits / step with), the split chosen
+(devices x shares), and the fullest device's memory.
+
+    PYTHONPATH=. python benchmarks/split_layers.py                 # 4 models x 8/16/32 devices x 2,4 per device
+    PYTHONPATH=. python benchmarks/split_layers.py --budget 2 --devices 8 16
+    PYTHONPATH=. python benchmarks/split_layers.py --no-split      # the "before" table
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+
+from octopipe_plugin.costs import resolve_cluster, resolve_model
+from octopipe_plugin.tuner import tune
+
+MODELS = ("gemma3", "llama3-8b", "nemotron-h", "deepseek-v3-mini")
+
+
+def geomean(xs) -> float:
+    """Geometric mean (nan for an empty list)."""
+    xs = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def work_bound(model, num_devices: int, m: int) -> float:
+    """M * sum over layers of (f + i + w) / D: the step where no device ever idles."""
+    return m * sum(layer.total_ms for layer in model.layers) / num_devices
+
+
+def run_one(name: str, nd: int, factor: int, budget: float, seed: int, with_split: bool) -> dict:
+    """Tune one configuration without splits, and with them unless told not to."""
+    cluster = resolve_cluster(f"h100x{nd}")
+    model = resolve_model(name, "H100")
+    m = factor * nd
+    t0 = time.monotonic()
+    base = tune(model, cluster, m, time_budget_s=budget, seed=seed)
+    row = {"model": name, "D": nd, "M": m, "bound": work_bound(model, nd, m), "base": base.step_ms,
+           "base_gib": max(base.peak) / 2**30, "time": 0.0}
+    if with_split:
+        from octopipe_plugin.tuner.split import tune_split
+
+        res = tune_split(model, cluster, m, time_budget_s=budget, seed=seed, unsplit=base)
+        row.update(split=res.step_ms, split_gib=max(res.peak) / 2**30, chosen=res.describe())
+    row["time"] = time.monotonic() - t0
+    return row
+
+
+def line(row: dict) -> str:
+    """One table line."""
+    text = (f"{row['model']:<17} {row['D']:>3} {row['M']:>4} {row['bound']:>9.1f} {row['base']:>9.1f} "
+            f"{row['base'] / row['bound']:>6.3f} {row['base_gib']:>6.1f}")
+    if "split" in row:
+        text += (f" {row['split']:>9.1f} {row['split'] / row['bound']:>6.3f} {row['base'] / row['split']:>6.3f}x"
+                 f" {row['split_gib']:>6.1f}  {row['chosen']}")
+    return text + f"  ({row['time']:.0f} s)"
+
+
+def header(with_split: bool) -> str:
+    """The table's column names."""
+    text = f"{'model':<17} {'D':>3} {'M':>4} {'bound ms':>9} {'no-split':>9} {'/bound':>6} {'GiB':>6}"
+    if with_split:
+        text += f" {'split ms':>9} {'/bound':>6} {'gain':>7} {'GiB':>6}  split chosen"
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--devices", nargs="+", type=int, default=[8, 16, 32])
+    ap.add_argument("--factors", nargs="+", type=int, default=[2, 4], help="micro-batches per device")
+    ap.add_argument("--budget", type=float, default=2.0, help="tuner seconds per tune (work units, tuner/search.py)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-split", action="store_true", help="only today's tuner (the 'before' table)")
+    args = ap.parse_args(argv)
+    with_split = not args.no_split
+    # a loaded machine stops short budgets by the wall clock; the tuner says so per run, the table is what counts
+    logging.getLogger("octopipe_plugin").setLevel(logging.ERROR)
+    print(f"budget {args.budget} s per tune, seed {args.seed}")
+    print(header(with_split), flush=True)
+    rows = []
+    for nd in args.devices:
+        for factor in args.factors:
+            for name in args.models:
+                row = run_one(name, nd, factor, args.budget, args.seed, with_split)
+                rows.append(row)
+                print(line(row), flush=True)
+    print()
+    for nd in args.devices:
+        sel = [r for r in rows if r["D"] == nd]
+        text = f"D={nd:<3} geomean step/bound without splits {geomean([r['base'] / r['bound'] for r in sel]):.3f}" \
+               f" (worst {max(r['base'] / r['bound'] for r in sel):.3f})"
+        if with_split:
+            text += (f"; with splits {geomean([r['split'] / r['bound'] for r in sel]):.3f}"
+                     f" (worst {max(r['split'] / r['bound'] for r in sel):.3f}),"
+                     f" geomean gain {geomean([r['base'] / r['split'] for r in sel]):.3f}x")
+        print(text)
+    if with_split:
+        slower = [r for r in rows if r["split"] > r["base"] * (1 + 1e-9)]
+        print("never slower than without splits:", "yes" if not slower else f"NO ({len(slower)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

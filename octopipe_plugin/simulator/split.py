@@ -1,0 +1,287 @@
+"""Simulation of plans with split layers (docs/formats.md, "Split layers"), under the reference semantics.
+
+A split layer's work leaves its owner stage and runs as shard actions (H, J, K of the LM head;
+E, G of the embedding) on every shard device, each at its share of the layer's costs. What a
+shard action waits for and what it hands on is read from the kind table (`actions.RULES`:
+`after`, `takes`, `peer`, `gives`), the stage kinds keep their table rules, and every
+cross-device hand-over costs `hop_times` (stage to stage) or the cluster's transfer time of its
+bytes plus the launch cost (to and from shards). Plans without splits never come here:
+`simulate` runs them through the compiled loop of core.py, unchanged.
+
+Every action is a node with a list of (producer, delay); a device runs its list in order and
+parks on the first producer that has not ended, as in core.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..actions import RULES, Action, Kind
+from ..errors import DeadlockError, PlanError
+from ..formats.splits import SplitLayer, check_model_splits, owner_stage, side_of
+from .costs import StageCosts, hop_times, kind_durations, stage_costs
+from .memory import activation_changes
+
+GRAD = "grad"  # key prefix of a stage's input gradient, made by its B or its I (whichever the plan runs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitCosts:
+    """One split layer's figures: its owner stage, per-shard costs and the bytes its messages carry."""
+
+    split: SplitLayer
+    side: str  # "output" (LM head) or "input" (embedding)
+    owner: int  # stage that owns the layer
+    fwd: float
+    bwd: float
+    wgrad: float
+    state: int
+    activation: int
+    link_bytes: int  # owner <-> shard messages: the head's input and its gradient / the embedding's output and its gradient
+
+    def duration(self, kind: Kind, device: int) -> float:
+        """The shard action's time on `device`: the table's cost fields of the layer times the device's share."""
+        share = self.split.share_of(device)
+        return share * sum(getattr(self, name) for name in RULES[kind].cost)
+
+    def live(self, kind: Kind, device: int) -> int:
+        """Signed change of the device's live bytes when the shard action runs (its share of the activation)."""
+        return RULES[kind].activation * int(round(self.split.share_of(device) * self.activation))
+
+
+def without_split_layers(model, splits):
+    """The model with the split layers' costs, state and activation taken out (what their owner stages keep)."""
+    if not splits:
+        return model
+    idx = {sp.layer for sp in splits}
+    layers = tuple(replace(l, fwd_ms=0.0, bwd_ms=0.0, wgrad_ms=0.0, state_bytes=0, activation_bytes=0)
+                   if i in idx else l for i, l in enumerate(model.layers))
+    return replace(model, layers=layers)
+
+
+def link_bytes(model, layer: int) -> int:
+    """Bytes between a split layer's owner and its shards: the head's input, or the embedding's output."""
+    if layer == 0:
+        return model.layers[0].output_bytes
+    if model.inputs:
+        from ..graph import boundary_bytes  # what crosses the cut before the last layer of a branched model
+
+        return boundary_bytes(model)[layer]
+    return model.layers[layer - 1].output_bytes
+
+
+def split_costs(model, plan) -> list[SplitCosts]:
+    """The figures of every split layer of `plan`; unit costs and no bytes without a model (deadlock checks)."""
+    out = []
+    n = plan.stages[-1].end
+    for sp in plan.splits:
+        side = side_of(sp, n)
+        owner = owner_stage(sp, plan.stages)
+        if model is None:
+            out.append(SplitCosts(split=sp, side=side, owner=owner, fwd=1.0, bwd=1.0, wgrad=1.0, state=0,
+                                  activation=0, link_bytes=0))
+            continue
+        lay = model.layers[sp.layer]
+        out.append(SplitCosts(split=sp, side=side, owner=owner, fwd=lay.fwd_ms, bwd=lay.bwd_ms, wgrad=lay.wgrad_ms,
+                              state=lay.state_bytes, activation=lay.activation_bytes,
+                              link_bytes=link_bytes(model, sp.layer)))
+    return out
+
+
+def check_split_options(options) -> None:
+    """Split plans are simulated under the reference semantics plus the launch cost; refuse the other switches."""
+    if options.contention or not options.overlap:
+        raise PlanError("a plan with split layers is simulated under the reference semantics only "
+                        "(fix: drop --contention / --no-overlap, launch_ms is allowed)")
+
+
+class SplitGraph:
+    """Each device's actions with their (producer key, delay) lists, durations and memory changes."""
+
+    def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float):
+        self.plan, self.cluster, self.launch = plan, cluster, launch_ms
+        self.dev_of = [st.device for st in plan.stages]
+        self.ns = len(self.dev_of)
+        self.hop = hop_times(cluster, self.dev_of, sc.output, launch_ms)
+        self.dur = kind_durations(sc)
+        self.change = activation_changes(sc.activation)
+        self.by_side = {c.side: c for c in splits}
+
+    def move(self, src: int, dst: int, nbytes: int) -> float:
+        """A hand-over's delay: nothing on one device, else the link time of its bytes plus the launch cost."""
+        return 0.0 if src == dst else self.cluster.transfer_ms(src, dst, nbytes) + self.launch
+
+    def key(self, a: Action, d: int):
+        """What other actions wait on: (kind, stage, mb), shard actions with their device; B/I also as the gradient."""
+        return (a.kind, a.stage, a.microbatch, d) if RULES[a.kind].side is not None else (a.kind, a.stage, a.microbatch)
+
+    def deps(self, a: Action, d: int) -> list[tuple[tuple, float]]:
+        """(producer key, delay) of everything `a` on device d waits for."""
+        rule = RULES[a.kind]
+        if rule.side is not None:
+            return self._shard_deps(a, d, rule)
+        s, m, out = a.stage, a.microbatch, []
+        if rule.after is not None:
+            out.append(((rule.after, s, m), 0.0))
+        if rule.receives is not None:
+            src = s - rule.receives.step
+            if 0 <= src < self.ns:
+                h = self.hop[min(s, src)]
+                key = (Kind.F, src, m) if rule.receives.step > 0 else (GRAD, src, m)
+                out.append((key, 0.0 if h is None else h))
+            else:
+                out += self._from_shards(a, d, rule)
+        return out
+
+    def _from_shards(self, a: Action, d: int, rule) -> list:
+        """A pipeline end fed by a split layer: stage 0's F sums the embedding partials, the last B/I the head's."""
+        side = "input" if rule.receives.step > 0 else "output"
+        c = self.by_side.get(side)
+        if c is None or a.stage != c.owner:
+            return []
+        givers = [k for k, r in RULES.items() if r.side == side and r.gives == "owner"]
+        return [((k, c.owner, a.microbatch, e), self.move(e, d, c.link_bytes)) for k in givers for e in c.split.devices]
+
+    def _shard_deps(self, a: Action, d: int, rule) -> list:
+        c = self.by_side[rule.side]
+        m, out = a.microbatch, []
+        if rule.after is not None:
+            out.append(((rule.after, c.owner, m, d), 0.0))
+        own = self.dev_of[c.owner]
+        if rule.takes == "owner":
+            key = (Kind.F, c.owner, m) if rule.side == "output" else (GRAD, c.owner, m)
+            out.append((key, self.move(own, d, c.link_bytes)))
+        elif rule.takes == "peers":
+            out += [((rule.peer, c.owner, m, e), self.move(e, d, c.split.stats_bytes))
+                    for e in c.split.devices if e != d]
+        return out
+
+    def duration(self, a: Action, d: int) -> float:
+        """Time of `a` on device d."""
+        rule = RULES[a.kind]
+        if rule.side is None:
+            return self.dur[a.kind][a.stage]
+        return self.by_side[rule.side].duration(a.kind, d)
+
+    def live(self, a: Action, d: int) -> int:
+        """Change of device d's live activation bytes when `a` runs."""
+        rule = RULES[a.kind]
+        if rule.side is None:
+            return self.change[a.kind][a.stage]
+        return self.by_side[rule.side].live(a.kind, d)
+
+
+def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = None, detail: bool = True):
+    """Simulate a plan with split layers; raises DeadlockError when some device can never proceed."""
+    from .core import SimResult, Transfer, _stuck_grid
+
+    check_split_options(options)
+    if model is not None:
+        check_model_splits(model, plan.splits)
+    splits = split_costs(model, plan)
+    sc = costs if costs is not None else stage_costs(without_split_layers(model, plan.splits), plan.stages)
+    g = SplitGraph(cluster, plan, sc, splits, options.launch_ms)
+    nd = plan.num_devices
+    rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
+    done: dict = {}
+    waiting: dict = {}
+    free, busy, pos = [0.0] * nd, [0.0] * nd, [0] * nd
+    timeline = [[] for _ in range(nd)] if detail else None
+    transfers = [] if detail else None
+    ready = list(range(nd))
+    while ready:
+        d = ready.pop()
+        row, p = rows[d], pos[d]
+        while p < len(row):
+            a, key, deps, dur = row[p]
+            start, blocked = free[d], None
+            for dep, delay in deps:
+                t = done.get(dep)
+                if t is None:
+                    blocked = dep
+                    break
+                if t + delay > start:
+                    start = t + delay
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(d)
+                break
+            end = start + dur
+            free[d], busy[d] = end, busy[d] + dur
+            if timeline is not None:
+                timeline[d].append((a, start, end))
+            woken = [key]
+            if RULES[a.kind].sends is not None and RULES[a.kind].sends.step < 0:
+                woken.append((GRAD, a.stage, a.microbatch))
+            for k in woken:
+                done[k] = end
+                ready.extend(waiting.pop(k, ()))
+            p += 1
+        pos[d] = p
+    if any(pos[d] < len(rows[d]) for d in range(nd)):
+        _raise_deadlock(plan, rows, pos, waiting, _stuck_grid)
+    if detail:
+        transfers = _transfers(g, rows, done, Transfer)
+    static = sc.device_state(plan.stages, nd)
+    for c in splits:
+        for d, share in zip(c.split.devices, c.split.shares):
+            static[d] += int(round(share * c.state))
+    peak_act = []
+    for d, row in enumerate(plan.schedule):
+        cur = peak = 0
+        for a in row:
+            cur += g.live(a, d)
+            peak = max(peak, cur)
+        peak_act.append(peak)
+    step = max(free) if free else 0.0
+    bubble = 1.0 - sum(busy) / (step * nd) if step > 0 else 0.0
+    return SimResult(step_time_ms=step, bubble_ratio=bubble, busy_ms=busy,
+                     peak_memory_bytes=[static[d] + peak_act[d] for d in range(nd)], static_bytes=static,
+                     peak_activation_bytes=peak_act, timeline=timeline if detail else [[] for _ in range(nd)],
+                     transfers=transfers or [], critical_path=[], stage_activation=sc.activation,
+                     live_changes=[[g.live(a, d) for a, _, _ in row] for d, row in enumerate(timeline)]
+                     if detail else None)
+
+
+def _transfers(g: SplitGraph, rows, done, transfer_type) -> list:
+    """Every cross-device hand-over as a Transfer (for pictures and traces), from the dependency lists."""
+    out = []
+    where = {key: (d, a) for d, row in enumerate(rows) for a, key, _, _ in row}
+    for d, row in enumerate(rows):
+        for a, _, deps, _ in row:
+            for dep, delay in deps:
+                if dep[0] == GRAD:
+                    src = where.get((Kind.I, dep[1], dep[2])) or where.get((Kind.B, dep[1], dep[2]))
+                else:
+                    src = where.get(dep)
+                if src is None or src[0] == d or delay <= 0:
+                    continue
+                t = done[dep]
+                out.append(transfer_type(src[0], d, t, t + delay, src[1]))
+    return out
+
+
+def _raise_deadlock(plan, rows, pos, waiting, stuck_grid) -> None:
+    """Name every stuck device, its action and what it waits for, and draw the grid marked."""
+    waits = {d: key for key, devs in waiting.items() for d in devs}
+    stuck = {}
+    for d, row in enumerate(rows):
+        if pos[d] >= len(row):
+            continue
+        a = row[pos[d]][0]
+        key = waits.get(d)
+        stuck[d] = f"device {d} stuck at {a} (action {pos[d]}), waiting for {_name(key)}"
+    raise DeadlockError("plan deadlocks:\n  " + "\n  ".join(stuck.values()) + "\n" + stuck_grid(plan.schedule, pos),
+                        stuck)
+
+
+def _name(key) -> str:
+    """'1F3', 'the input gradient of stage 2 for micro-batch 3', '5H3 on device 4'."""
+    if key is None:
+        return "an input that never arrives"
+    if key[0] == GRAD:
+        return f"the input gradient of stage {key[1]} for micro-batch {key[2]} (its B or I)"
+    text = f"{RULES[key[0]].noun} {Action(key[1], key[0], key[2])}"
+    return text + (f" on device {key[3]}" if len(key) > 3 else "")
+
+
+__all__ = ["SplitGraph", "simulate_split", "split_costs", "without_split_layers", "link_bytes"]

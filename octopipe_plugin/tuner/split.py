@@ -1,0 +1,258 @@
+"""The tuner decides on split layers: whether to split the LM head, over which devices, in which shares.
+
+`tune_split` keeps the best plan without splits (today's `tune`) as a candidate and adds split
+ones: the tuner's own search on the model without the head's work, or with one shard's worth of
+it on the owner stage (so boundaries, placement and orders are chosen for the layers that stay
+whole), then the head's shards spread over the
+devices in shares that even out each device's work (or fill each device's idle time), placed
+into the bubbles by `split_sched.insert_shards`, the shares refined from the simulated idle
+time. Every candidate is judged by the simulator with its communication; one whose messages
+cost more than its split saves simply loses to the plan without splits, which is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from ..errors import OctoPipeError
+from ..formats.splits import SplitLayer
+from ..simulator import SimOptions, simulate
+from ..simulator.split import link_bytes, without_split_layers
+from ..simulator.costs import stage_costs
+from .search import tune
+from .split_sched import ShardPolicy, insert_shards
+
+log = logging.getLogger(__name__)
+
+STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target logit, per token
+# Measured on the zoo (benchmarks/split_layers.py): shard passes first and a look-ahead of a few actions
+# win; waiting for the own order (window 1) or running the shards last leave the devices idle.
+# (the head's work while the rest is tuned, in shards' worth: 0 none, 1 one shard's pass; embedding split too)
+VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
+POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=4, window=w) for w in (4, 8, 16))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitTuneResult:
+    """The chosen plan (split or not), its figures, and both bests for the comparison table."""
+
+    plan: object
+    step_ms: float
+    bubble: float
+    peak: tuple[int, ...]
+    unsplit_ms: float  # the best plan without splits
+    unsplit_peak: tuple[int, ...]
+    split_ms: float | None  # the best plan with a split (None when none was made or none fits)
+    split_bubble: float | None = None
+    split_peak: int | None = None  # its fullest device's bytes
+    unsplit: object = None  # that TuneResult
+    tried: tuple = field(default_factory=tuple)  # (label, step ms or None, fits)
+
+    @property
+    def split(self) -> SplitLayer | None:
+        """The chosen plan's split head, None when the plan has no split."""
+        return next((sp for sp in self.plan.splits if sp.layer > 0), None)
+
+    def describe(self) -> str:
+        """'no split' or 'head over 16 devices (shares 0.031-0.073), embedding over 8'."""
+        sp = self.split
+        if sp is None:
+            return "no split"
+        text = f"head over {len(sp.devices)} devices (shares {min(sp.shares):.3f}-{max(sp.shares):.3f})"
+        emb = next((e for e in self.plan.splits if e.layer == 0), None)
+        return text + (f", embedding over {len(emb.devices)}" if emb is not None else "")
+
+
+def stats_bytes(model) -> int:
+    """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch)."""
+    arch = (model.meta or {}).get("arch") or {}
+    tokens = int(arch.get("seq_len", 0)) * int(arch.get("micro_batch_size", 1))
+    if tokens > 0:
+        return STATS_BYTES_PER_TOKEN * tokens
+    return max(1, link_bytes(model, model.num_layers - 1) // 64)  # unknown width: a generous guess from the input
+
+
+def splittable_head(model) -> int | None:
+    """Index of the model's LM head when it can be split (an `lm_head` last layer), else None."""
+    if model.num_layers > 1 and model.layers[-1].kind == "lm_head":
+        return model.num_layers - 1
+    return None
+
+
+def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
+               iterations: int | None = None, options: SimOptions | None = None, unsplit=None) -> SplitTuneResult:
+    """The fastest fitting plan with or without a split LM head; never slower than the best without.
+
+    `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here).
+    """
+    opts = options or SimOptions()
+    if unsplit is None:
+        unsplit = tune(model, cluster, num_microbatches, time_budget_s=time_budget_s, seed=seed,
+                       iterations=iterations, options=opts)
+    best = (unsplit.step_ms, unsplit.plan, unsplit.bubble, tuple(unsplit.peak))
+    tried = [("no split", unsplit.step_ms, True)]
+    head = splittable_head(model)
+    split_best = None
+    if head is not None and cluster.num_devices > 1 and not opts.contention and opts.overlap:
+        for out in _split_candidates(model, cluster, num_microbatches, head, time_budget_s, seed, iterations, opts):
+            label, res, plan = out
+            fits = res is not None and max(res.peak_memory_bytes) <= cluster.memory_bytes
+            tried.append((label, None if res is None else res.step_time_ms, fits))
+            if not fits:
+                continue
+            if split_best is None or res.step_time_ms < split_best[0]:
+                split_best = (res.step_time_ms, plan, res.bubble_ratio, tuple(res.peak_memory_bytes))
+    if split_best is not None and split_best[0] < best[0] - 1e-9:
+        best = split_best
+    step, plan, bubble, peak = best
+    if plan.splits:
+        meta = dict(plan.meta)
+        meta["tuner"] = {**meta.get("tuner", {}), "split": True, "unsplit_ms": round(unsplit.step_ms, 6)}
+        plan = replace(plan, predicted={"step_time_ms": round(step, 6), "bubble_ratio": round(bubble, 6),
+                                        "peak_memory_bytes": list(peak)}, meta=meta)
+    return SplitTuneResult(plan=plan, step_ms=step, bubble=bubble, peak=peak, unsplit_ms=unsplit.step_ms,
+                           unsplit_peak=tuple(unsplit.peak), split_ms=None if split_best is None else split_best[0],
+                           split_bubble=None if split_best is None else split_best[2],
+                           split_peak=None if split_best is None else max(split_best[3]),
+                           unsplit=unsplit, tried=tuple(tried))
+
+
+def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
+    """(label, SimResult or None, plan) of each split candidate, from tunes of the model without the head's work.
+
+    Two stand-ins for the head while the rest is tuned: nothing at all, and one shard's pass on the
+    owner stage (the latency H and J add between the owner's F and its backward); with the second,
+    also the embedding split over stage 0's node (its state leaves stage 0's device, which is
+    often the fullest: the room lets the rest run deeper schedules).
+    """
+    nd = cluster.num_devices
+    lay = model.layers[head]
+    emb = splittable_embedding(model)
+    for stand_in, with_emb in VARIANTS:
+        if with_emb and emb is None:
+            continue
+        # room the shards take on every device: their share of the state and a few micro-batches' logits
+        reserve = (lay.state_bytes + 2 * lay.activation_bytes) // nd
+        rest = _with_head_scaled(model, head, stand_in / nd)
+        if with_emb:
+            reserve += model.layers[emb].state_bytes // min(nd, cluster.devices_per_node)
+            rest = _with_layer_scaled(rest, emb, 0.0)
+        small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
+        try:
+            base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
+        except OctoPipeError as exc:  # no plan of the rest fits: no candidate from it, the unsplit plan stands
+            log.info("no split candidate: %s", exc)
+            continue
+        label = f"stand-in {stand_in:g}/D" + (" +embedding" if with_emb else "")
+        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label)
+
+
+def splittable_embedding(model) -> int | None:
+    """0 when the model's first layer is an `embedding` (of an unbranched model), else None."""
+    if model.num_layers > 1 and model.layers[0].kind == "embedding" and not model.inputs:
+        return 0
+    return None
+
+
+def _with_head_scaled(model, head: int, factor: float):
+    """The model with the head's times scaled by `factor` and its state and activation left to the shards."""
+    return _with_layer_scaled(model, head, factor)
+
+
+def _with_layer_scaled(model, index: int, factor: float):
+    """The model with one layer's times scaled by `factor` and its state and activation left to the shards."""
+    lay = model.layers[index]
+    layers = list(model.layers)
+    layers[index] = replace(lay, fwd_ms=lay.fwd_ms * factor, bwd_ms=lay.bwd_ms * factor,
+                            wgrad_ms=lay.wgrad_ms * factor, state_bytes=0, activation_bytes=0)
+    return replace(model, layers=tuple(layers))
+
+
+def _insertions(model, cluster, head, emb, plan, opts, label0):
+    """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated."""
+    if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
+        return
+    nd = cluster.num_devices
+    gone = [SplitLayer(layer=head, devices=(0,), shares=(1.0,))]
+    extra = ()
+    if emb is not None:
+        gone.append(SplitLayer(layer=emb, devices=(0,), shares=(1.0,)))
+        first = plan.stages[0].device
+        node = tuple(d for d in range(nd) if cluster.same_node(d, first))
+        extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
+    work = _device_work(without_split_layers(model, tuple(gone)), plan)
+    stats = stats_bytes(model)
+    balanced = _balance(work, model.layers[head].total_ms)
+    equal = [1.0 / nd] * nd
+    for label, shares in (("equal", equal), ("balance work", balanced),
+                          ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
+        for pol in POLICIES:
+            splits = extra + (_split_of(head, shares, stats),)
+            cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol,
+                                 opts.launch_ms)
+            res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
+            yield f"{label0} {label} {pol.describe()}", res, cand
+
+
+def _exact(vals: list[float]) -> tuple[float, ...]:
+    """Shares summing to exactly 1 (the last one takes the rounding)."""
+    vals = list(vals)
+    vals[-1] = 1.0 - sum(vals[:-1])
+    return tuple(vals)
+
+
+def _meta(plan, pol: ShardPolicy) -> dict:
+    meta = dict(plan.meta)
+    meta["split_policy"] = pol.describe()
+    return meta
+
+
+def _device_work(model, plan) -> list[float]:
+    """Per micro-batch compute of every device for the stage actions (the head's work taken out)."""
+    sc = stage_costs(model, plan.stages)
+    out = [0.0] * plan.num_devices
+    for s, st in enumerate(plan.stages):
+        out[st.device] += sc.fwd[s] + sc.bwd[s] + sc.wgrad[s]
+    return out
+
+
+def _balance(work: list[float], head: float) -> list[float]:
+    """Shares that bring every device's work to the same level (water filling): light devices take more."""
+    lo, hi = min(work), max(work) + head
+    for _ in range(60):  # bisection on the common level
+        mid = (lo + hi) / 2
+        if sum(max(0.0, mid - w) for w in work) > head:
+            hi = mid
+        else:
+            lo = mid
+    raw = [max(0.0, lo - w) for w in work]
+    s = sum(raw)
+    return [x / s for x in raw] if s > 0 else [1.0 / len(work)] * len(work)
+
+
+def _split_of(head: int, shares, stats: int) -> SplitLayer:
+    """The split record over the devices with a share worth keeping (at least 0.2% of the rows)."""
+    keep = [(d, s) for d, s in enumerate(shares) if s >= 0.002]
+    tot = sum(s for _, s in keep)
+    devices = tuple(d for d, _ in keep)
+    return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)
+
+
+def comparison_rows_with_splits(result: SplitTuneResult) -> list:
+    """The comparison table (tuner/compare.py) led by the best plan with splits and the best without."""
+    from .compare import Row, comparison_rows, per_device
+
+    rows = comparison_rows(result.unsplit)
+    base = rows[0].speedup * result.unsplit_ms if rows[0].speedup else None
+    if result.split_ms is None:
+        rows[0] = replace(rows[0], label="OctoPipe (no split)", note=(rows[0].note + " no split fits").strip())
+        return rows
+    best = result.plan if result.plan.splits else None
+    note = "chosen" if best is not None else "slower than without splits: not chosen"
+    split_row = Row(label="OctoPipe (split layers)", schedule="octopipe", split="tuned",
+                    stages_per_device=per_device(result.plan), step_ms=result.split_ms,
+                    bubble=result.split_bubble, peak_bytes=result.split_peak, fits=True,
+                    speedup=base / result.split_ms if base else None,
+                    note=(result.describe() + "; " if best is not None else "") + note)
+    return [split_row, replace(rows[0], label="OctoPipe (no split)")] + rows[1:]

@@ -1,0 +1,188 @@
+"""Split layers (docs/formats.md, "Split layers"): the worked checks, validation, deadlocks, messages, memory.
+
+Transfers cost nothing unless a test says otherwise (output_bytes = 0, latency 0).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from octopipe_plugin.actions import Action, Kind, parse_schedule
+from octopipe_plugin.errors import DeadlockError, FormatError, PlanError
+from octopipe_plugin.testing.plans import random_plan
+from octopipe_plugin.executor.validate import check_runnable
+from octopipe_plugin.formats import Cluster, Layer, Link, Model, Plan, Stage, plan_from_dict, plan_to_dict, validate_plan
+from octopipe_plugin.formats.splits import SplitLayer
+from octopipe_plugin.schedules.split_messages import pair_messages, split_messages
+from octopipe_plugin.simulator import SimOptions, simulate
+from octopipe_plugin.simulator.split import simulate_split
+
+
+def layer(kind, f, i, w, *, state=0, act=0, out=0) -> Layer:
+    return Layer(name=kind, kind=kind, fwd_ms=f, bwd_ms=i, wgrad_ms=w, state_bytes=state, activation_bytes=act,
+                 output_bytes=out)
+
+
+def cluster(n: int = 2, gbps: float = 1.0, latency_us: float = 0.0) -> Cluster:
+    link = Link(bandwidth_gb_per_s=gbps, latency_us=latency_us)
+    return Cluster(num_devices=n, devices_per_node=n, memory_bytes=1 << 40, intra_node=link, inter_node=link)
+
+
+HEAD_MODEL = Model(name="head", layers=(layer("embedding", 0, 0, 0), layer("dense", 1, 1, 1),
+                                        layer("lm_head", 2, 2, 2, state=1000, act=100)))
+HEAD_SPLIT = SplitLayer(layer=2, devices=(0, 1), shares=(0.5, 0.5))
+
+
+def head_plan(rows=None, splits=(HEAD_SPLIT,)) -> Plan:
+    rows = rows or [["0F0", "1H0", "1J0", "0B0", "1K0"], ["1F0", "1H0", "1J0", "1B0", "1K0"]]
+    return Plan(model="head", num_devices=2, num_microbatches=1,
+                stages=(Stage(start=0, end=2, device=0), Stage(start=2, end=3, device=1)),
+                schedule=parse_schedule(rows), splits=tuple(splits))
+
+
+def test_formats_worked_check_split_head():
+    res = simulate(HEAD_MODEL, cluster(), head_plan())
+    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    assert times[(0, "0F0")] == (0, 1) and times[(1, "1F0")] == (1, 1)
+    assert times[(0, "1H0")] == (1, 2) == times[(1, "1H0")]
+    assert times[(0, "1J0")] == (2, 3) == times[(1, "1J0")]
+    assert times[(1, "1B0")] == (3, 3) and times[(0, "0B0")] == (3, 5)
+    assert times[(1, "1K0")] == (3, 4) and times[(0, "1K0")] == (5, 6)
+    assert res.step_time_ms == 6.0
+    assert res.bubble_ratio == pytest.approx(0.25)
+    unsplit = Plan(model="head", num_devices=2, num_microbatches=1, stages=head_plan().stages,
+                   schedule=parse_schedule([["0F0", "0B0"], ["1F0", "1B0"]]))
+    assert simulate(HEAD_MODEL, cluster(), unsplit).step_time_ms == 9.0
+    # the head's state and logits are shared out: half each, nothing left on the owner's own account
+    assert res.static_bytes == [500, 500]
+    assert res.peak_activation_bytes == [50, 50]
+
+
+def test_split_embedding_partials_and_gradient():
+    model = Model(name="emb", layers=(layer("embedding", 2, 0, 2, state=800, act=40), layer("dense", 1, 1, 1),
+                                      layer("lm_head", 1, 1, 1)))
+    plan = Plan(model="emb", num_devices=2, num_microbatches=1,
+                stages=(Stage(start=0, end=2, device=0), Stage(start=2, end=3, device=1)),
+                schedule=parse_schedule([["0E0", "0F0", "0B0", "0G0"], ["0E0", "1F0", "1B0", "0G0"]]),
+                splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),))
+    res = simulate(model, cluster(), plan)
+    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    assert times[(0, "0E0")] == (0, 1) == times[(1, "0E0")]
+    assert times[(0, "0F0")] == (1, 2)  # it sums both partials
+    assert times[(1, "1F0")] == (2, 3) and times[(1, "1B0")] == (3, 5) and times[(0, "0B0")] == (5, 7)
+    assert times[(0, "0G0")] == (7, 8) == times[(1, "0G0")]  # both wait for stage 0's input gradient
+    assert res.step_time_ms == 8.0
+    assert res.static_bytes == [400, 400]
+    assert res.peak_activation_bytes == [20, 20]
+
+
+def test_statistics_exchange_and_partials_cost_their_transfer():
+    # 1 GB/s, 10 us: the head's input (1 MB) and each partial take 1.01 ms, the statistics (1 kB) 0.011 ms
+    model = Model(name="head", layers=(layer("embedding", 0, 0, 0), layer("dense", 1, 1, 1, out=1_000_000),
+                                       layer("lm_head", 2, 2, 2)))
+    sp = SplitLayer(layer=2, devices=(0, 1), shares=(0.5, 0.5), stats_bytes=1000)
+    res = simulate(model, cluster(latency_us=10.0), head_plan(splits=(sp,)))
+    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    assert times[(1, "1F0")] == pytest.approx((2.01, 2.01))  # stage 0's output crosses to stage 1
+    assert times[(0, "1H0")] == pytest.approx((3.02, 4.02))  # the owner's F output crosses back to shard 0
+    assert times[(1, "1H0")] == pytest.approx((2.01, 3.01))
+    assert times[(1, "1J0")][0] == pytest.approx(4.02 + 0.011)  # shard 0's statistics cross
+    assert times[(1, "1B0")][0] == pytest.approx(times[(0, "1J0")][1] + 1.01)  # shard 0's partial crosses
+
+
+def test_generic_loop_equals_the_compiled_one_on_unsplit_plans():
+    from octopipe_plugin.costs import resolve_cluster, resolve_model
+
+    model = resolve_model("llama2-7b", "H100")
+    rng = random.Random(5)
+    for _ in range(8):
+        nd = rng.choice([2, 4, 8])
+        plan = random_plan(rng, num_devices=nd, num_layers=model.num_layers, num_stages=rng.choice([nd, 2 * nd]),
+                           num_microbatches=rng.choice([1, 3, 6]), placement_kind=rng.choice(["looped", "v"]))
+        opts = SimOptions(launch_ms=rng.choice([0.0, 0.02]))
+        a = simulate(model, resolve_cluster(f"h100x{nd}"), plan, opts)
+        b = simulate_split(model, resolve_cluster(f"h100x{nd}"), plan, opts)
+        assert b.step_time_ms == pytest.approx(a.step_time_ms, abs=1e-9)
+        assert b.peak_memory_bytes == a.peak_memory_bytes
+        assert [[(x, pytest.approx(s), pytest.approx(e)) for x, s, e in r] for r in b.timeline] == a.timeline
+
+
+def test_plan_document_round_trip_and_unsplit_documents_unchanged():
+    plan = head_plan()
+    doc = plan_to_dict(plan)
+    assert doc["splits"] == [{"layer": 2, "devices": [0, 1], "shares": [0.5, 0.5], "stats_bytes": 0}]
+    back = plan_from_dict(doc, num_layers=3)
+    assert back.splits == plan.splits and back.schedule == plan.schedule
+    assert "splits" not in plan_to_dict(head_plan(rows=[["0F0", "0B0"], ["1F0", "1B0"]], splits=()))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["splits"][0].update(shares=[0.5, 0.4]), "summing to 1"),
+    (lambda d: d["splits"][0].update(devices=[0, 0]), "distinct devices"),
+    (lambda d: d["splits"][0].update(devices=[0, 5]), "device 5"),
+    (lambda d: d["splits"][0].update(layer=1), "must be layer 0"),
+    (lambda d: d["splits"][0].update(shares=[1.0]), "shares"),
+])
+def test_bad_split_records_are_refused_naming_the_field(mutate, message):
+    doc = plan_to_dict(head_plan())
+    mutate(doc)
+    with pytest.raises(FormatError, match=message) as exc:
+        plan_from_dict(doc, "p.json", num_layers=3)
+    assert "p.json" in str(exc.value) and "$.splits" in str(exc.value)
+
+
+def test_incomplete_or_misplaced_shard_actions_are_refused():
+    with pytest.raises(PlanError, match="device 1: no head-shard weight-gradient 1K0"):
+        validate_plan(head_plan(rows=[["0F0", "1H0", "1J0", "0B0", "1K0"], ["1F0", "1H0", "1J0", "1B0"]]))
+    with pytest.raises(PlanError, match="without a shard of layer 2"):
+        validate_plan(head_plan(splits=(SplitLayer(layer=2, devices=(1,), shares=(1.0,)),)))
+    with pytest.raises(PlanError, match="splits no LM head"):
+        validate_plan(head_plan(splits=()))
+    with pytest.raises(PlanError, match="belongs to stage 1"):
+        validate_plan(head_plan(rows=[["0F0", "0H0", "1J0", "0B0", "1K0"], ["1F0", "1H0", "1J0", "1B0", "1K0"]]))
+
+
+def test_split_of_a_layer_that_is_not_a_vocabulary_layer_is_refused():
+    model = Model(name="head", layers=HEAD_MODEL.layers[:2] + (layer("dense", 2, 2, 2),))
+    with pytest.raises(PlanError, match="is a 'dense' layer"):
+        simulate(model, cluster(), head_plan())
+
+
+def test_a_deadlocking_split_plan_is_refused_before_running_naming_the_wait():
+    rows = [["0F0", "1J0", "1H0", "0B0", "1K0"], ["1F0", "1H0", "1J0", "1B0", "1K0"]]
+    with pytest.raises(DeadlockError, match="device 0 stuck at 1J0") as exc:
+        check_runnable(head_plan(rows=rows))
+    assert "head-shard forward 1H0 on device 0" in str(exc.value)
+
+
+def test_the_executor_refuses_a_valid_split_plan_it_cannot_run_yet():
+    with pytest.raises(PlanError, match="does not run yet"):
+        check_runnable(head_plan())
+
+
+def test_split_options_other_than_launch_cost_are_refused():
+    with pytest.raises(PlanError, match="reference semantics only"):
+        simulate(HEAD_MODEL, cluster(), head_plan(), SimOptions(contention=True))
+    base = simulate(HEAD_MODEL, cluster(), head_plan()).step_time_ms
+    assert simulate(HEAD_MODEL, cluster(), head_plan(), SimOptions(launch_ms=0.5)).step_time_ms > base
+
+
+def test_split_messages_follow_the_sender_list_order():
+    msgs = {str(m) for _, m in split_messages(head_plan())}
+    assert msgs == {"head-input[1F0->1H0] dev1->dev0", "stats[1H0->1J0] dev0->dev1", "stats[1H0->1J0] dev1->dev0",
+                    "head-partial[1J0->1B0] dev0->dev1"}
+    pairs = pair_messages(head_plan())
+    assert [str(m) for m in pairs[(0, 1)]] == ["act[0F0->1F0] dev0->dev1", "stats[1H0->1J0] dev0->dev1",
+                                               "head-partial[1J0->1B0] dev0->dev1"]
+    assert [str(m) for m in pairs[(1, 0)]] == ["head-input[1F0->1H0] dev1->dev0", "stats[1H0->1J0] dev1->dev0",
+                                               "grad[1B0->0B0] dev1->dev0"]
+
+
+def test_memory_curve_of_a_split_plan_counts_the_shards():
+    res = simulate(HEAD_MODEL, cluster(), head_plan())
+    for d in range(2):
+        curve = res.memory_curve(d)
+        assert max(b for _, b in curve) == res.peak_memory_bytes[d] == 550
+        assert curve[-1][1] == res.static_bytes[d] == 500
