@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import FormatError, PlanError
-from ._fields import check_value, objects
+from .fields import check_value, objects
 
 # Layer kinds whose work divides by rows of their weight (the vocabulary), and the end of the model they sit at.
 SPLITTABLE = {"lm_head": "output", "embedding": "input"}

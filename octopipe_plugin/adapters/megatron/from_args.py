@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from ...errors import OctoPipeError
 from ...partition import megatron_split
-from ...tuner.constraints import Constraints
 from .arguments import RunFacts, add_octopipe_args, load_measured_costs, run_facts
 from .compat import allow_megatron_training_import
 from .graph import hybrid_pattern, model_from_megatron
 from .layout import hybrid_pattern_to_boundaries, layout_to_boundaries
+from .startup import run_constraints  # noqa: F401 - the planning CLI applies the start-up's constraints
 
 # Megatron arguments that set the current stages; the plan replaces them (start-up refuses them next to a plan)
 STAGE_OPTIONS = ("--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank",
@@ -160,24 +160,6 @@ def view_launch(text: str, cluster, *, world_size: int | None = None, gpu: str |
     current, where = current_stages(args, model, facts.pipeline_size)
     return LaunchView(argv=tuple(argv), args=args, facts=facts, model=model, gpu=gpu, current=tuple(current),
                       current_source=where)
-
-
-def run_constraints(args, asked: Constraints) -> tuple[Constraints, list[str]]:
-    """The user's constraints plus what Megatron's start-up needs of this run, and a line for each addition.
-
-    Megatron builds the same number of model chunks on every rank; a hybrid (Mamba) model's
-    chunks follow the looped map only (start-up refuses other plans for it).
-    """
-    from dataclasses import replace
-
-    notes, cons = [], asked
-    if not cons.uniform_stages_per_device:
-        cons = replace(cons, uniform_stages_per_device=True)
-        notes.append("the same number of stages on every rank (Megatron builds as many model chunks on each)")
-    if hybrid_pattern(args) and cons.placement != "looped":
-        cons = replace(cons, placement="looped")
-        notes.append("looped placement (a hybrid model's chunks follow Megatron's round-robin map)")
-    return cons, notes
 
 
 def args_to_add(plan_path: str, argv) -> tuple[list[str], list[str]]:

@@ -26,6 +26,7 @@ from ...errors import OctoPipeError
 from ...formats import Model, bind_plan, plan_to_dict
 from ...formats.fingerprint import FINGERPRINT_KEY, cost_difference, layer_kinds_of, layer_kinds_text
 from ...plan_startup import PlanSteps, plan_at_startup
+from ...tuner.constraints import Constraints
 from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
@@ -240,15 +241,32 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None, decision: 
     model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=measured,
                                 data_parallel_size=facts.data_parallel_size)
     model = fused_backward_model(model, te_backward(args) if decision is None else decision)
+    constraints, notes = run_constraints(args, Constraints())
+    if notes:
+        log.info("octopipe: tuning for what Megatron builds: %s", "; ".join(notes))
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
-                  seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations)
+                  seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations, constraints=constraints)
     plan = result.plan
-    if hybrid_pattern(args) and not is_looped(plan):
-        plan = _fastest_looped(result, model, facts)
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
     return bind_plan(replace(plan, meta=meta), model, cluster)  # saved next to --save: later runs check it
+
+
+def run_constraints(args, asked: Constraints) -> tuple[Constraints, list[str]]:
+    """The user's constraints plus what Megatron's start-up needs of this run, and a line for each addition.
+
+    Megatron builds the same number of model chunks on every rank; a hybrid (Mamba) model's
+    chunks follow the looped map only (start-up refuses other plans for it).
+    """
+    notes, cons = [], asked
+    if not cons.uniform_stages_per_device:
+        cons = replace(cons, uniform_stages_per_device=True)
+        notes.append("the same number of stages on every rank (Megatron builds as many model chunks on each)")
+    if hybrid_pattern(args) and cons.placement != "looped":
+        cons = replace(cons, placement="looped")
+        notes.append("looped placement (a hybrid model's chunks follow Megatron's round-robin map)")
+    return cons, notes
 
 
 def tuning_cluster(args):
@@ -259,23 +277,6 @@ def tuning_cluster(args):
     where = "--octopipe-memory-headroom"
     return with_headroom(resolve_cluster(args.octopipe_cluster),
                          parse_headroom(getattr(args, "octopipe_memory_headroom", DEFAULT), where), where)
-
-
-def _fastest_looped(result, model, facts):
-    """The fastest fitting looped built-in of a tuning run (its tuned plan used another stage->rank map)."""
-    from ...schedules.registry import build_plan
-
-    looped = [b for b in result.baselines if b.outcome is not None and b.outcome.fits
-              and b.name in ("interleaved-zb", "interleaved-1f1b", "zb-h1", "1f1b", "gpipe")]
-    if not looped:
-        raise OctoPipeError("the tuned plan places stages off the looped map and no looped schedule fits memory; "
-                            "a hybrid (Mamba) model's chunks follow the looped map only")
-    best = min(looped, key=lambda b: b.outcome.step_ms)
-    log.warning("octopipe: the tuned plan (%.1f ms) uses a stage->rank map a hybrid model cannot be built on; "
-                "running the fastest looped plan instead: %s on the %s split, %d stages per rank (%.1f ms)",
-                result.step_ms, best.name, best.split, best.stages_per_device, best.outcome.step_ms)
-    return build_plan(model, best.name, facts.pipeline_size, facts.num_microbatches,
-                      stages_per_device=best.stages_per_device, split=best.split)
 
 
 def _model_name(args) -> str:
