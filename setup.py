@@ -21,7 +21,7 @@ setup(
         # (see scripts/install.sh); plain pip picks 0.16.1, which the core adapter supports.
         "megatron": ["megatron-core>=0.16", "packaging>=24.2"],
         # Build with DS_BUILD_OPS=0 and --no-build-isolation, after torch (scripts/install.sh).
-        "deepspeed": ["deepspeed==0.19.8"],
+        "deepspeed": ["deepspeed>=0.19.8,<0.19.9"],  # = adapters/deepspeed/versions.py SUPPORTED
         "test": [
             "torch==2.13.0",
             "pytest>=7",

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import FormatError
+from ...errors import FormatError, OctoPipeError
+from ...plan_startup import one_line
 
 CONFIG_KEY = "octopipe"
 _SRC = "ds_config"
@@ -114,7 +115,6 @@ def _tune(spec) -> TuneSpec:
 
 def _check_gpu(gpu: str, where: str) -> None:
     from ...costs.gpus import get_gpu
-    from ...errors import OctoPipeError
 
     try:
         get_gpu(gpu)
@@ -165,3 +165,20 @@ def check_microbatches(plan_microbatches: int, gradient_accumulation_steps: int,
                           f"{gradient_accumulation_steps} micro-batches, or set train_batch_size to "
                           f"micro-batch size x {plan_microbatches} x data-parallel size)",
                           gradient_accumulation_steps)
+
+
+class BlockRefused(OctoPipeError, SystemExit):
+    """An enabled block that cannot be honoured: one line on every rank.
+
+    Catchable as an ordinary exception (an OctoPipeError); left uncaught it ends the process as
+    SystemExit does, printing the line alone and exiting with 1 (no traceback for a refusal the
+    message already explains)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = message
+
+
+def refused(exc: BaseException) -> BlockRefused:
+    """`exc` as a BlockRefused carrying its one-line message."""
+    return exc if isinstance(exc, BlockRefused) else BlockRefused(one_line(exc))

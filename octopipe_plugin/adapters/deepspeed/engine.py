@@ -26,6 +26,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
+from ...executor.engine import forward_plan
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
@@ -54,7 +55,9 @@ class OctoPipeEngine(PipelineEngine):
         self._runner = DeepSpeedStages(self, grad_sink="autograd")
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
-        self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, options=options)
+        # the engine's device: receive buffers and sent gradients live where the module does (NCCL needs it)
+        self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, device=self.device,
+                                          options=options)
         self._forward_executors: dict[int, PipelineExecutor] = {}
         self._octopipe_ready = True
         if self.training_data:
@@ -144,7 +147,8 @@ class OctoPipeEngine(PipelineEngine):
         """The executor of an evaluation of m micro-batches: the plan's own (its forwards) when m is the plan's.
 
         Another count runs every F of the plan's stages in (micro-batch, stage) order, a topological
-        order of the forward dependencies, so each device's share cannot deadlock whatever the placement.
+        order of the forward dependencies, so each device's share cannot deadlock whatever the placement
+        (checked by the executor's validation like any plan).
         """
         if m == self.plan.num_microbatches:
             return self._executor
@@ -153,9 +157,9 @@ class OctoPipeEngine(PipelineEngine):
             for mb in range(m):
                 for s, st in enumerate(self.plan.stages):
                     rows[st.device].append(Action(s, Kind.F, mb))
-            plan = replace(self.plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows))
-            opts = replace(self._executor.options, validate=False)  # the plan validator wants a backward per F
-            self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group, options=opts)
+            plan = forward_plan(replace(self.plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows)))
+            self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group,
+                                                          device=self.device, options=self._executor.options)
         return self._forward_executors[m]
 
     def _run_plan(self, num_microbatches: int, *, compute_loss: bool, forward_only: bool = False):
