@@ -120,10 +120,10 @@ class OctoPipeEngine(PipelineEngine):
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
                    num_micro_batches=None):
-        """Forward only through the plan's stages; the mean loss as PipelineEngine.eval_batch returns it."""
-        if return_logits:
-            raise OctoPipeError("OctoPipeEngine.eval_batch: return_logits is not supported (the last stage keeps "
-                                "only the losses)")
+        """Forward only through the plan's stages; the mean loss as PipelineEngine.eval_batch returns it.
+
+        With `return_logits`, `(loss, outputs)` as PipelineEngine returns them: the last micro-batch's
+        outputs of the last stage on the rank holding it, None elsewhere."""
         self.module.eval()
         self._compute_loss = compute_loss
         train_iterator = self.data_iterator
@@ -132,7 +132,7 @@ class OctoPipeEngine(PipelineEngine):
         tdist.barrier()
         try:
             with torch.no_grad():
-                self._run_plan(m, compute_loss=compute_loss, forward_only=True)
+                self._run_plan(m, compute_loss=compute_loss, forward_only=True, keep_outputs=return_logits)
             eval_output = None
             if self.is_last_stage():
                 eval_output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=m)
@@ -141,6 +141,10 @@ class OctoPipeEngine(PipelineEngine):
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
+        if return_logits:
+            logits = self._runner.outputs.get(m - 1)
+            self._runner.outputs = {}
+            return eval_output, logits
         return eval_output
 
     def _forward_executor(self, m: int) -> PipelineExecutor:
@@ -162,9 +166,10 @@ class OctoPipeEngine(PipelineEngine):
                                                           device=self.device, options=self._executor.options)
         return self._forward_executors[m]
 
-    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, forward_only: bool = False):
+    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, forward_only: bool = False,
+                  keep_outputs: bool = False):
         """One executor step; leaves the last-stage rank's summed, unscaled loss in `total_loss`."""
-        self._runner.begin_step(num_microbatches, compute_loss=compute_loss)
+        self._runner.begin_step(num_microbatches, compute_loss=compute_loss, keep_outputs=keep_outputs)
         executor = self._forward_executor(num_microbatches) if forward_only else self._executor
         result = executor.run_step(forward_only=forward_only)
         if self._runner.pending():
