@@ -8,7 +8,8 @@
       "save_plan": "run/plan.json",     # where rank 0 writes the plan it tuned (or was given)
       "model": "model.json",            # optional octopipe-model/1 file: measured costs for tuning
       "layer_of_spec": [0, 1, 1, 2],    # optional: OctoPipe layer of each PipelineModule list entry
-      "timeout_s": 300                  # optional: bound of every pipeline wait (seconds)
+      "timeout_s": 300,                 # optional: bound of every pipeline wait (seconds)
+      "overlap_dp_reduction": true      # optional: start each stage's DP all-reduce at its last backward
     }
 
 Exactly one of `plan` and `tune` is given. Every refusal names the field
@@ -24,7 +25,7 @@ from ...plan_startup import one_line
 
 CONFIG_KEY = "octopipe"
 _SRC = "ds_config"
-_FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s")
+_FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s", "overlap_dp_reduction")
 _TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len", "profile", "profile_repeats", "profile_input")
 
 
@@ -53,6 +54,7 @@ class OctoPipeBlock:
     model: str | None = None
     layer_of_spec: tuple[int, ...] | None = None
     timeout_s: float = 300.0
+    overlap_dp_reduction: bool = True
 
 
 def _path(key: str) -> str:
@@ -115,6 +117,7 @@ def _tune(spec) -> TuneSpec:
 
 def _check_gpu(gpu: str, where: str) -> None:
     from ...costs.gpus import get_gpu
+    from ...errors import OctoPipeError
 
     try:
         get_gpu(gpu)
@@ -142,6 +145,9 @@ def parse_block(ds_config) -> OctoPipeBlock | None:
     if (plan is None) == (tune is None):
         raise FormatError(_SRC, _path("plan"), 'either "plan" (a plan file) or "tune" (tune at start-up), not both'
                           if plan else 'the path of an octopipe-plan/1 file (a string), or a "tune" object')
+    overlap = block.get("overlap_dp_reduction", True)
+    if not isinstance(overlap, bool):
+        raise FormatError(_SRC, _path("overlap_dp_reduction"), "true or false", overlap)
     owners = block.get("layer_of_spec")
     if owners is not None and (not isinstance(owners, list)
                                or not all(isinstance(x, int) and not isinstance(x, bool) for x in owners)):
@@ -153,6 +159,7 @@ def parse_block(ds_config) -> OctoPipeBlock | None:
         model=_string(block, "model", "the path of an octopipe-model/1 file (a string) or a zoo name"),
         layer_of_spec=tuple(owners) if owners is not None else None,
         timeout_s=_number(block, "timeout_s", _path("timeout_s"), 300.0),
+        overlap_dp_reduction=overlap,
     )
 
 

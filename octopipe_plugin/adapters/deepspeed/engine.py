@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from ...errors import OctoPipeError
@@ -32,6 +33,7 @@ from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
 from .config import check_microbatches
 from .module import OctoPipePipelineModule
+from .overlap import StageReduction, overlap_applies
 from .stages import DeepSpeedStages
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,12 @@ class OctoPipeEngine(PipelineEngine):
         self._runner = DeepSpeedStages(self, grad_sink="autograd")
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
+        wants = block.overlap_dp_reduction if block is not None else True
+        self._overlap = StageReduction(self) if wants and overlap_applies(self) else None
         # the engine's device: receive buffers and sent gradients live where the module does (NCCL needs it)
         self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, device=self.device,
-                                          options=options)
+                                          options=options,
+                                          on_last_backward=self._overlap.start if self._overlap else None)
         self._forward_executors: dict[int, PipelineExecutor] = {}
         self._octopipe_ready = True
         if self.training_data:
@@ -105,7 +110,13 @@ class OctoPipeEngine(PipelineEngine):
         self.timers(TRAIN_BATCH_TIMER).start()
         self._run_plan(self.micro_batches, compute_loss=True)
         self._exec_reduce_tied_grads()
-        self._exec_reduce_grads()
+        if self._overlap is None:
+            self._exec_reduce_grads()
+        else:  # each stage's reduction started at its last backward; the tied and shared ones go now
+            self._overlap.finish()
+            self._force_grad_boundary = True
+            self.buffered_allreduce_fallback(grads=self._overlap.rest(), elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
+            self._force_grad_boundary = False
         self._exec_optimizer_step()
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_total_loss()

@@ -227,6 +227,7 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
         engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])
     report["weights"] = _weights(engine.module)
     report["stage"] = engine.grid.get_stage_id()
+    report["overlap"] = getattr(engine, "_overlap", None) is not None
     report["dp"] = dp_rank
     report["holds"] = [engine.is_first_stage(), engine.is_last_stage()]
     torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))
