@@ -7,7 +7,9 @@ reduction (incl. ZeRO-1 and bf16), the optimizer step with its LR scheduler, ove
 `global_steps`, activation checkpointing, checkpoints. What changes: the order of the actions
 (the plan's, with several stages per rank and split backward), the p2p (the executor's), and
 gradient clipping, which counts every pipeline stage's gradients (PipelineEngine's fp32 path
-counts pipeline rank 0's only: deepspeed/runtime/utils.py clip_grad_norm_).
+counts pipeline rank 0's only: deepspeed/runtime/utils.py clip_grad_norm_). With data
+parallelism, each stage's all-reduce starts at its last backward of the step (overlap.py) where
+DeepSpeed's reduction is a plain bucketed all-reduce. The executor runs on the engine's device.
 """
 
 from __future__ import annotations

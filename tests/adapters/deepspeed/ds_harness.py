@@ -228,6 +228,8 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     report["weights"] = _weights(engine.module)
     report["stage"] = engine.grid.get_stage_id()
     report["overlap"] = getattr(engine, "_overlap", None) is not None
+    executor = getattr(engine, "_executor", None)  # OctoPipeEngine: the executor runs on the engine's device
+    report["executor_device"] = None if executor is None else (str(executor.device), str(engine.device))
     report["dp"] = dp_rank
     report["holds"] = [engine.is_first_stage(), engine.is_last_stage()]
     torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))

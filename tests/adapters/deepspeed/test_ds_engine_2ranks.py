@@ -96,6 +96,9 @@ def test_v_shape_irregular_order_matches_reference_and_deepspeeds_engine(runs):
     assert {r["engine"] for r in reports} == {"OctoPipeEngine"}
     _check_against_reference(reports, 0.0)
     _assert_same_weights(reports, H.load(runs, "flat_stock", 2))  # DeepSpeed cannot express the V: its 2 stages
+    for rep in reports:  # buffers and sent gradients live on the engine's device (NCCL refuses CPU tensors)
+        device, engine_device = rep["executor_device"]
+        assert device == engine_device
     # rank 0 holds the first and the last stage: it alone pulls data, M times per step
     assert reports[0]["holds"] == [True, True] and reports[1]["holds"] == [False, False]
     assert reports[0]["calls"] == [M] * H.STEPS and reports[1]["calls"] == [0] * H.STEPS
