@@ -22,7 +22,7 @@ setup(
         # Python 3.12; on 3.11 install it with `--ignore-requires-python --no-deps` (scripts/install.sh).
         "megatron": ["megatron-core>=0.19.0,<0.20", "packaging>=24.2"],
         # Build with DS_BUILD_OPS=0 and --no-build-isolation, after torch (scripts/install.sh).
-        "deepspeed": ["deepspeed==0.19.8"],
+        "deepspeed": ["deepspeed>=0.19.8,<0.19.9"],  # = adapters/deepspeed/versions.py SUPPORTED
         "test": [
             "torch==2.13.0",
             "pytest>=7",

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import OctoPipeError
+from .errors import FormatError, OctoPipeError
 from .formats import Plan, plan_from_dict, plan_to_dict, read_plan, write_plan
 
 log = logging.getLogger("octopipe.startup")
@@ -36,11 +36,14 @@ class PlanSteps:
     adapt: Callable[[Plan, str], Plan] | None = None  # the plan the run executes (e.g. fused where it cannot split)
     save_to: tuple[str, ...] = ()                   # files rank 0 writes the plan to
     missing: str = "a plan: give a plan file or tuning settings"  # the message when no step applies
+    plan_field: tuple[str, str] | None = None       # (document, field) that named plan_file, for a missing file
 
 
 def obtain_plan(steps: PlanSteps) -> tuple[Plan, str]:
     """(plan, where it came from) by the steps, checked, adapted and saved; raises on failure (rank 0's part)."""
     if steps.plan_file is not None:
+        if steps.plan_field is not None and not os.path.isfile(steps.plan_file):
+            raise FormatError(*steps.plan_field, "an existing octopipe-plan/1 file", steps.plan_file)
         plan, source = read_plan(steps.plan_file), steps.plan_file
     elif steps.resume_file is not None and os.path.exists(steps.resume_file):
         plan, source = read_plan(steps.resume_file), steps.resume_file

@@ -2,6 +2,9 @@
 
     bash examples/deepspeed/launch.sh                      # 4 local CPU processes (gloo), tunes a plan at start-up
     deepspeed --num_gpus 8 examples/deepspeed/train_gpt.py --ds-config examples/deepspeed/ds_config.json
+    DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --num_gpus 2 examples/deepspeed/train_gpt.py \
+        --plan plan.json --save ck --steps 3                  # DeepSpeed's launcher on 2 CPU processes
+    ... --load ck --steps 2                                   # resume: the checkpoint's step, weights, optimizer
 
 The only OctoPipe lines are `import octopipe_plugin.deepspeed` and the "octopipe" block of
 ds_config.json: `deepspeed.initialize` then returns an OctoPipeEngine running the plan (given or
@@ -56,18 +59,21 @@ def loss_fn(logits, labels):
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def batches(vocab: int, seq: int, micro_batch: int, seed: int):
-    """An endless stream of (tokens, next tokens) micro-batches of a fixed random corpus."""
-    gen = torch.Generator().manual_seed(seed)
-    corpus = torch.randint(0, vocab, (4096,), generator=gen)
-    while True:
+def batches(vocab: int, seq: int, micro_batch: int, seed: int, step: int, count: int):
+    """`count` (tokens, next tokens) micro-batches of step `step` from a fixed random corpus (a resumed run
+    reads the same batches at the same step as an uninterrupted one)."""
+    corpus = torch.randint(0, vocab, (4096,), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
+    out = []
+    for _ in range(count):
         starts = torch.randint(0, len(corpus) - seq - 1, (micro_batch,), generator=gen)
         chunk = torch.stack([corpus[s:s + seq + 1] for s in starts])
-        yield chunk[:, :-1], chunk[:, 1:]
+        out.append((chunk[:, :-1], chunk[:, 1:]))
+    return out
 
 
 def main() -> None:
-    """Build, initialise, train a few steps, evaluate, checkpoint."""
+    """Build, initialise, (resume,) train a few steps, evaluate, checkpoint."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ds-config", default="examples/deepspeed/ds_config.json")
     p.add_argument("--steps", type=int, default=3)
@@ -76,7 +82,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--save", help="checkpoint folder (optional)")
+    p.add_argument("--plan", help="run this octopipe-plan/1 file (sets the block's \"plan\")")
+    p.add_argument("--no-octopipe", action="store_true", help='"enabled": false: DeepSpeed\'s own engine')
+    p.add_argument("--save", help="checkpoint folder written after the steps (optional)")
+    p.add_argument("--load", help="checkpoint folder to resume from (optional)")
     p.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -85,19 +94,29 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None)
     with open(args.ds_config, encoding="utf-8") as fh:
         ds_config = json.load(fh)
+    if args.plan:
+        ds_config["octopipe"] = {"plan": args.plan}
+    if args.no_octopipe:
+        ds_config.setdefault("octopipe", {})["enabled"] = False
     world = deepspeed.comm.get_world_size()
     module = PipelineModule(gpt_specs(args.vocab, args.hidden, args.heads, args.layers), num_stages=world,
                             loss_fn=loss_fn, partition_method="uniform", seed_layers=True)
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
-    data = batches(args.vocab, args.seq, engine.train_micro_batch_size_per_gpu(), seed=engine.grid.data_parallel_id)
-    for step in range(args.steps):
-        loss = engine.train_batch(data_iter=data)
-        if engine.global_rank == 0:
-            print(f"{type(engine).__name__} step {step}: loss {float(loss):.4f}", flush=True)
-    loss = engine.eval_batch(data)
+    if args.load:
+        engine.load_checkpoint(args.load)
+    seed, m = engine.grid.data_parallel_id, engine.gradient_accumulation_steps()
+    mbs = engine.train_micro_batch_size_per_gpu()
     if engine.global_rank == 0:
-        print(f"eval loss {float(loss):.4f}", flush=True)
+        print(f"engine {type(engine).__name__}", flush=True)
+    for _ in range(args.steps):
+        step = engine.global_steps
+        loss = engine.train_batch(data_iter=iter(batches(args.vocab, args.seq, mbs, seed, step, m)))
+        if engine.global_rank == 0:
+            print(f"step {step}: loss {float(loss)!r}", flush=True)
+    loss = engine.eval_batch(iter(batches(args.vocab, args.seq, mbs, seed, -1, m)))
+    if engine.global_rank == 0:
+        print(f"eval loss {float(loss)!r}", flush=True)
     if args.save:
         engine.save_checkpoint(args.save)
 

@@ -134,12 +134,20 @@ def load_checkpoint(engine, load, load_dir, tag=None, load_module_strict=True, l
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """DeepSpeed's load_checkpoint (`load`), with the optimizer state mapped or refused as above."""
     how = "native"
-    if load_optimizer_states and not load_module_only:
+    wanted = load_optimizer_states and not load_module_only
+    if wanted:
         how = plan_load(engine, load_dir, tag)  # refuses before any weight is loaded
+    # DeepSpeed 0.19.8 writes the bf16 optimizer's state (no ZeRO) to bf16_zero_pp_rank_*_optim_states.pt
+    # but reads it back from mp_rank_XX_model_states.pt, which holds none (runtime/engine.py:4676 asks
+    # zero_optimization() only): the state is read from the files it was written to instead
+    bf16_files = wanted and how == "native" and engine.bfloat16_enabled() and not engine.zero_optimization()
     out = load(load_dir, tag=tag, load_module_strict=load_module_strict,
-               load_optimizer_states=load_optimizer_states and how == "native",
+               load_optimizer_states=wanted and how == "native" and not bf16_files,
                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                custom_load_fn=custom_load_fn)
-    if load_optimizer_states and not load_module_only and how == "mapped":
+    if bf16_files and out[0] is not None and not engine._load_zero_checkpoint(load_dir, read_tag(load_dir, tag)):
+        raise OctoPipeError(f"{os.path.join(load_dir, str(read_tag(load_dir, tag)))}: no bf16 optimizer state files "
+                            "(bf16_zero_pp_rank_*_optim_states.pt); load with load_optimizer_states=False")
+    if wanted and how == "mapped":
         load_mapped(engine, load_dir, tag)
     return out

@@ -9,7 +9,8 @@
       "save_plan": "run/plan.json",     # where rank 0 writes the plan it tuned (or was given)
       "model": "model.json",            # optional octopipe-model/1 file: measured costs for tuning
       "layer_of_spec": [0, 1, 1, 2],    # optional: OctoPipe layer of each PipelineModule list entry
-      "timeout_s": 300                  # optional: bound of every pipeline wait (seconds)
+      "timeout_s": 300,                 # optional: bound of every pipeline wait (seconds)
+      "overlap_dp_reduction": true      # optional: start each stage's DP all-reduce at its last backward
     }
 
 Exactly one of `plan` and `tune` is given. Every refusal names the field
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 
 from ...errors import FormatError, OctoPipeError
 from ...headroom import DEFAULT as HEADROOM, parse_headroom
+from ...plan_startup import one_line
 
 CONFIG_KEY = "octopipe"
 _SRC = "ds_config"
-_FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s")
+_FIELDS = ("enabled", "plan", "tune", "save_plan", "model", "layer_of_spec", "timeout_s", "overlap_dp_reduction")
 _TUNE_FIELDS = ("cluster", "gpu", "time_budget_s", "seed", "seq_len", "profile", "profile_repeats", "profile_input",
                 "memory_headroom")
 
@@ -56,6 +58,7 @@ class OctoPipeBlock:
     model: str | None = None
     layer_of_spec: tuple[int, ...] | None = None
     timeout_s: float = 300.0
+    overlap_dp_reduction: bool = True
 
 
 def _path(key: str) -> str:
@@ -152,6 +155,9 @@ def parse_block(ds_config) -> OctoPipeBlock | None:
     if (plan is None) == (tune is None):
         raise FormatError(_SRC, _path("plan"), 'either "plan" (a plan file) or "tune" (tune at start-up), not both'
                           if plan else 'the path of an octopipe-plan/1 file (a string), or a "tune" object')
+    overlap = block.get("overlap_dp_reduction", True)
+    if not isinstance(overlap, bool):
+        raise FormatError(_SRC, _path("overlap_dp_reduction"), "true or false", overlap)
     owners = block.get("layer_of_spec")
     if owners is not None and (not isinstance(owners, list)
                                or not all(isinstance(x, int) and not isinstance(x, bool) for x in owners)):
@@ -163,6 +169,7 @@ def parse_block(ds_config) -> OctoPipeBlock | None:
         model=_string(block, "model", "the path of an octopipe-model/1 file (a string) or a zoo name"),
         layer_of_spec=tuple(owners) if owners is not None else None,
         timeout_s=_number(block, "timeout_s", _path("timeout_s"), 300.0),
+        overlap_dp_reduction=overlap,
     )
 
 
@@ -175,3 +182,20 @@ def check_microbatches(plan_microbatches: int, gradient_accumulation_steps: int,
                           f"{gradient_accumulation_steps} micro-batches, or set train_batch_size to "
                           f"micro-batch size x {plan_microbatches} x data-parallel size)",
                           gradient_accumulation_steps)
+
+
+class BlockRefused(OctoPipeError, SystemExit):
+    """An enabled block that cannot be honoured: one line on every rank.
+
+    Catchable as an ordinary exception (an OctoPipeError); left uncaught it ends the process as
+    SystemExit does, printing the line alone and exiting with 1 (no traceback for a refusal the
+    message already explains)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = message
+
+
+def refused(exc: BaseException) -> BlockRefused:
+    """`exc` as a BlockRefused carrying its one-line message."""
+    return exc if isinstance(exc, BlockRefused) else BlockRefused(one_line(exc))

@@ -7,7 +7,9 @@ reduction (incl. ZeRO-1 and bf16), the optimizer step with its LR scheduler, ove
 `global_steps`, activation checkpointing, checkpoints. What changes: the order of the actions
 (the plan's, with several stages per rank and split backward), the p2p (the executor's), and
 gradient clipping, which counts every pipeline stage's gradients (PipelineEngine's fp32 path
-counts pipeline rank 0's only: deepspeed/runtime/utils.py clip_grad_norm_).
+counts pipeline rank 0's only: deepspeed/runtime/utils.py clip_grad_norm_). With data
+parallelism, each stage's all-reduce starts at its last backward of the step (overlap.py) where
+DeepSpeed's reduction is a plain bucketed all-reduce. The executor runs on the engine's device.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from dataclasses import replace
 import torch
 import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
+from ...executor.engine import forward_plan
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
 from .config import check_microbatches
 from .module import OctoPipePipelineModule
+from .overlap import StageReduction, overlap_applies
 from .stages import DeepSpeedStages
 
 log = logging.getLogger(__name__)
@@ -54,7 +59,12 @@ class OctoPipeEngine(PipelineEngine):
         self._runner = DeepSpeedStages(self, grad_sink="autograd")
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
-        self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, options=options)
+        wants = block.overlap_dp_reduction if block is not None else True
+        self._overlap = StageReduction(self) if wants and overlap_applies(self) else None
+        # the engine's device: receive buffers and sent gradients live where the module does (NCCL needs it)
+        self._executor = PipelineExecutor(self.plan, self._runner, group=self._pipe_group, device=self.device,
+                                          options=options,
+                                          on_last_backward=self._overlap.start if self._overlap else None)
         self._forward_executors: dict[int, PipelineExecutor] = {}
         self._octopipe_ready = True
         if self.training_data:
@@ -102,7 +112,13 @@ class OctoPipeEngine(PipelineEngine):
         self.timers(TRAIN_BATCH_TIMER).start()
         self._run_plan(self.micro_batches, compute_loss=True)
         self._exec_reduce_tied_grads()
-        self._exec_reduce_grads()
+        if self._overlap is None:
+            self._exec_reduce_grads()
+        else:  # each stage's reduction started at its last backward; the tied and shared ones go now
+            self._overlap.finish()
+            self._force_grad_boundary = True
+            self.buffered_allreduce_fallback(grads=self._overlap.rest(), elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
+            self._force_grad_boundary = False
         self._exec_optimizer_step()
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_total_loss()
@@ -117,10 +133,10 @@ class OctoPipeEngine(PipelineEngine):
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
                    num_micro_batches=None):
-        """Forward only through the plan's stages; the mean loss as PipelineEngine.eval_batch returns it."""
-        if return_logits:
-            raise OctoPipeError("OctoPipeEngine.eval_batch: return_logits is not supported (the last stage keeps "
-                                "only the losses)")
+        """Forward only through the plan's stages; the mean loss as PipelineEngine.eval_batch returns it.
+
+        With `return_logits`, `(loss, outputs)` as PipelineEngine returns them: the last micro-batch's
+        outputs of the last stage on the rank holding it, None elsewhere."""
         self.module.eval()
         self._compute_loss = compute_loss
         train_iterator = self.data_iterator
@@ -129,7 +145,7 @@ class OctoPipeEngine(PipelineEngine):
         tdist.barrier()
         try:
             with torch.no_grad():
-                self._run_plan(m, compute_loss=compute_loss, forward_only=True)
+                self._run_plan(m, compute_loss=compute_loss, forward_only=True, keep_outputs=return_logits)
             eval_output = None
             if self.is_last_stage():
                 eval_output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=m)
@@ -138,13 +154,18 @@ class OctoPipeEngine(PipelineEngine):
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
+        if return_logits:
+            logits = self._runner.outputs.get(m - 1)
+            self._runner.outputs = {}
+            return eval_output, logits
         return eval_output
 
     def _forward_executor(self, m: int) -> PipelineExecutor:
         """The executor of an evaluation of m micro-batches: the plan's own (its forwards) when m is the plan's.
 
         Another count runs every F of the plan's stages in (micro-batch, stage) order, a topological
-        order of the forward dependencies, so each device's share cannot deadlock whatever the placement.
+        order of the forward dependencies, so each device's share cannot deadlock whatever the placement
+        (checked by the executor's validation like any plan).
         """
         if m == self.plan.num_microbatches:
             return self._executor
@@ -153,14 +174,15 @@ class OctoPipeEngine(PipelineEngine):
             for mb in range(m):
                 for s, st in enumerate(self.plan.stages):
                     rows[st.device].append(Action(s, Kind.F, mb))
-            plan = replace(self.plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows))
-            opts = replace(self._executor.options, validate=False)  # the plan validator wants a backward per F
-            self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group, options=opts)
+            plan = forward_plan(replace(self.plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows)))
+            self._forward_executors[m] = PipelineExecutor(plan, self._runner, group=self._pipe_group,
+                                                          device=self.device, options=self._executor.options)
         return self._forward_executors[m]
 
-    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, forward_only: bool = False):
+    def _run_plan(self, num_microbatches: int, *, compute_loss: bool, forward_only: bool = False,
+                  keep_outputs: bool = False):
         """One executor step; leaves the last-stage rank's summed, unscaled loss in `total_loss`."""
-        self._runner.begin_step(num_microbatches, compute_loss=compute_loss)
+        self._runner.begin_step(num_microbatches, compute_loss=compute_loss, keep_outputs=keep_outputs)
         executor = self._forward_executor(num_microbatches) if forward_only else self._executor
         result = executor.run_step(forward_only=forward_only)
         if self._runner.pending():

@@ -15,8 +15,13 @@ from collections.abc import Sequence
 import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
+import logging
+
 from ...errors import OctoPipeError
 from .partition import layer_starts
+from .versions import check_installed
+
+log = logging.getLogger(__name__)
 
 
 class OctoPipePipelineModule(PipelineModule):
@@ -47,9 +52,11 @@ class OctoPipePipelineModule(PipelineModule):
         else:
             from .plan_source import resolve_plan
 
-            self.octopipe_plan, self.octopipe_block, owners = resolve_plan(layers, plan=plan, config=config,
-                                                                            layer_of_spec=layer_of_spec,
-                                                                            costs=layer_costs)
+            check_installed()
+            topo = kwargs.get("topology")
+            self.octopipe_plan, self.octopipe_block, owners = resolve_plan(
+                layers, plan=plan, config=config, layer_of_spec=layer_of_spec, costs=layer_costs,
+                pipe_size=topo.get_dim("pipe") if topo is not None else None)
             starts = (layer_starts(owners, self.octopipe_plan.stages[-1].end) if owners is not None
                       else list(range(len(layers) + 1)))
             self._octopipe_parts = tuple(starts[st.start] for st in self.octopipe_plan.stages) + (starts[-1],)
@@ -168,3 +175,15 @@ class OctoPipePipelineModule(PipelineModule):
                         seen.add(id(p))
                         out.append(p)
         return out
+
+
+def rebuild_at_plan(model: PipelineModule, ds_config: dict) -> OctoPipePipelineModule:
+    """A PipelineModule's layer list rebuilt as an OctoPipePipelineModule at the config's plan (same topology,
+    loss, seeds and activation checkpointing settings)."""
+    log.info("octopipe: rebuilding the %s at the plan of the config's octopipe block", type(model).__name__)
+    return OctoPipePipelineModule(
+        model._layer_specs, config=ds_config, topology=model._topo, loss_fn=model.loss_fn,
+        seed_layers=model.seed_layers, seed_fn=model.seed_fn, base_seed=model.base_seed,
+        activation_checkpoint_interval=model.activation_checkpoint_interval,
+        activation_checkpoint_func=model.activation_checkpoint_func,
+        checkpointable_layers=model.checkpointable_layers, dynamic_shape=model.dynamic_shape)

@@ -1,8 +1,11 @@
-"""Where a DeepSpeed run's plan comes from: a given plan, or tuning on rank 0 at start-up.
+"""Where a DeepSpeed run's plan comes from: a given plan, or the config block's plan file or tuning.
 
-Every rank ends with the same plan: rank 0 reads or tunes it, broadcasts its document and
-writes it to `save_plan`; the others parse what they receive. The micro-batch count of a
-tuned plan is DeepSpeed's gradient_accumulation_steps.
+Through the framework-neutral start-up service (`octopipe_plugin.plan_startup`): rank 0 reads
+or tunes the plan, checks it against the run (plan_check: layers, micro-batches, pipeline and
+world sizes) and saves it to `save_plan`; every rank gets the plan, or rank 0's one-line error,
+so a missing plan file or a plan for another model ends every rank with the same message instead
+of leaving the others waiting. The micro-batch count of a tuned plan is DeepSpeed's
+gradient_accumulation_steps.
 """
 
 from __future__ import annotations
@@ -13,54 +16,53 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from ...errors import FormatError, OctoPipeError
-from ...formats import plan_from_dict, plan_to_dict, read_plan, write_plan
-from .config import CONFIG_KEY, OctoPipeBlock, check_microbatches, parse_block
+from ...plan_startup import PlanSteps, plan_at_startup
+from .config import CONFIG_KEY, OctoPipeBlock, parse_block, refused
+from .plan_check import RunShape, check_plan, gradient_accumulation_steps
 
 log = logging.getLogger(__name__)
 
 
-def gradient_accumulation_steps(ds_config: dict, world_size: int, pipe_size: int) -> int:
-    """gradient_accumulation_steps as DeepSpeed derives it from the batch-size fields of a config."""
-    gas = ds_config.get("gradient_accumulation_steps")
-    if gas is not None:
-        return int(gas)
-    dp = max(1, world_size // pipe_size)
-    total, mbs = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
-    if total is None or mbs is None:
-        return 1
-    return int(total) // (int(mbs) * dp)
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec=None, costs=None):
+def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec=None, costs=None,
+                 pipe_size: int | None = None):
     """(plan, block, layer_of_spec) for the module: the given plan, or the config block's plan or tuning.
 
-    `costs` supplies layer costs for tuning (see graph.model_from_specs)."""
+    `costs` supplies layer costs for tuning (see graph.model_from_specs); `pipe_size` is the
+    topology's pipeline dimension when the module was given one (None: taken from the plan).
+    Any refusal is a BlockRefused with the same line on every rank."""
+    try:
+        return _resolve(list(layers), plan, config, layer_of_spec, costs, pipe_size)
+    except OctoPipeError as exc:
+        raise refused(exc) from None
+
+
+def _resolve(layers, plan, config, layer_of_spec, costs, pipe_size):
     if plan is not None:
-        return plan, None, tuple(layer_of_spec) if layer_of_spec is not None else None
+        owners = tuple(layer_of_spec) if layer_of_spec is not None else None
+        check_plan(plan, RunShape(len(layers), owners, pipe_size, _world(), None), "plan=")
+        return plan, None, owners
     block = parse_block(config)
     if block is None:
         raise FormatError("ds_config", f"$.{CONFIG_KEY}", 'an enabled block like {"plan": "plan.json"}', None)
     owners = layer_of_spec if layer_of_spec is not None else block.layer_of_spec
-    doc = [None]
-    if dist.get_rank() == 0:
-        doc[0] = plan_to_dict(_rank0_plan(layers, block, config, owners, costs))
-    dist.broadcast_object_list(doc, src=0)
-    result = plan_from_dict(doc[0], "plan broadcast by rank 0")
-    gas = gradient_accumulation_steps(config, dist.get_world_size(), result.num_devices)
-    check_microbatches(result.num_microbatches, gas)
-    return result, block, tuple(owners) if owners is not None else None
+    owners = tuple(owners) if owners is not None else None
+    world = _world()
 
+    def check(candidate, source: str) -> None:
+        gas = gradient_accumulation_steps(config, world, pipe_size or candidate.num_devices)
+        check_plan(candidate, RunShape(len(layers), owners, pipe_size, world, gas), source)
 
-def _rank0_plan(layers, block: OctoPipeBlock, config: dict, owners, costs=None):
-    """Read or tune the plan (rank 0 only) and save it where the block asks."""
-    if block.plan is not None:
-        result = read_plan(block.plan)
-    else:
-        result = tune_at_startup(layers, block, config, owners, costs)
-    if block.save_plan:
-        write_plan(result, block.save_plan)
-        log.info("octopipe: plan written to %s", block.save_plan)
-    return result
+    steps = PlanSteps(
+        plan_file=block.plan,
+        tune=(lambda: tune_at_startup(layers, block, config, owners, costs)) if block.tune is not None else None,
+        check=check, save_to=(block.save_plan,) if block.save_plan else (),
+        missing='"plan" or "tune" in the config\'s "octopipe" block', plan_field=("ds_config", f"$.{CONFIG_KEY}.plan"))
+    result, _ = plan_at_startup(steps)
+    return result, block, owners
 
 
 def tune_at_startup(layers, block: OctoPipeBlock, config: dict, owners, costs=None):

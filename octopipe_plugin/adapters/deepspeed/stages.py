@@ -34,6 +34,8 @@ class DeepSpeedStages(TorchStages):
         self.compute_loss = True
         self.losses: dict[int, torch.Tensor] = {}
         self.batches: list = []
+        self.keep_outputs = False  # eval_batch(return_logits=True): keep the last stage's outputs
+        self.outputs: dict[int, object] = {}
         plan = self.module.octopipe_plan
         super().__init__(modules={s: self.module for s in self.module.local_stages}, num_stages=plan.num_stages,
                          num_microbatches=plan.num_microbatches, metas=None, load_input=self.first_input,
@@ -41,10 +43,12 @@ class DeepSpeedStages(TorchStages):
                          grad_scale=self._loss_scale if engine.fp16_enabled() else None, grad_sink=grad_sink)
 
     # ---- step state ----------------------------------------------------------------------------------
-    def begin_step(self, num_microbatches: int, *, compute_loss: bool = True) -> None:
-        """Forget the previous step's batches and losses."""
+    def begin_step(self, num_microbatches: int, *, compute_loss: bool = True, keep_outputs: bool = False) -> None:
+        """Forget the previous step's batches, losses and outputs."""
         self.num_microbatches = num_microbatches
         self.compute_loss = compute_loss
+        self.keep_outputs = keep_outputs
+        self.outputs = {}
         self.losses = {}
         self.batches = []
         self._saved.clear()
@@ -72,6 +76,8 @@ class DeepSpeedStages(TorchStages):
         return module.run_stage(stage, inputs)
 
     def _loss(self, outputs, mb: int):
+        if self.keep_outputs:
+            self.outputs[mb] = outputs
         loss = outputs
         if self.compute_loss and self.module.loss_fn is not None:
             loss = self.module.loss_fn(outputs, self._to_device(self.batch(mb)[1]))

@@ -198,6 +198,9 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
         module = OctoPipePipelineModule(specs, config=cfg, **kwargs)
     engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
+    if sc.get("grad_scale") is not None:  # a deliberate scale error: the comparisons must see it
+        for q in engine.module.parameters():
+            q.register_hook(lambda g, k=sc["grad_scale"]: g * k)
     dp_rank = engine.grid.data_parallel_id
     m = engine.micro_batches
     report = {"engine": type(engine).__name__, "losses": [], "calls": [], "eval": []}
@@ -217,10 +220,16 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
             report["resize_error"] = None
         except Exception as exc:  # noqa: BLE001 - the test reads the message
             report["resize_error"] = str(exc)
+    if sc.get("logits"):  # eval_batch(return_logits=True) on step 0's micro-batches
+        loss, logits = engine.eval_batch(CountingIter(batches(0, dp_rank, m)), return_logits=True)
+        report["logits"] = (float(loss), None if logits is None else logits.detach().float().clone())
     if sc.get("save") is not None:
         engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])
     report["weights"] = _weights(engine.module)
     report["stage"] = engine.grid.get_stage_id()
+    report["overlap"] = getattr(engine, "_overlap", None) is not None
+    executor = getattr(engine, "_executor", None)  # OctoPipeEngine: the executor runs on the engine's device
+    report["executor_device"] = None if executor is None else (str(executor.device), str(engine.device))
     report["dp"] = dp_rank
     report["holds"] = [engine.is_first_stage(), engine.is_last_stage()]
     torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))

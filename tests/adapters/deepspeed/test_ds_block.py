@@ -45,3 +45,36 @@ def test_microbatch_count_must_be_gradient_accumulation_steps():
     check_microbatches(8, 8)
     with pytest.raises(FormatError, match=r"gradient_accumulation_steps: expected the plan's micro-batch count 8.*got 4"):
         check_microbatches(8, 4)
+
+
+def test_missing_plan_file_is_named_by_the_field_that_gave_it(tmp_path):
+    from octopipe_plugin.plan_startup import PlanSteps, obtain_plan
+
+    missing = str(tmp_path / "nowhere.json")
+    with pytest.raises(FormatError, match=r"^ds_config: field \$\.octopipe\.plan: expected an existing "
+                                          r"octopipe-plan/1 file, got '.*nowhere\.json'$"):
+        obtain_plan(PlanSteps(plan_file=missing, plan_field=("ds_config", "$.octopipe.plan")))
+
+
+def test_plan_checked_against_the_run():
+    from octopipe_plugin.adapters.deepspeed.plan_check import RunShape, check_plan
+    from octopipe_plugin.formats import Layer, Model
+    from octopipe_plugin.schedules.registry import build_plan
+
+    cost = dict(fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1, output_bytes=1)
+    plan = build_plan(Model(name="m", layers=tuple(Layer(name=f"l{i}", kind="dense", **cost) for i in range(6))),
+                      "1f1b", 2, 4)
+    check_plan(plan, RunShape(6, None, 2, 4, 4))
+    check_plan(plan, RunShape(8, (0, 1, 1, 2, 3, 4, 5, 5), 2, 2, 4))  # two layers split over two list entries
+    cases = [
+        (RunShape(14, None, 2, 2, 4), r"\$\.octopipe\.plan: expected a plan for the PipelineModule's 14 list "
+                                      r"entries; the plan has 6 layers"),
+        (RunShape(7, (0, 1, 2, 3, 4, 5, 6), 2, 2, 4), r"the 7 layers layer_of_spec maps .* has 6 layers"),
+        (RunShape(6, (0, 1), 2, 2, 4), r"\$\.octopipe\.layer_of_spec: expected one OctoPipe layer index per"),
+        (RunShape(6, None, 4, 4, 4), r"a plan for the pipeline's 4 ranks; the plan has 2 devices"),
+        (RunShape(6, None, None, 3, 4), r"a pipeline size that divides the world of 3 ranks"),
+        (RunShape(6, None, 2, 2, 8), r"\$\.gradient_accumulation_steps: expected the plan's micro-batch count 4"),
+    ]
+    for run, message in cases:
+        with pytest.raises(FormatError, match=message):
+            check_plan(plan, run)

@@ -2,6 +2,11 @@
 
 One spawn runs every scenario (DeepSpeed's init is paid once); each test checks one of them.
 The first deepspeed.init_distributed on a machine compiles a shared-memory op (~90 s, cached).
+
+Scale-sensitive: the scenarios train without clipping (SGD with momentum is linear in the
+gradients), and the weights after the steps are compared with the single-process reference and
+with DeepSpeed's own engine at 1e-5, which a 1% gradient scale error fails (shown by the x1.01
+scenario). Clipping keeps its own scenarios, where it is active, against the global-norm rule.
 """
 
 import json
@@ -14,7 +19,7 @@ from octopipe_plugin.formats import read_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
-LR, MOMENTUM, CLIP = 0.5, 0.9, 0.05
+LR, MOMENTUM, CLIP = 0.5, 0.9, 0.05  # CLIP is active: the gradient norms are about 8.7
 M = 4
 # A V-shape: stages 0 and 3 on rank 0, 1 and 2 on rank 1; non-uniform; random order with split backward.
 V_DEVICES, V_BOUNDS = [0, 1, 1, 0], [(0, 1), (1, 5), (5, 6), (6, 9)]
@@ -30,30 +35,37 @@ def _scenarios(tmp):
         path.write_text(json.dumps(H.plan_doc(devices, bounds, 2, M, seed)))
         return str(path)
 
-    cfg = lambda path, clip=CLIP, **extra: H.ds_config(m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=clip,  # noqa: E731
+    cfg = lambda path, clip=0.0, **extra: H.ds_config(m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=clip,  # noqa: E731
                                                          plan_path=path, extra=extra)
     v = plan("v", V_DEVICES, V_BOUNDS, 3)
     flat = plan("flat", [0, 1], FLAT_BOUNDS, 5)
     ck = str(tmp / "ck")
     resume = dict(first_step=H.STEPS, load=dict(dir=ck, tag="v3"))
     return [
-        dict(name="v_fp32", config=cfg(v), eval=True, save=dict(dir=ck, tag="v3")),
+        dict(name="v_fp32", config=cfg(v), eval=True, logits=True, save=dict(dir=ck, tag="v3")),
+        dict(name="v_scaled", config=cfg(v), grad_scale=1.01),
+        dict(name="v_clip", config=cfg(v, clip=CLIP)),
+        dict(name="flat_clip_octopipe", config=cfg(flat, clip=CLIP)),
+        dict(name="flat_clip_stock", config=cfg(None, clip=CLIP), parts=[0, 3, 9]),
+        dict(name="flat_stock_mask", config=cfg(None), parts=[0, 3, 9], masked=True),
         dict(name="v_ckpt", config=cfg(v), ckpt_interval=2),
         dict(name="v_mask", config=cfg(v), masked=True, ckpt_interval=2),
-        dict(name="flat_octopipe", config=cfg(flat, clip=0.0), resize=H.MBS * 2),
-        dict(name="flat_stock", config=cfg(None, clip=0.0), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
-        dict(name="flat_octopipe_lr", config=cfg(flat, clip=0.0, scheduler=WARMUP)),
-        dict(name="flat_stock_lr", config=cfg(None, clip=0.0, scheduler=WARMUP), parts=[0, 3, 9]),
-        dict(name="v_bf16", config=cfg(v, bf16={"enabled": True})),
+        dict(name="flat_octopipe", config=cfg(flat), resize=H.MBS * 2),
+        dict(name="flat_stock", config=cfg(None), parts=[0, 3, 9], save=dict(dir=ck, tag="stock3")),
+        dict(name="flat_octopipe_lr", config=cfg(flat, scheduler=WARMUP)),
+        dict(name="flat_stock_lr", config=cfg(None, scheduler=WARMUP), parts=[0, 3, 9]),
+        dict(name="v_bf16", config=cfg(v, bf16={"enabled": True}), save=dict(dir=ck, tag="bf16")),
+        dict(name="v_bf16_long", config=cfg(v, bf16={"enabled": True}), steps=2 * H.STEPS),
+        dict(name="resume_bf16", config=cfg(v, bf16={"enabled": True}), first_step=H.STEPS,
+             load=dict(dir=ck, tag="bf16")),
         dict(name="v_bf16_immediate", config=cfg(v, bf16={"enabled": True, "immediate_grad_update": True})),
         dict(name="resume_other_plan", config=cfg(flat), **resume),
-        # DeepSpeed's engine clips on pipeline rank 0's gradients only: resume it unclipped
         dict(name="resume_deepspeed_partition", plain=True, pp=2, **resume,
-             config=cfg(None, clip=0.0, octopipe={"enabled": False, "plan": v})),  # a disabled block: stock engine
+             config=cfg(None, octopipe={"enabled": False, "plan": v})),  # a disabled block: stock engine
         dict(name="refuse_unmapped", config=cfg(v), load=dict(dir=ck, tag="stock3"), fatal=False),
         # a plain PipelineModule with a "tune" block: rebuilt at the plan rank 0 tunes, broadcasts and saves
         dict(name="tune_plain", plain=True, pp=2, config=H.ds_config(
-            m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=CLIP, extra={"octopipe": {
+            m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=0.0, extra={"octopipe": {
                 "tune": {"cluster": "h100x2", "time_budget_s": 2}, "save_plan": str(tmp / "tuned.json"),
                 "timeout_s": 120}})),
         dict(name="refuse_microbatches", config=cfg(v, train_batch_size=H.MBS * 2), fatal=False),
@@ -78,14 +90,48 @@ def _check_against_reference(reports, clip, atol=1e-5, masked=False):
             torch.testing.assert_close(weights[idx][k], v, atol=atol, rtol=atol)
 
 
-@pytest.mark.timeout(600)
-def test_v_shape_irregular_order_matches_reference_with_clipping(runs):
+@pytest.mark.timeout(900)
+def test_v_shape_irregular_order_matches_reference_and_deepspeeds_engine(runs):
     reports = H.load(runs, "v_fp32", 2)
     assert {r["engine"] for r in reports} == {"OctoPipeEngine"}
-    _check_against_reference(reports, CLIP)
+    _check_against_reference(reports, 0.0)
+    _assert_same_weights(reports, H.load(runs, "flat_stock", 2))  # DeepSpeed cannot express the V: its 2 stages
+    for rep in reports:  # buffers and sent gradients live on the engine's device (NCCL refuses CPU tensors)
+        device, engine_device = rep["executor_device"]
+        assert device == engine_device
     # rank 0 holds the first and the last stage: it alone pulls data, M times per step
     assert reports[0]["holds"] == [True, True] and reports[1]["holds"] == [False, False]
     assert reports[0]["calls"] == [M] * H.STEPS and reports[1]["calls"] == [0] * H.STEPS
+
+
+@pytest.mark.timeout(60)
+def test_a_one_percent_gradient_scale_error_fails_the_comparisons(runs):
+    scaled = H.load(runs, "v_scaled", 2)
+    with pytest.raises(AssertionError):
+        _check_against_reference(scaled, 0.0)
+    with pytest.raises(AssertionError):
+        _assert_same_weights(scaled, H.load(runs, "flat_stock", 2))
+
+
+@pytest.mark.timeout(60)
+def test_active_clipping_follows_the_global_norm_rule(runs):
+    # the clip is active: clipped and unclipped references end apart
+    _, clipped = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=CLIP)
+    _, free = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=0.0)
+    assert not torch.allclose(clipped["1"]["fc.weight"], free["1"]["fc.weight"], atol=1e-3)
+    _check_against_reference(H.load(runs, "v_clip", 2), CLIP)
+    _check_against_reference(H.load(runs, "flat_clip_octopipe", 2), CLIP)
+
+
+@pytest.mark.timeout(60)
+def test_deepspeeds_fp32_clipping_trap_is_worked_around(runs):
+    # DeepSpeed 0.19.8's fp32 pipeline clips on pipeline rank 0's gradient norm only
+    # (runtime/utils.py clip_grad_norm_ counts model-parallel rank 0): on the same partition its
+    # weights leave the global-norm reference, OctoPipeEngine's (clip_fp32_gradients) do not
+    stock = H.load(runs, "flat_clip_stock", 2)
+    with pytest.raises(AssertionError):
+        _check_against_reference(stock, CLIP)
+    _check_against_reference(H.load(runs, "flat_clip_octopipe", 2), CLIP)
 
 
 @pytest.mark.timeout(60)
@@ -97,13 +143,17 @@ def test_eval_batch_equals_training_forward_loss(runs):
 
 @pytest.mark.timeout(60)
 def test_activation_checkpointing_with_split_backward(runs):
-    _check_against_reference(H.load(runs, "v_ckpt", 2), CLIP)
+    reports = H.load(runs, "v_ckpt", 2)
+    _check_against_reference(reports, 0.0)
+    _assert_same_weights(reports, H.load(runs, "flat_stock", 2))
 
 
 @pytest.mark.timeout(60)
 def test_hidden_and_mask_boundary(runs):
     # every stage hands on (hidden states, integer mask): the mask crosses ranks without a gradient
-    _check_against_reference(H.load(runs, "v_mask", 2), CLIP, masked=True)
+    reports = H.load(runs, "v_mask", 2)
+    _check_against_reference(reports, 0.0, masked=True)
+    _assert_same_weights(reports, H.load(runs, "flat_stock_mask", 2))
 
 
 def _assert_same_weights(ours, stock):
@@ -137,7 +187,7 @@ def test_lr_scheduler_steps_as_in_deepspeeds_engine(runs):
 @pytest.mark.timeout(60)
 def test_bf16_both_gradient_modes(runs):
     plain, immediate = H.load(runs, "v_bf16", 2), H.load(runs, "v_bf16_immediate", 2)
-    ref_losses, _ = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=CLIP)
+    ref_losses, _ = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=0.0)
     for a, b in zip(plain, immediate):
         assert a["losses"] == b["losses"]  # the same fp32 master gradients either way
         assert a["losses"] == pytest.approx(ref_losses, rel=2e-2)
@@ -148,11 +198,38 @@ def test_bf16_both_gradient_modes(runs):
 
 
 @pytest.mark.timeout(60)
+def test_bf16_resume_under_the_same_plan_continues_the_run(runs):
+    # DeepSpeed 0.19.8 writes the bf16 optimizer state to bf16_zero_pp_rank_* files and reads it from
+    # mp_rank_XX_model_states.pt (KeyError: 0 in BF16_Optimizer._load_legacy_checkpoint): read from the right file
+    resumed, straight = H.load(runs, "resume_bf16", 2), H.load(runs, "v_bf16_long", 2)
+    for a, b in zip(resumed, straight):
+        assert a["losses"] == pytest.approx(b["losses"][H.STEPS:], rel=1e-6, abs=1e-6)
+    wa, wb = H.merged_weights(resumed), H.merged_weights(straight)
+    for idx in wa:
+        for k in wa[idx]:
+            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_eval_batch_returns_the_last_microbatchs_logits(runs):
+    emb, blocks = H.reference_model()
+    _, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=0.0)
+    with torch.no_grad():
+        emb.weight.copy_(ref_weights["0"]["weight"])
+        for j, b in enumerate(blocks):
+            b.load_state_dict(ref_weights[str(j + 1)])
+        ids, _ = H.batches(0, 0, M)[-1]
+        expected = H.reference_forward(emb, blocks, ids)
+    reports = H.load(runs, "v_fp32", 2)
+    loss, logits = reports[0]["logits"]  # rank 0 holds the last stage of the V
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert reports[1]["logits"][1] is None and reports[1]["logits"][0] == pytest.approx(loss)
+
+
+@pytest.mark.timeout(60)
 def test_checkpoint_resumes_under_another_plan_and_deepspeeds_partition(runs):
-    for name, engine, clip in (("resume_other_plan", "OctoPipeEngine", CLIP),
-                               ("resume_deepspeed_partition", "PipelineEngine", 0.0)):
-        ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM,
-                                                  clip=[CLIP] * H.STEPS + [clip] * H.STEPS, steps=2 * H.STEPS)
+    ref_losses, ref_weights = H.reference_run(dp=1, m=M, lr=LR, momentum=MOMENTUM, clip=0.0, steps=2 * H.STEPS)
+    for name, engine in (("resume_other_plan", "OctoPipeEngine"), ("resume_deepspeed_partition", "PipelineEngine")):
         reports = H.load(runs, name, 2)
         assert {r["engine"] for r in reports} == {engine}
         for rep in reports:  # momentum buffers followed their parameters: the losses go on as without a break
@@ -160,7 +237,7 @@ def test_checkpoint_resumes_under_another_plan_and_deepspeeds_partition(runs):
         weights = H.merged_weights(reports)
         for idx, sd in ref_weights.items():
             for k, v in sd.items():
-                torch.testing.assert_close(weights[idx][k], v, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(weights[idx][k], v, atol=5e-5, rtol=1e-5)  # 6 unclipped steps of fp32 order drift; a 1% error is ~1e-3
 
 
 @pytest.mark.timeout(60)
@@ -179,6 +256,7 @@ def test_refusals_name_the_reason(runs):
 def test_plain_module_with_tune_block_runs_a_plan_tuned_on_rank0(runs):
     reports = H.load(runs, "tune_plain", 2)
     assert {r["engine"] for r in reports} == {"OctoPipeEngine"}
-    _check_against_reference(reports, CLIP)
+    _check_against_reference(reports, 0.0)
+    _assert_same_weights(reports, H.load(runs, "flat_stock", 2))
     plan = read_plan(runs / "tuned.json")
     assert plan.num_devices == 2 and plan.num_microbatches == M and plan.stages[-1].end == H.NUM_LAYERS

@@ -8,7 +8,7 @@ from torch import nn
 
 from octopipe_plugin.adapters.deepspeed.config import parse_block
 from octopipe_plugin.adapters.deepspeed.plan_source import profile_specs, resolve_plan
-from octopipe_plugin.errors import FormatError
+from octopipe_plugin.errors import FormatError, OctoPipeError
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_bad_profile_value_refused_naming_the_key(tune, field, expected):
 def test_float_first_layer_needs_profile_input(one_rank_group, tmp_path, monkeypatch):
     monkeypatch.setenv("OCTOPIPE_PROFILE_CACHE", str(tmp_path / "cache"))
     specs = _specs()[1:]
-    with pytest.raises(FormatError, match=r"\$\.octopipe\.tune\.profile_input: expected the shape"):
+    with pytest.raises(OctoPipeError, match=r"\$\.octopipe\.tune\.profile_input: expected the shape"):
         resolve_plan(specs, config=_config(profile=True))
     plan, _, _ = resolve_plan(specs, config=_config(profile=True, profile_repeats=1, profile_input=[2, 8, 16]))
     assert plan.stages[-1].end == 3

@@ -1,0 +1,119 @@
+"""A user's own training script under `torchrun` on 2 gloo ranks: the "octopipe" block is honoured
+(OctoPipeEngine, whatever way `deepspeed.initialize` is called) or refused with one line on every
+rank, no traceback, no rank left waiting (each launch is bounded by the subprocess timeout)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octopipe_plugin.formats import Layer, Model, write_plan
+from octopipe_plugin.schedules.registry import build_plan
+
+pytestmark = [pytest.mark.framework, pytest.mark.distributed]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+M = 4
+
+
+def _plan(tmp_path, layers: int, m: int = M) -> str:
+    cost = dict(fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1, output_bytes=1)
+    model = Model(name="user", layers=tuple(Layer(name=f"l{i}", kind="dense", **cost) for i in range(layers)))
+    path = tmp_path / f"plan{layers}_{m}.json"
+    write_plan(build_plan(model, "1f1b", 2, m), str(path))
+    return str(path)
+
+
+def launch(*flags, timeout=300):
+    """(returncode, combined output) of user_train.py under torchrun on 2 CPU processes."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "user_train.py"), *flags]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return out.returncode, out.stdout + out.stderr
+
+
+def launch_ranks(*flags, timeout=300):
+    """[(returncode, output)] of each rank of user_train.py, started as 2 processes with torchrun's
+    environment but not torchrun (which kills the other ranks at the first failure, so it cannot show
+    that every rank ends by itself with the line)."""
+    from octopipe_plugin.executor.launch import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1", RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "user_train.py"), *flags], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    out = []
+    try:
+        for proc in procs:
+            out.append((proc.wait(timeout=timeout), proc.stdout.read()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return out
+
+
+def _refused(flags, expected: str):
+    lines = []
+    for rc, out in launch_ranks(*flags):
+        assert rc == 1, out  # every rank ends by itself (none left waiting), with the refusal's exit status
+        mine = [ln for ln in out.splitlines() if expected in ln]
+        assert len(mine) == 1, out  # the same one line on every rank
+        assert "Traceback" not in out, out
+        lines += mine
+    assert lines[0] == lines[1]
+    return lines[0]
+
+
+def _trained(flags):
+    rc, out = launch(*flags)
+    assert rc == 0, out
+    ranks = re.findall(r"RANK (\d) ENGINE (\w+) LOSSES (\[[^\]]*\])", out)
+    assert sorted(r for r, _, _ in ranks) == ["0", "1"], out
+    assert {e for _, e, _ in ranks} == {"OctoPipeEngine"}, out
+    return json.loads(ranks[0][2])
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("layers", [10, 40])
+def test_plan_for_another_layer_count_is_refused(tmp_path, layers):
+    line = _refused(["--plan", _plan(tmp_path, layers)], "ds_config: field $.octopipe.plan: expected a plan for the "
+                    "PipelineModule's 14 list entries")
+    assert f"has {layers} layers" in line
+
+
+@pytest.mark.timeout(360)
+def test_wrong_microbatch_count_is_refused(tmp_path):
+    _refused(["--plan", _plan(tmp_path, 14), "--gas", "2"],
+             "ds_config: field $.gradient_accumulation_steps: expected the plan's micro-batch count 4")
+
+
+@pytest.mark.timeout(360)
+def test_missing_plan_file_ends_every_rank(tmp_path):
+    _refused(["--plan", str(tmp_path / "nowhere.json")],
+             "ds_config: field $.octopipe.plan: expected an existing octopipe-plan/1 file")
+
+
+@pytest.mark.timeout(360)
+def test_subclass_overriding_forward_is_refused(tmp_path):
+    _refused(["--plan", _plan(tmp_path, 14), "--subclass", "forward"],
+             "NetWithForward overrides PipelineModule.forward")
+
+
+@pytest.mark.timeout(1300)
+def test_positional_model_early_import_and_subclass_all_run_the_plan(tmp_path):
+    plan = _plan(tmp_path, 14)
+    keyword = _trained(["--plan", plan])
+    assert _trained(["--plan", plan, "--positional"]) == keyword
+    assert _trained(["--plan", plan, "--early-import"]) == keyword
+    assert _trained(["--plan", plan, "--subclass", "init", "--positional", "--early-import"]) == keyword

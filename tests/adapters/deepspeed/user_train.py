@@ -1,0 +1,76 @@
+"""A training script written as a DeepSpeed user writes one, launched by torchrun in the tests.
+
+A PipelineModule of LayerSpecs (Linear/Tanh), seeded data, fp32, plain SGD, no clipping; the only
+OctoPipe lines are the import and the config's "octopipe" block. Flags choose how the user calls
+DeepSpeed (model positional, `from deepspeed import initialize` before the plugin's import, a
+PipelineModule subclass), so the tests see each way end in OctoPipeEngine or one line.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from torch import nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--plan")
+p.add_argument("--layers", type=int, default=14)
+p.add_argument("--gas", type=int, default=4)
+p.add_argument("--positional", action="store_true")
+p.add_argument("--early-import", action="store_true")
+p.add_argument("--subclass", choices=["init", "forward"])
+p.add_argument("--steps", type=int, default=2)
+p.add_argument("--no-block", action="store_true")
+args = p.parse_args()
+
+if args.early_import:
+    from deepspeed import initialize  # bound before octopipe_plugin.deepspeed is imported
+import deepspeed
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+import octopipe_plugin.deepspeed  # noqa: F401,E402
+
+if not args.early_import:
+    initialize = deepspeed.initialize
+
+WIDTH, MBS = 6, 2
+
+
+class Net(PipelineModule):
+    def __init__(self, specs, **kw):
+        super().__init__(layers=specs, **kw)
+
+
+class NetWithForward(Net):
+    def forward(self, x):  # noqa: D102 - a user's own override
+        return super().forward(x)
+
+
+def main():
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": args.gas,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0,
+           "steps_per_print": 10 ** 6}
+    if not args.no_block:
+        cfg["octopipe"] = {"plan": args.plan, "timeout_s": 60}
+    specs = [LayerSpec(nn.Linear, WIDTH, WIDTH) if j % 2 == 0 else LayerSpec(nn.Tanh) for j in range(args.layers)]
+    cls = {"init": Net, "forward": NetWithForward}.get(args.subclass, PipelineModule)
+    kw = dict(num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform", seed_layers=True,
+              base_seed=7)
+    model = cls(specs, **kw) if args.subclass else PipelineModule(layers=specs, **kw)
+    params = [q for q in model.parameters() if q.requires_grad]
+    if args.positional:
+        engine, _, _, _ = initialize(None, model, None, params, config=cfg)
+    else:
+        engine, _, _, _ = initialize(model=model, model_parameters=params, config=cfg)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(MBS, WIDTH, generator=gen), torch.randn(MBS, WIDTH, generator=gen))
+            for _ in range(args.gas * args.steps)]
+    it = iter(data)
+    losses = [float(engine.train_batch(data_iter=it)) for _ in range(args.steps)]
+    print(f"RANK {os.environ['RANK']} ENGINE {type(engine).__name__} LOSSES {json.dumps(losses)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
