@@ -21,6 +21,7 @@ from ..errors import DeadlockError, PlanError
 from ..formats.splits import SplitLayer, check_model_splits, owner_stage, side_of
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes
+from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
 GRAD = "grad"  # key prefix of a stage's input gradient, made by its B or its I (whichever the plan runs)
 
@@ -173,8 +174,6 @@ class SplitGraph:
 
 def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = None, detail: bool = True):
     """Simulate a plan with split layers; raises DeadlockError when some device can never proceed."""
-    from .core import SimResult, Transfer, _stuck_grid
-
     check_split_options(options)
     if model is not None:
         check_model_splits(model, plan.splits)
