@@ -21,18 +21,23 @@ DEFAULT_PLAN = "octopipe-plan.json"
 _GIB = 2**30
 
 
+def _prepare(args, source: str):
+    """(plan path, cluster) of a plan from a launch; --model / --microbatches are refused (`source` gives them)."""
+    for flag in ("model", "microbatches"):
+        if getattr(args, flag) is not None:
+            raise OctoPipeError(f"--{flag} comes from {source}; drop --{flag}")
+    output = args.output or DEFAULT_PLAN
+    check_writable(output, "-o")
+    check_writable(args.png, "--png")
+    return output, load_cluster(args.cluster)
+
+
 def run_from_megatron(args) -> int:
     """Plan from a Megatron launch's arguments (see the module docstring)."""
     from ..adapters.megatron.from_args import args_to_add, run_constraints, stamp, view_launch
     from .plan_report import check_size, summary, tuned
 
-    for flag in ("model", "microbatches"):
-        if getattr(args, flag) is not None:
-            raise OctoPipeError(f"--{flag} comes from --megatron-args (the launch's model and batch); drop --{flag}")
-    output = args.output or DEFAULT_PLAN
-    check_writable(output, "-o")
-    check_writable(args.png, "--png")
-    bare = load_cluster(args.cluster)
+    output, bare = _prepare(args, "--megatron-args (the launch's model and batch)")
     view = view_launch(args.megatron_args, bare, world_size=args.world_size, gpu=args.gpu)
     launch_headroom = view.args.octopipe_memory_headroom if "--octopipe-memory-headroom" in " ".join(view.argv) \
         else None  # the launch's own setting, unless --memory-headroom overrides it
@@ -84,13 +89,7 @@ def run_from_deepspeed(args) -> int:
     from ..adapters.deepspeed.from_config import view_job
     from .plan_report import check_size, summary, tuned
 
-    for flag in ("model", "microbatches"):
-        if getattr(args, flag) is not None:
-            raise OctoPipeError(f"--{flag} comes from --deepspeed-config and --module; drop --{flag}")
-    output = args.output or DEFAULT_PLAN
-    check_writable(output, "-o")
-    check_writable(args.png, "--png")
-    bare = load_cluster(args.cluster)
+    output, bare = _prepare(args, "--deepspeed-config and --module")
     job = view_job(args.deepspeed_config, args.module, bare, world_size=args.world_size, gpu=args.gpu,
                    partition_method=args.partition_method)
     tune = (job.config.get("octopipe") or {}).get("tune") or {}
