@@ -64,12 +64,12 @@ def cache_key(plan) -> _Key:
 
 def first_rank(plan) -> int:
     """The pipeline rank that runs the first stage (it loads the inputs)."""
-    return plan.stages[0].device
+    return plan.first_device
 
 
 def loss_rank(plan) -> int:
     """The pipeline rank that runs the last stage (it computes the loss)."""
-    return plan.stages[-1].device
+    return plan.loss_device
 
 
 def is_forward_only(plan) -> bool:

@@ -47,6 +47,16 @@ class Plan:
         """Number of (virtual) stages."""
         return len(self.stages)
 
+    @property
+    def first_device(self) -> int:
+        """The device that runs the first stage (it loads the inputs)."""
+        return self.stages[0].device
+
+    @property
+    def loss_device(self) -> int:
+        """The device that runs the last stage (it computes the loss)."""
+        return self.stages[-1].device
+
     def stages_of(self, device: int) -> list[int]:
         """Stages a device runs, in model order."""
         return [s for s, st in enumerate(self.stages) if st.device == device]

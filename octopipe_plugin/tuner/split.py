@@ -178,7 +178,7 @@ def _insertions(model, cluster, head, emb, plan, opts, label0):
     extra = ()
     if emb is not None:
         gone.append(SplitLayer(layer=emb, devices=(0,), shares=(1.0,)))
-        first = plan.stages[0].device
+        first = plan.first_device
         node = tuple(d for d in range(nd) if cluster.same_node(d, first))
         extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
     work = _device_work(without_split_layers(model, tuple(gone)), plan)

@@ -86,7 +86,7 @@ class OctoPipeEngine(PipelineEngine):
         return self.plan.num_stages - 1 in self.module.local_stages
 
     def _loss_stage_global_rank(self):
-        return self.grid.stage_to_global(self.plan.stages[-1].device)
+        return self.grid.stage_to_global(self.plan.loss_device)
 
     def _use_torch_checkpoint(self) -> None:
         """DeepSpeed's checkpoint functions refuse autograd.grad, which split backward needs: use torch's."""

@@ -81,12 +81,12 @@ def chunk_specs(plan, model, rank: int) -> list[ChunkSpec]:
 
 def loss_rank(plan) -> int:
     """Pipeline rank that computes the loss (the last stage's device)."""
-    return plan.stages[-1].device
+    return plan.loss_device
 
 
 def first_rank(plan) -> int:
     """Pipeline rank that reads the batch (stage 0's device)."""
-    return plan.stages[0].device
+    return plan.first_device
 
 
 def is_looped(plan) -> bool:

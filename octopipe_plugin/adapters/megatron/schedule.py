@@ -150,7 +150,7 @@ def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: in
     """The loss dicts per micro-batch on the last pipeline rank (where train_step / evaluate reduce and log
     them), [] elsewhere; under a plan that computes the loss on another rank (V-shape) they are sent there
     as tensors (only their structure is pickled: nothing on a GPU travels through pickling)."""
-    loss_rank, last = plan.stages[-1].device, dist.get_world_size(pp_group) - 1
+    loss_rank, last = plan.loss_device, dist.get_world_size(pp_group) - 1
     mine = [runner.loss_data[mb] for mb in range(num_microbatches)] if rank == loss_rank else None
     if loss_rank == last:
         return mine if rank == last else []
@@ -165,7 +165,7 @@ def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: in
 def _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce) -> None:
     """Token count on every rank (from the loss rank), then Megatron's finalize_model_grads_func."""
     num_tokens = runner.num_tokens.clone()
-    loss_rank = plan.stages[-1].device
+    loss_rank = plan.loss_device
     dist.broadcast(num_tokens, group_src=loss_rank, group=pp_group)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(model, num_tokens if config.calculate_per_token_loss else None,
