@@ -278,7 +278,7 @@ class Transport:
     # ----- sends
 
     def send(self, msg: Message, value, action) -> None:
-        """Start sending `value` as `msg` and return at once (the send is awaited in `finish`)."""
+        """Start sending `value` as `msg` and return at once (dropped when done: see `reap`, `finish`)."""
         self._check_watchdog(action)
         b = boundary_of(msg)
         if msg.kind is MsgKind.ACT:
