@@ -278,7 +278,7 @@ class Transport:
     # ----- sends
 
     def send(self, msg: Message, value, action) -> None:
-        """Start sending `value` as `msg` and return at once (dropped when done: see `reap`, `finish`)."""
+        """Start sending `value` as `msg`, return at once (dropped once done: `reap`, a later receive, `finish`)."""
         self._check_watchdog(action)
         b = boundary_of(msg)
         if msg.kind is MsgKind.ACT:
