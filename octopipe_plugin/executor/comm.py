@@ -70,12 +70,16 @@ class Transport:
 
     `buffers`: the receive-buffer store kept across steps (None: every step allocates its own).
     `exchange`: "message" or "batched" (None: the backend's default).
+    `action_index`: the plan's `schedules.messages.action_index` (None: sends are dropped only by `reap` and
+    `finish`); with it, a lane whose sends cannot be polled drops them once the peer has visibly consumed them.
     """
 
     def __init__(self, *, rank: int, num_stages: int, recv_order: dict, send_order: dict, device: torch.device,
                  timeout_s: float, group=None, pair_groups: dict | None = None, tags: bool = True,
-                 buffers: dict | None = None, exchange: str | None = None):
+                 buffers: dict | None = None, exchange: str | None = None, action_index: dict | None = None):
         self.rank = rank
+        # action -> (device, position in its list) of the step's plan: tells which sends a peer has consumed
+        self.action_index = action_index
         self.num_stages = num_stages
         self.recv_order = recv_order
         self.position = {m: i for msgs in recv_order.values() for i, m in enumerate(msgs)}
@@ -259,6 +263,7 @@ class Transport:
             self._advance(peer)
         p = self.posted.pop(msg)
         self._wait(p, action, "receive")
+        self._drop_consumed_sends(msg, action)
         tensors = self.lane.received(p)
         self._check_devices(tensors, msg, action, "received buffer")
         b = boundary_of(msg)
@@ -273,7 +278,7 @@ class Transport:
     # ----- sends
 
     def send(self, msg: Message, value, action) -> None:
-        """Start sending `value` as `msg` and return at once (the send is awaited in `finish`)."""
+        """Start sending `value` as `msg`, return at once (dropped once done: `reap`, a later receive, `finish`)."""
         self._check_watchdog(action)
         b = boundary_of(msg)
         if msg.kind is MsgKind.ACT:
@@ -344,6 +349,27 @@ class Transport:
         self._check_watchdog("reap")
         if self.in_flight:
             self.in_flight = [t for t in self.in_flight if not t.completed()]
+
+    def _drop_consumed_sends(self, got: Message, action) -> None:
+        """Drop the sends to `got`'s sender that it consumed before producing `got` (they have completed).
+
+        gloo's send works report completion only once waited on, so `reap` never drops them: each send's wire
+        tensors (for a pseudo-freed output, its whole storage) would live until the step's end, as Megatron's
+        schedules never keep them. Waiting on such a send returns at once: the peer already received it.
+        """
+        if self.action_index is None or self.lane.pollable() or not self.in_flight:
+            return
+        made = self.action_index.get(got.producer)
+        if made is None:
+            return
+        keep = []
+        for t in self.in_flight:
+            used = self.action_index.get(t.msg.consumer)
+            if t.msg.dst == got.src and t.works is not None and used is not None and used[1] < made[1]:
+                self._wait(t, action, "send")
+            else:
+                keep.append(t)
+        self.in_flight = keep
 
     def finish(self, action="end of step") -> None:
         """Wait for every send of the step, each for at most the timeout."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..actions import Action, Kind
+from ..schedules.messages import action_index
 from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
@@ -156,7 +157,7 @@ class PipelineExecutor:
                 rank=self.rank, num_stages=self.plan.num_stages, recv_order=prog.recv_order,
                 send_order=prog.send_order, device=self.device, timeout_s=self.options.timeout_s, group=self.group,
                 pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers,
-                exchange=self.options.exchange)
+                exchange=self.options.exchange, action_index=action_index(low.plan))
         return tp
 
     def run_step(self, data=None, *, forward_only: bool = False, num_microbatches: int | None = None) -> StepResult:

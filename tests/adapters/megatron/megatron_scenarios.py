@@ -68,19 +68,26 @@ def _megatron_chunks(spec: H.TinyGPT, layout: str | None, pp: int):
 
 @contextlib.contextmanager
 def _peak_memory(out: list | None):
-    """Peak bytes held by torch's CPU allocator above the start, inside (torch.profiler's memory events, in
-    time order); appended to `out` (None: nothing measured)."""
+    """Peak bytes held by torch's CPU allocator above the start, inside: every allocation and free the profiler
+    recorded (its raw memory records, in time order); appended to `out` (None: nothing measured).
+
+    Not the FunctionEvents' self memory: torch's parser gives each memory record to every event whose time span
+    covers it, and an async event (a gloo send or receive, open from its issue to its wait) reports no self memory,
+    so frees outside any op during an open transfer vanished and the sum climbed by every activation freed then.
+    """
     if out is None:
         yield
         return
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
     current = peak = 0
-    for e in events:  # each op's own net allocation, and the frees outside any op
-        current += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+    for _, nbytes in records:  # + allocation, - free
+        current += nbytes
         peak = max(peak, current)
     out.append(peak)
 
