@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -85,7 +84,7 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
 
     import octopipe_plugin.deepspeed  # noqa: F401  (deepspeed.initialize builds OctoPipeEngine for a planned module)
     from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
-    from octopipe_plugin.testing.deepspeed_standin import standin_batches, standin_loss, standin_specs
+    from octopipe_plugin.testing.deepspeed_standin import standin_loss, standin_specs, timed_train_batches
     from octopipe_plugin.executor.clock import DeviceClock
     from octopipe_plugin.formats import model_from_dict, plan_from_dict
 
@@ -105,18 +104,7 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
     for name, build in builders.items():
         module = build()
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=list(module.parameters()))
-        spans = []
-        for step in range(steps + 1):
-            # a common start instant: boundaries carry device-clock times across ranks (the Megatron benchmark's rule)
-            deepspeed.comm.barrier()
-            start = torch.tensor([time.time() + 0.2], dtype=torch.float64)
-            torch.distributed.broadcast(start, src=0)
-            t0 = float(start[0])
-            time.sleep(max(0.0, t0 - time.time()))
-            clock.start(t0)
-            engine.train_batch(data_iter=iter(standin_batches(m)))
-            spans.append(time.time() - t0)
-        times[name] = {"engine": type(engine).__name__, "spans": spans[1:]}
+        times[name] = {"engine": type(engine).__name__, "spans": timed_train_batches(engine, clock, m, steps)}
         del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(times, fh)

@@ -105,10 +105,7 @@ def _worker(rank, world, port, model_doc, plan_path, scale, m, args, out_dir):
     from octopipe_plugin.executor.clock import DeviceClock
     from octopipe_plugin.formats import model_from_dict
 
-    try:  # the stand-ins' home after the test-scaffolding move
-        from octopipe_plugin.testing.deepspeed_standin import standin_batches, standin_loss, standin_specs
-    except ImportError:
-        from octopipe_plugin.testing.deepspeed_standin import standin_batches, standin_loss, standin_specs
+    from octopipe_plugin.testing.deepspeed_standin import standin_loss, standin_specs, timed_train_batches
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = model_from_dict(model_doc)
@@ -126,17 +123,7 @@ def _worker(rank, world, port, model_doc, plan_path, scale, m, args, out_dir):
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=list(module.parameters()))
         current["group"] = engine.mpu.get_data_parallel_group()  # each engine's grid has its own groups
         current["s_per_element"] = cost / 1000.0 / sum(p.numel() for p in module.parameters())
-        spans = []
-        for _ in range(args.steps + 1):
-            deepspeed.comm.barrier()
-            start = torch.tensor([time.time() + 0.2], dtype=torch.float64)
-            torch.distributed.broadcast(start, src=0)
-            t0 = float(start[0])
-            time.sleep(max(0.0, t0 - time.time()))
-            clock.start(t0)
-            engine.train_batch(data_iter=iter(standin_batches(m)))
-            spans.append(time.time() - t0)
-        results[mode] = {"spans": spans[1:], "overlap": engine._overlap is not None}
+        results[mode] = {"spans": timed_train_batches(engine, clock, m, args.steps), "overlap": engine._overlap is not None}
         del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh)

@@ -11,6 +11,8 @@ model where it would split the real one. Sleeping costs no CPU, so eight ranks f
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..executor.clock import DeviceClock
@@ -46,3 +48,23 @@ def standin_batches(n: int, micro_batch_size: int = 1):
     """n micro-batches (input, labels) of the stand-in width (float64, as the time stamps need)."""
     return [(torch.zeros(micro_batch_size, WIDTH, dtype=DTYPE), torch.ones(micro_batch_size, WIDTH, dtype=DTYPE))
             for _ in range(n)]
+
+
+def timed_train_batches(engine, clock: DeviceClock, num_microbatches: int, steps: int) -> list[float]:
+    """Wall seconds of `steps` train_batch calls after one warm-up, every rank starting each at one instant.
+
+    Boundaries carry device-clock times across ranks (the Megatron benchmark's rule), so all ranks start
+    their clocks at the instant rank 0 broadcasts."""
+    import deepspeed
+
+    spans = []
+    for _ in range(steps + 1):
+        deepspeed.comm.barrier()
+        start = torch.tensor([time.time() + 0.2], dtype=torch.float64)
+        torch.distributed.broadcast(start, src=0)
+        t0 = float(start[0])
+        time.sleep(max(0.0, t0 - time.time()))
+        clock.start(t0)
+        engine.train_batch(data_iter=iter(standin_batches(num_microbatches)))
+        spans.append(time.time() - t0)
+    return spans[1:]
