@@ -186,6 +186,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     waiting: dict = {}
     free, busy, pos = [0.0] * nd, [0.0] * nd, [0] * nd
     timeline = [[] for _ in range(nd)] if detail else None
+    bound = [[None] * len(row) for row in rows] if detail else None  # the input that set each start (None: the device)
     transfers = [] if detail else None
     ready = list(range(nd))
     while ready:
@@ -193,14 +194,14 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         row, p = rows[d], pos[d]
         while p < len(row):
             a, key, deps, dur = row[p]
-            start, blocked = free[d], None
+            start, blocked, by = free[d], None, None
             for dep, delay in deps:
                 t = done.get(dep)
                 if t is None:
                     blocked = dep
                     break
                 if t + delay > start:
-                    start = t + delay
+                    start, by = t + delay, dep
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(d)
                 break
@@ -208,6 +209,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
             free[d], busy[d] = end, busy[d] + dur
             if timeline is not None:
                 timeline[d].append((a, start, end))
+                bound[d][p] = by
             woken = [key]
             if RULES[a.kind].sends is not None and RULES[a.kind].sends.step < 0:
                 woken.append((GRAD, a.stage, a.microbatch))
@@ -218,8 +220,10 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         pos[d] = p
     if any(pos[d] < len(rows[d]) for d in range(nd)):
         _raise_deadlock(plan, rows, pos, waiting, _stuck_grid)
+    critical = []
     if detail:
         transfers = _transfers(g, rows, done, Transfer)
+        critical = _critical_path(rows, timeline, bound)
     static = sc.device_state(plan.stages, nd)
     for c in splits:
         for d, share in zip(c.split.devices, c.split.shares):
@@ -236,9 +240,32 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     return SimResult(step_time_ms=step, bubble_ratio=bubble, busy_ms=busy,
                      peak_memory_bytes=[static[d] + peak_act[d] for d in range(nd)], static_bytes=static,
                      peak_activation_bytes=peak_act, timeline=timeline if detail else [[] for _ in range(nd)],
-                     transfers=transfers or [], critical_path=[], stage_activation=sc.activation,
+                     transfers=transfers or [], critical_path=critical, stage_activation=sc.activation,
                      live_changes=[[g.live(a, d) for a, _, _ in row] for d, row in enumerate(timeline)]
                      if detail else None)
+
+
+def _critical_path(rows, timeline, bound) -> list[tuple[int, Action]]:
+    """Walk back from the last action to t = 0 through whichever input or device set each start."""
+    ends = [(row[-1][2], d) for d, row in enumerate(timeline) if row]
+    if not ends:
+        return []
+    where = {key: (d, p) for d, row in enumerate(rows) for p, (_, key, _, _) in enumerate(row)}
+    _, d = max(ends)
+    p, path = len(rows[d]) - 1, []
+    while True:
+        path.append((d, rows[d][p][0]))
+        by = bound[d][p]
+        if by is None:  # the device's own previous action (or t = 0) set the start
+            if p == 0 or timeline[d][p][1] <= 0.0:
+                break
+            p -= 1
+            continue
+        if by[0] == GRAD:  # a stage's input gradient: its I, else its B
+            by = (Kind.I, by[1], by[2]) if (Kind.I, by[1], by[2]) in where else (Kind.B, by[1], by[2])
+        d, p = where[by]
+    path.reverse()
+    return path
 
 
 def _transfers(g: SplitGraph, rows, done, transfer_type) -> list:

@@ -19,23 +19,27 @@ class Bound:
         return f"LB {self.value_ms:.2f} ms ({which})"
 
 
-def lower_bound(model, num_devices: int, num_microbatches: int) -> Bound:
-    """LB = max(M * sum(f+i+w) / D, M * max layer (f+i+w)); no plan on D devices can be faster."""
+def lower_bound(model, num_devices: int, num_microbatches: int, fluid=()) -> Bound:
+    """LB = max(M * sum(f+i+w) / D, M * max layer (f+i+w)); no plan on D devices can be faster.
+
+    Layers in `fluid` (split layers, divided over devices) count in the work but not as a heaviest layer.
+    """
     totals = [layer.total_ms for layer in model.layers]
     work = num_microbatches * sum(totals) / num_devices
-    heavy = num_microbatches * max(totals)
+    heavy = num_microbatches * max((t for i, t in enumerate(totals) if i not in fluid), default=0.0)
     return Bound(value_ms=max(work, heavy), work_ms=work, layer_ms=heavy)
 
 
-def packing_bound(model, num_devices: int, num_microbatches: int) -> float:
+def packing_bound(model, num_devices: int, num_microbatches: int, fluid=()) -> float:
     """A floor from layer granularity: every plan puts each whole layer on one device.
 
     For any size threshold t, the n_t layers costing at least t land on D devices, so one
     device holds ceil(n_t / D) of them and runs at least the cheapest ceil(n_t / D) of
     them for every micro-batch. The best threshold gives the bound (>= the issue's LB terms).
+    Layers in `fluid` (split over devices) add to the total work only.
     """
-    totals = sorted((layer.total_ms for layer in model.layers), reverse=True)
-    best = sum(totals) / num_devices
+    best = sum(layer.total_ms for layer in model.layers) / num_devices
+    totals = sorted((layer.total_ms for i, layer in enumerate(model.layers) if i not in fluid), reverse=True)
     for n_t in range(1, len(totals) + 1):
         k = -(-n_t // num_devices)
         best = max(best, sum(totals[n_t - k:n_t]))

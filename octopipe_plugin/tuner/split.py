@@ -31,6 +31,8 @@ STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target log
 # (the head's work while the rest is tuned, in shards' worth: 0 none, 1 one shard's pass; embedding split too)
 VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
 POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=4, window=w) for w in (4, 8, 16))
+REFINE_ROUNDS = 6  # share refinements from the simulated idle time, after the fixed share sets
+REFINE_STEP = 0.5  # how far each refinement moves the shares towards the room-proportional ones
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,23 +83,28 @@ def splittable_head(model) -> int | None:
 
 
 def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
-               iterations: int | None = None, options: SimOptions | None = None, unsplit=None) -> SplitTuneResult:
+               iterations: int | None = None, options: SimOptions | None = None, unsplit=None,
+               constraints=None, variant_budget_s: float | None = None) -> SplitTuneResult:
     """The fastest fitting plan with or without a split LM head; never slower than the best without.
 
-    `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here).
+    `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here
+    with `time_budget_s`); each split variant's tune of the rest takes `variant_budget_s` (default the
+    same). Plans fit `cluster.usable_memory_bytes` and keep to `constraints` as `tune`'s do.
     """
     opts = options or SimOptions()
     if unsplit is None:
         unsplit = tune(model, cluster, num_microbatches, time_budget_s=time_budget_s, seed=seed,
-                       iterations=iterations, options=opts)
+                       iterations=iterations, options=opts, constraints=constraints)
+    vbudget = time_budget_s if variant_budget_s is None else variant_budget_s
     best = (unsplit.step_ms, unsplit.plan, unsplit.bubble, tuple(unsplit.peak))
     tried = [("no split", unsplit.step_ms, True)]
     head = splittable_head(model)
     split_best = None
     if head is not None and cluster.num_devices > 1 and not opts.contention and opts.overlap:
-        for out in _split_candidates(model, cluster, num_microbatches, head, time_budget_s, seed, iterations, opts):
+        for out in _split_candidates(model, cluster, num_microbatches, head, vbudget, seed, iterations, opts,
+                                     constraints):
             label, res, plan = out
-            fits = res is not None and max(res.peak_memory_bytes) <= cluster.memory_bytes
+            fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes
             tried.append((label, None if res is None else res.step_time_ms, fits))
             if not fits:
                 continue
@@ -118,7 +125,7 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
                            unsplit=unsplit, tried=tuple(tried))
 
 
-def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
+def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, constraints=None):
     """(label, SimResult or None, plan) of each split candidate, from tunes of the model without the head's work.
 
     Two stand-ins for the head while the rest is tuned: nothing at all, and one shard's pass on the
@@ -140,7 +147,8 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
             rest = _with_layer_scaled(rest, emb, 0.0)
         small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
         try:
-            base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
+            base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts,
+                        constraints=constraints)
         except OctoPipeError as exc:  # no plan of the rest fits: no candidate from it, the unsplit plan stands
             log.info("no split candidate: %s", exc)
             continue
@@ -183,16 +191,41 @@ def _insertions(model, cluster, head, emb, plan, opts, label0):
         extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
     work = _device_work(without_split_layers(model, tuple(gone)), plan)
     stats = stats_bytes(model)
-    balanced = _balance(work, model.layers[head].total_ms)
+    head_ms = model.layers[head].total_ms
+    balanced = _balance(work, head_ms)
     equal = [1.0 / nd] * nd
+    best = None  # (step, shares, policy, SimResult) of the fastest fitting insertion so far
+
+    def attempt(label, shares, pol):
+        nonlocal best
+        splits = extra + (_split_of(head, shares, stats),)
+        cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol, opts.launch_ms)
+        res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
+        if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
+                best is None or res.step_time_ms < best[0]):
+            best = (res.step_time_ms, list(shares), pol, res)
+        return f"{label0} {label} {pol.describe()}", res, cand
+
     for label, shares in (("equal", equal), ("balance work", balanced),
                           ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
         for pol in POLICIES:
-            splits = extra + (_split_of(head, shares, stats),)
-            cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol,
-                                 opts.launch_ms)
-            res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
-            yield f"{label0} {label} {pol.describe()}", res, cand
+            yield attempt(label, shares, pol)
+    # shares proportional to bubble room: a device's room is its shard work plus its idle time in the
+    # simulated step; move part of the head towards the devices with room and keep what is faster
+    for k in range(REFINE_ROUNDS):
+        if best is None:
+            break
+        target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
+        shares = [(1 - REFINE_STEP) * a + REFINE_STEP * b for a, b in zip(best[1], target)]
+        yield attempt(f"room {k + 1}", shares, best[2])
+
+
+def _room_shares(shares, res, head_total: float) -> list[float]:
+    """Shares proportional to each device's room: its shard work plus its idle time in the step."""
+    step = res.step_time_ms
+    room = [s * head_total + max(0.0, step - b) for s, b in zip(shares, res.busy_ms)]
+    tot = sum(room)
+    return [r / tot for r in room] if tot > 0 else list(shares)
 
 
 def _exact(vals: list[float]) -> tuple[float, ...]:
@@ -239,11 +272,11 @@ def _split_of(head: int, shares, stats: int) -> SplitLayer:
     return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)
 
 
-def comparison_rows_with_splits(result: SplitTuneResult) -> list:
+def comparison_rows_with_splits(result: SplitTuneResult, cluster=None) -> list:
     """The comparison table (tuner/compare.py) led by the best plan with splits and the best without."""
     from .compare import Row, comparison_rows, per_device
 
-    rows = comparison_rows(result.unsplit)
+    rows = comparison_rows(result.unsplit, cluster)
     base = rows[0].speedup * result.unsplit_ms if rows[0].speedup else None
     if result.split_ms is None:
         rows[0] = replace(rows[0], label="OctoPipe (no split)", note=(rows[0].note + " no split fits").strip())

@@ -44,7 +44,7 @@ def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: fl
     for c in splits:
         for d, share in zip(c.split.devices, c.split.shares):
             static[d] += int(round(share * c.state))
-    room = [cluster.memory_bytes - b for b in static]
+    room = [cluster.usable_memory_bytes - b for b in static]
     return _Inserter(g, plan, policy, room).run()
 
 
