@@ -29,10 +29,12 @@ class ShardPolicy:
     shard_first: bool = True
     k_limit: int = 2  # pending head weight-gradients (J run, K not) before K goes first
     window: int = 1  # a device may run any of the next `window` actions of its own order whose inputs are in
+    defer_w: bool = False  # its own W (within the window) after every ready F/B/I and H/J: W fills the gaps
 
     def describe(self) -> str:
         """Compact text for plan metadata."""
-        return f"shard-first={self.shard_first} klim={self.k_limit} window={self.window}"
+        return f"shard-first={self.shard_first} klim={self.k_limit} window={self.window}" + \
+            (" defer-w" if self.defer_w else "")
 
 
 def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: float = 0.0) -> Plan | None:
@@ -115,7 +117,8 @@ class _Inserter:
                 seen += 1
                 r = self._ready(row[i], d)
                 if r is not None and self._fits(row[i], d):  # earlier in the order ranks first
-                    out.append(((1 if self.pol.shard_first else 0) + seen * 1e-3, r, (row[i], i)))
+                    rank = 2.5 if self.pol.defer_w and row[i].kind is Kind.W else (1 if self.pol.shard_first else 0)
+                    out.append((rank + seen * 1e-3, r, (row[i], i)))
             i += 1
         for k, mb in self.spos[d].items():
             if mb >= self.m:
