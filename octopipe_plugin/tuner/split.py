@@ -34,7 +34,7 @@ STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target log
 VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
 POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=k, window=w, defer_w=dw)
                  for k, w, dw in ((4, 4, False), (64, 4, True), (64, 16, True), (4, 16, False)))
-REFINE_ROUNDS = 6  # share refinements from the simulated idle time, after the fixed share sets
+REFINE_ROUNDS = 4  # share refinements from the simulated idle time, after the fixed share sets
 REFINE_STEP = 0.5  # how far each refinement moves the shares towards the room-proportional ones
 
 
