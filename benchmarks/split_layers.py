@@ -6,9 +6,10 @@ returns (`tuner.split.tune_split`: whole-layer plans and plans whose LM head / e
 over several devices, the unsplit best kept as a candidate). Columns: step time, step over the
 no-idle bound M * sum(work) / D, the gain (step without splits / step with), the split chosen
 (devices x shares), the fullest device's memory (peak, max over devices), and `floor`: the
-whole-layer floor over the same bound when the vocabulary layers are split (tuner/bounds.py
-`packing_bound`: layers that stay whole land on D devices; deepseek-v3-mini's MTP block, a
-whole layer heavier than a device's share, keeps it far above 1).
+whole-layer floor over the same bound when the vocabulary layers are split (tuner/bounds.py:
+`packing_bound`, layers that stay whole land on D devices, and `fill_bound`, a whole layer runs
+all M micro-batches after the pipeline fill; deepseek-v3-mini's MTP block, a whole layer heavier
+than a device's share, keeps it far above 1).
 
     PYTHONPATH=. python benchmarks/split_layers.py                 # 4 models x 8/16/32 devices x 2,4 per device
     PYTHONPATH=. python benchmarks/split_layers.py --budget 2 --devices 8 16
@@ -26,7 +27,7 @@ import time
 
 from octopipe_plugin.costs import resolve_cluster, resolve_model
 from octopipe_plugin.tuner import tune
-from octopipe_plugin.tuner.bounds import packing_bound
+from octopipe_plugin.tuner.bounds import fill_bound, packing_bound
 
 MODELS = ("gemma3", "llama3-8b", "nemotron-h", "deepseek-v3-mini")
 EVEN_FLOOR = 1.1  # models a split can balance: whole layers leave at most 10% above the bound
@@ -46,7 +47,7 @@ def work_bound(model, num_devices: int, m: int) -> float:
 def split_floor(model, num_devices: int, m: int) -> float:
     """The whole-layer floor (ms) when the embedding and LM head are split: the other layers stay whole."""
     fluid = {i for i in (0, model.num_layers - 1) if model.layers[i].kind in ("embedding", "lm_head")}
-    return packing_bound(model, num_devices, m, fluid)
+    return max(packing_bound(model, num_devices, m, fluid), fill_bound(model, m, fluid))
 
 
 def run_one(name: str, nd: int, factor: int, budget: float, seed: int, with_split: bool,

@@ -2,9 +2,10 @@
 
 The plain tune (with its full --time-budget and progress bar) stays the candidate without
 splits, so `auto` is never slower than `off`; the split variants (tuner/split.py `VARIANTS`)
-share one more --time-budget, under the same wall-clock guard. Default `off`: the Megatron and
-DeepSpeed runners do not run shard actions (they refuse split plans), and `auto` takes about
-twice the time.
+share one more --time-budget for their tunes and three for placing the shards (tuner/split.py
+`INSERT_SHARE`), under a wall-clock guard of that much. Default `off`: the Megatron and
+DeepSpeed runners do not run shard actions (they refuse split plans), and `auto` takes up to
+about five times the --time-budget.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from dataclasses import replace
 
 from ..tuner.bounds import lower_bound
-from ..tuner.split import VARIANTS, comparison_rows_with_splits, tune_split
+from ..tuner.split import INSERT_SHARE, VARIANTS, comparison_rows_with_splits, tune_split
 from ._guard import WallClockGuard
 from ._options import constraints_of
 
@@ -26,13 +27,13 @@ def add_split_option(p) -> None:
     """Register --splits on a parser."""
     p.add_argument("--splits", choices=CHOICES, default="off",
                    help="auto: also tune plans whose LM head (and embedding) are split by vocabulary rows over "
-                        "several devices, and keep the faster (about twice the --time-budget); off (default): "
+                        "several devices, and keep the faster (up to about five times the --time-budget); off (default): "
                         "whole layers only, the plans Megatron and DeepSpeed run")
 
 
 def with_splits(args, model, cluster, num_microbatches: int, result):
     """(result to report, comparison rows, one summary line) after the split-aware tune on top of `result`."""
-    guard = WallClockGuard(args.time_budget)
+    guard = WallClockGuard(args.time_budget * (1 + INSERT_SHARE))
     try:
         with guard:
             sres = tune_split(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,

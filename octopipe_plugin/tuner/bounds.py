@@ -46,19 +46,21 @@ def packing_bound(model, num_devices: int, num_microbatches: int, fluid=()) -> f
     return num_microbatches * best
 
 
-def fill_bound(model, num_microbatches: int) -> float:
+def fill_bound(model, num_microbatches: int, fluid=()) -> float:
     """A floor from pipeline fill and drain around each layer (transfers counted as free).
 
     Layer l's device cannot start l's first forward before every earlier layer has run
     micro-batch 0 forward (sum of their F), and after l's last input-gradient the gradient still
     crosses every earlier layer (sum of their I). The device runs F and I of l for all M
-    micro-batches in between, and all of f+i+w after the fill.
+    micro-batches in between, and all of f+i+w after the fill. Layers in `fluid` (split over
+    devices) hold no device for all M micro-batches: they only lengthen the fill and drain.
     """
     best, f_before, i_before = 0.0, 0.0, 0.0
     m = num_microbatches
-    for layer in model.layers:
-        best = max(best, f_before + m * layer.total_ms,
-                   f_before + m * (layer.fwd_ms + layer.bwd_ms) + i_before)
+    for i, layer in enumerate(model.layers):
+        if i not in fluid:
+            best = max(best, f_before + m * layer.total_ms,
+                       f_before + m * (layer.fwd_ms + layer.bwd_ms) + i_before)
         f_before += layer.fwd_ms
         i_before += layer.bwd_ms
     return best
