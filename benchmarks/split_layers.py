@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                      f" geomean gain {geomean([r['base'] / r['split'] for r in sel]):.3f}x")
             even = [r for r in sel if r["floor"] <= EVEN_FLOOR * r["bound"]]
             if even and len(even) < len(sel):
-                text += (f"; over the {len(even)} models whose whole-layer floor is <= {EVEN_FLOOR}:"
+                text += (f"; over the {len(even)} rows whose whole-layer floor is <= {EVEN_FLOOR}:"
                          f" {geomean([r['split'] / r['bound'] for r in even]):.3f}")
         text += f"; floor geomean {geomean([r['floor'] / r['bound'] for r in sel]):.3f}"
         print(text)
