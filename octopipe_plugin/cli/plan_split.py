@@ -14,7 +14,7 @@ import logging
 from dataclasses import replace
 
 from ..tuner.bounds import lower_bound
-from ..tuner.split import INSERT_SHARE, VARIANTS, comparison_rows_with_splits, tune_split
+from ..tuner.split import INSERT_SHARE, VARIANTS, comparison_rows_with_splits, splittable_head, tune_split
 from ._guard import WallClockGuard
 from ._options import constraints_of
 
@@ -33,6 +33,8 @@ def add_split_option(p) -> None:
 
 def with_splits(args, model, cluster, num_microbatches: int, result):
     """(result to report, comparison rows, one summary line) after the split-aware tune on top of `result`."""
+    if splittable_head(model) is None:
+        return result, None, "split layers   none: the model's last layer is not an lm_head"
     guard = WallClockGuard(args.time_budget * (1 + INSERT_SHARE))
     try:
         with guard:

@@ -70,3 +70,16 @@ def test_auto_with_a_framework_launch_is_refused_in_one_line(tmp_path, capsys):
     rc = main(["plan", "--cluster", "h100x8", "--no-progress", "--splits", "auto", "--megatron-args", "--num-layers 4"])
     err = capsys.readouterr().err
     assert rc != 0 and "--splits auto: split plans are for --model plans" in err
+
+
+def test_auto_on_a_model_without_a_head_says_so_and_keeps_the_plain_table(tmp_path, capsys):
+    from octopipe_plugin.formats import read_model
+
+    _, _, args = _files(tmp_path, 14.0)
+    path = args[2]
+    m = read_model(path)
+    write_model(Model(name=m.name, layers=m.layers[:-1]), path)
+    assert main(args + ["--splits", "auto"]) == 0
+    text = capsys.readouterr().out
+    assert "split layers   none: the model's last layer is not an lm_head" in text
+    assert "OctoPipe (tuned)" in text and "OctoPipe (split layers)" not in text
