@@ -10,11 +10,16 @@ seeded by global name (megatron_harness.seed_by_global_name), so any split compu
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
 import megatron_harness as H
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "megatron"))  # as launch.py puts it
+import train_hybrid  # noqa: E402 - the example's model definition is the one the tests build
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,25 +80,10 @@ def make_config(spec: TinyHybrid, pp: int, pattern: str):
 
 
 def local_hybrid_stack_spec():
-    """HybridStack spec with Megatron-Core's own local (non-TE) attention and MLP layers.
-
-    Megatron's `hybrid_stack_spec` uses Transformer Engine linears (CUDA); the local GPT layer spec's
-    pieces are the same modules without TE. HybridStack builds its final norm from TENorm whatever the
-    spec says, so it is switched off (`post_layer_norm=False`) for every split alike: it needs CUDA.
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    sub = get_gpt_layer_local_spec().submodules
-    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=sub.input_layernorm, self_attention=sub.self_attention, self_attn_bda=sub.self_attn_bda))
-    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
-    return ModuleSpec(module=HybridStack, params={"post_layer_norm": False},
-                      submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp))
+    """examples/megatron/train_hybrid.py's HybridStack spec of Megatron-Core's local (non-TE) attention and MLP
+    layers (Megatron's own hybrid_stack_spec uses Transformer Engine, which needs CUDA; so does the TENorm
+    HybridStack builds as its final norm, switched off there for every split alike)."""
+    return train_hybrid.local_hybrid_stack_spec()
 
 
 def build_chunk(spec: TinyHybrid, config, pattern: str, pre_process: bool, post_process: bool,
