@@ -12,7 +12,9 @@ Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec`
 - `mapped_layout(plan, model)` -> a `MappedLayout` for `TransformerConfig.pipeline_model_parallel_layout`;
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
-  answer for the plan (get_batch's labels, MTP, get_model's pre/post flags).
+  answer for the plan (get_batch's labels, MTP, get_model's pre/post flags), and a HybridModel built
+  inside takes the plan's segment of its '|' pattern (hooks.pipeline_view); HybridModels take no
+  `MappedLayout` (`plan_model_provider(..., hybrid=True)`).
 """
 
 from __future__ import annotations
