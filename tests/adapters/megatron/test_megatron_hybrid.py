@@ -7,8 +7,9 @@ parameter seeded by its global name, so any split computes the same function):
 
 - Megatron's own interleaved 1F1B on the same non-uniform '|' stages (round-robin) against an
   irregular split-backward OctoPipe plan on those stages;
-- PP=1 in one process (Megatron's no-pipelining schedule) against that plan and against V-shape plans
-  (stages 0 and 3 on rank 0, the embedding and the loss there; untied and tied embeddings).
+- PP=1 in one process (Megatron's no-pipelining schedule) against that plan, against V-shape plans
+  (stages 0 and 3 on rank 0, the embedding and the loss there; untied and tied embeddings) and against
+  a map that is neither (stages 0, 1 on rank 0, stages 2, 3 on rank 1).
 
 Per-step losses, and one step's main_grad of every parameter after the reduction and before the
 optimizer at a relative 1e-3 (a 1% scale error is ten times that; shown to fail below).
@@ -46,6 +47,8 @@ LOOPED_BOUNDS = [(0, 2), (2, 5), (5, 6), (6, 10)]  # E* | -*- | * | -*-L
 LOOPED = irregular(LOOPED_BOUNDS, placement("looped", 4, 2), seed=21)
 VSHAPE = irregular([(0, 3), (3, 4), (4, 7), (7, 10)], placement("v", 4, 2), seed=22)  # E*- | * | -*- | *-L
 VSHAPE_TIED = irregular([(0, 2), (2, 5), (5, 7), (7, 10)], placement("v", 4, 2), seed=23)
+# neither looped nor V: stages 0, 1 on rank 0 and 2, 3 on rank 1 (rank 0's two chunks pass activations locally)
+BLOCKED = irregular([(0, 4), (4, 5), (5, 8), (8, 10)], [0, 0, 1, 1], seed=24)
 
 REFERENCE = [dict(name="ref", spec=SPEC, pp=1, microbatches=M), dict(name="ref_tied", spec=TIED, pp=1, microbatches=M)]
 PIPELINES = [
@@ -53,6 +56,7 @@ PIPELINES = [
          pattern=HH.staged_pattern(SPEC, LOOPED_BOUNDS), ref="ref"),
     dict(name="octopipe_looped", spec=SPEC, pp=2, microbatches=M, plan=plan_to_dict(LOOPED), ref="ref"),
     dict(name="octopipe_vshape", spec=SPEC, pp=2, microbatches=M, plan=plan_to_dict(VSHAPE), ref="ref"),
+    dict(name="octopipe_blocked", spec=SPEC, pp=2, microbatches=M, plan=plan_to_dict(BLOCKED), ref="ref"),
     # tied: the embedding and the LM head's copy are two chunks of rank 0, tied locally; every tensor the plugin
     # makes is placed on the model's device and no tensor is pickled
     dict(name="octopipe_vshape_tied", spec=TIED, pp=2, microbatches=M, plan=plan_to_dict(VSHAPE_TIED),
@@ -101,7 +105,7 @@ def assert_same(got, want, label):
 @pytest.mark.timeout(600)
 def test_chunks_hold_the_plans_layers_under_their_global_numbers(pipelines):
     """Each rank's HybridStack layers are its plan stages' layers, by global number (checkpoint keys match)."""
-    for name, plan in (("octopipe_looped", LOOPED), ("octopipe_vshape", VSHAPE)):
+    for name, plan in (("octopipe_looped", LOOPED), ("octopipe_vshape", VSHAPE), ("octopipe_blocked", BLOCKED)):
         per_rank = pipelines[name]["layers"]
         for rank in range(2):
             want = [(i - 1, v) for v, s in enumerate(plan.stages_of(rank))
