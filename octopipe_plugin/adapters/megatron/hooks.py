@@ -31,6 +31,7 @@ The replaced names (megatron-core 0.19.x):
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,7 @@ from .compat import allow_megatron_training_import, require_supported_megatron
 from .mapping import is_first_stage, is_last_stage, plan_segment
 
 PATCHES = Patches("megatron")
+log = logging.getLogger("octopipe.megatron")
 
 # [(plan, pipeline rank)] whose answers the patched is_pipeline_first/last_stage give; [None]: Megatron's own.
 # Process-wide, not a ContextVar: autograd's device threads would not see a context-local view.
@@ -123,7 +125,12 @@ def _segment_answer(original):
 
         plan, rank, _ = view
         segment, offset = plan_segment(plan, rank, vp_stage, main_pattern)
-        return validate_segment_layers(segment), offset  # Megatron's own symbol check of the segment
+        layers = validate_segment_layers(segment)  # Megatron's own symbol check of the segment
+        # the line Megatron's own select_pipeline_segment logs for each chunk, with the plan's stage
+        log.info("octopipe: HybridModel: pp_rank=%d, vp_stage=%d, plan stage %d of %d, layers '%s' (%d layers), "
+                 "layer_offset=%d", rank, vp_stage or 0, plan.stages_of(rank)[vp_stage or 0], plan.num_stages,
+                 segment, len(layers), offset)
+        return layers, offset
 
     select_pipeline_segment.__doc__ = "select_pipeline_segment, answered for the plan inside octopipe's pipeline_view."
     return select_pipeline_segment

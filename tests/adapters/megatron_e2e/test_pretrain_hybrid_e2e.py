@@ -53,6 +53,8 @@ RESUME = ["--ckpt-step", "3", "--no-load-rng"]  # the shimmed CUDA RNG state sav
 
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+# the line the plugin logs for each HybridModel chunk it builds under a plan (Megatron's own has segment_index)
+CHUNK = re.compile(r"octopipe: HybridModel: pp_rank=(\d+), vp_stage=(\d+), plan stage (\d+) of \d+, layers '([^']*)'")
 
 
 def _plan(devices, seed, path):
@@ -73,7 +75,8 @@ def _launch(log: Path, pattern: str, *extra: str) -> dict:
     text = log.read_text()
     assert proc.returncode == 0, f"launch failed ({proc.returncode}): {' '.join(extra)}\n{text[-4000:]}"
     return {"train": {int(i): float(v) for i, v in LINE.findall(text)},
-            "valid": {int(i): float(v) for i, v in VALID.findall(text)}}
+            "valid": {int(i): float(v) for i, v in VALID.findall(text)},
+            "chunks": {(int(r), int(v)): (int(s), seg) for r, v, s, seg in CHUNK.findall(text)}}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,9 @@ def test_hybrid_plan_logs_megatron_losses(runs):
 @pytest.mark.timeout(1500)
 def test_hybrid_v_shape_resumed_from_megatrons_checkpoint_logs_megatrons_losses(runs):
     """A V-shape plan resumed at iteration 3 from Megatron's own checkpoint gives Megatron's resumed losses."""
+    # the V-shape's chunks were built: rank 0 holds stages 0 and 3 (the embedding, the loss), rank 1 stages 1, 2
+    assert runs["vshape_resumed"]["chunks"] == {(0, 0): (0, "*"), (0, 1): (3, "*-"), (1, 0): (1, "-*"),
+                                                (1, 1): (2, "-")}
     want = runs["megatron_resumed"]
     assert sorted(want["train"]) == [4, 5, 6]
     assert runs["vshape_resumed"]["train"] == want["train"]
