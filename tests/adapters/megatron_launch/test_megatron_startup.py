@@ -102,6 +102,19 @@ def test_a_v_shape_plan_for_a_hybrid_model_is_taken(tmp_path):
         hooks.uninstall()
 
 
+def test_start_up_tuning_of_a_hybrid_run_keeps_any_placement():
+    """The tuner may place a hybrid model's stages as it does a GPT's: only the chunks-per-rank rule is added."""
+    from octopipe_plugin.adapters.megatron.startup import run_constraints
+    from octopipe_plugin.tuner.constraints import Constraints
+
+    args = parse(["--hybrid-layer-pattern", "M*-M*-", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                  "--vocab-size", "128"], octopipe=False, validate=False)
+    cons, notes = run_constraints(args, Constraints())
+    assert cons.placement == "any" and cons.uniform_stages_per_device
+    assert notes == ["the same number of stages on every rank (Megatron builds as many model chunks on each)"]
+
+
 def test_a_hybrid_plan_with_mtp_before_its_last_stage_is_refused(tmp_path):
     argv = ["--hybrid-layer-pattern", "M*-M*-/*-", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
