@@ -33,7 +33,6 @@ class TinyHybrid:
     seq: int = 16
     mbs: int = 2
     tied: bool = False
-    bf16: bool = False
     three_tuple_loss: bool = True
 
     def graph(self):
