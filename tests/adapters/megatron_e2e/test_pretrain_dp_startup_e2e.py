@@ -1,13 +1,13 @@
 """End to end through megatron.training.pretrain on 4 gloo ranks: PP=2 x DP=2, the distributed optimizer,
 --overlap-grad-reduce, and a plan TUNED AT START-UP (no --octopipe-plan).
 
-The OctoPipe launch gives `--octopipe-cluster h100x2` with a fixed iteration count (the same plan on
-every run): rank 0 tunes through the start-up service (plan_startup.py / adapters/megatron/startup.py),
-every rank gets the plan, rank 0 saves it to <--save>/octopipe-plan.json. Its twin is Megatron's own
-schedule on the saved plan's stages (the layout built from its boundaries: same layers per stage, same
-seeds, so the same initial weights). The tiny GPT of test_pretrain_e2e.py (MoE with aux loss; embeddings
-untied here, see DP_ARGS), 4 micro-batches per replica, evaluation every 3 iterations on 2 micro-batches per replica,
-a save at iteration 3; the probe script (train_gpt_grads.py) saves the gradients of the first step.
+The OctoPipe launch gives `--octopipe-cluster h100x2` and a tuning iteration count: rank 0 tunes
+through the start-up service (plan_startup.py / adapters/megatron/startup.py), every rank gets the
+plan, rank 0 saves it to <--save>/octopipe-plan.json. Its twin is Megatron's own schedule on the saved
+plan's stages (the layout built from its boundaries: same layers per stage, same seeds, so the same
+initial weights). The tiny GPT of test_pretrain_e2e.py (MoE with aux loss; embeddings untied here, see
+DP_ARGS), 4 micro-batches per replica, evaluation every 3 iterations on 2 micro-batches per replica, a
+save at iteration 3; the probe script (train_gpt_grads.py) saves the gradients of the first step.
 
 - every iteration's training loss and every validation loss of the two runs equal;
 - every parameter's main_grad before the first optimizer step (after the schedule, the overlapped
