@@ -52,7 +52,9 @@ octopipe() { "$PY" -c "import sys; from octopipe_plugin.cli import main; sys.exi
 SUFFIX=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 DATASETS="$CHECKOUT/megatron/core/datasets"
 if [[ ! -f "$DATASETS/helpers_cpp$SUFFIX" ]]; then
-  PREBUILT=$(cd / && "$PY" -c "import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))")/helpers_cpp$SUFFIX
+  # the installed package's folder (from /, so not the checkout's); its import warnings are not ours to show
+  PREBUILT=$(cd / && "$PY" -c "import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))" \
+    2>/dev/null)/helpers_cpp$SUFFIX
   [[ -f "$PREBUILT" ]] || { echo "$0: no helpers_cpp$SUFFIX in $DATASETS nor $PREBUILT; build them (needs pybind11)" >&2; exit 2; }
   echo "# copying the installed megatron-core's prebuilt dataset helpers into the checkout: $PREBUILT"
   cp "$PREBUILT" "$DATASETS/"
@@ -93,8 +95,12 @@ LAYOUT=$("$PY" "$REPO/examples/megatron/layout_from_plan.py" --plan "$WORK/tuned
 import sys
 from octopipe_plugin.formats import read_plan
 plan = read_plan(sys.argv[1])
-kinds = {st: {a.kind.value for a in row if a.stage == st} for row in plan.schedule for st in {a.stage for a in row}}
-print(f"# (a) tuned plan: layout {sys.argv[2]}, stage backward kinds {dict(sorted(kinds.items()))}")
+kinds = {}
+for row in plan.schedule:
+    for a in row:
+        kinds.setdefault(a.stage, set()).add(a.kind.value)
+print(f"# (a) tuned plan: layout {sys.argv[2]}, action kinds per stage "
+      f"{ {st: ''.join(sorted(k)) for st, k in sorted(kinds.items())} }")
 if "B" not in kinds[0]:
     sys.exit("the tuned plan has no fused B on its first stage; (a) needs one")
 EOF
