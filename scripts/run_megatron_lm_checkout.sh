@@ -12,7 +12,7 @@
 #
 # Every launch goes through the documented CPU way: examples/megatron/cpu_run.py --nproc 2 --megatron-lm
 # CHECKOUT pretrain_gpt.py ... (gloo ranks, the CPU shims, examples/megatron/launch.py), a tiny GPT on mock
-# data (the arguments of /work/shared/notes/megatron-e2e-cpu.md: 8 layers, 8 micro-batches, PP=2).
+# data (ARGS below: 8 layers, 8 micro-batches, PP=2).
 #  (a) a plan tuned by `octopipe plan --megatron-args` (looped placement): fused B on the first stage,
 #      split I/W on the last, non-uniform stages; against the same command with --pipeline-schedule default
 #      on the plan's stages (--pipeline-model-parallel-layout from examples/megatron/layout_from_plan.py);
