@@ -21,7 +21,9 @@ The replaced names (megatron-core 0.19.x):
   plans whose stage->rank map is not looped);
 - `megatron.core.parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` (`pipeline_view`:
   answer for the plan inside the view, Megatron's own answer outside it);
-- `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan).
+- `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan);
+- `_forward_impl` of the Column/RowParallelLinear instances of a chunk run with split I/W
+  (`replace_linear_impl`, handed `wgrad`'s split-capable implementation).
 """
 
 from __future__ import annotations
@@ -134,4 +136,12 @@ def replace_forward(module, make: Make, why: str) -> bool:
     if PATCHES.is_replaced(module, "forward"):
         return False
     PATCHES.replace(module, "forward", make, why)
+    return True
+
+
+def replace_linear_impl(linear, impl: Callable, why: str) -> bool:
+    """Route one Column/RowParallelLinear instance's `_forward_impl` through `impl` (once); whether it was now."""
+    if PATCHES.is_replaced(linear, "_forward_impl"):
+        return False
+    PATCHES.replace(linear, "_forward_impl", lambda _megatron: impl, why)
     return True
