@@ -17,9 +17,9 @@ cycle itself (what each action keeps, the first stage's "W does it all") is the 
 Gradient synchronisation follows Megatron's interleaved schedule: each chunk's
 `no_sync_func` is active during the step; without `grad_sync_func` it is lifted just before
 the chunk's last gradient-producing action (the executor passes `last_backward=True` to it,
-from the lowered plan), so DDP's hooks start the reduction; with `grad_sync_func` that action still runs under no_sync and
-the sync is lifted and `grad_sync_func[c]` called right after it. `param_sync_func[c]` runs
-before the chunk's first forward.
+from the lowered plan), so DDP's hooks start the reduction; with `grad_sync_func` that action
+still runs under no_sync and the sync is lifted and `grad_sync_func[c]` called right after
+it. `param_sync_func[c]` runs before the chunk's first forward.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -122,9 +123,27 @@ def _fused_accumulate(ctx, weight, total_input, grad_output):
     return make(main_grad.shape, dtype=total_input.dtype, device=main_grad.device, requires_grad=False)
 
 
+# linear -> the Phase its backward reads (the latest enable_wgrad_split's): our state beside Megatron's module
+_PHASE_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Phase]" = weakref.WeakKeyDictionary()
+
+
 def enable_wgrad_split(module: torch.nn.Module, phase: Phase) -> int:
     """Route every Column/RowParallelLinear of `module` through the split-capable Function; returns how many."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, linear_with_frozen_weight
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            _PHASE_OF[m] = phase
+            replace_linear_impl(m, _split_impl(weakref.ref(m)),
+                                "I/W split: the linear computes only its input GEMM at I, its weight GEMM at W")
+            count += 1
+    return count
+
+
+def _split_impl(linear: "weakref.ref"):
+    """The `_forward_impl` of one split-capable linear: Megatron's arguments, our Function, the linear's Phase."""
+    from megatron.core.tensor_parallel.layers import linear_with_frozen_weight
     from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
     split = _function_class()
@@ -139,15 +158,10 @@ def enable_wgrad_split(module: torch.nn.Module, phase: Phase) -> int:
             raise ValueError("defer_embedding_wgrad_compute keeps its own wgrad buffer; with OctoPipe's split "
                              "backward the output layer's weight gradient is already deferred to W: turn it off")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-        return split.apply(phase, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+        return split.apply(_PHASE_OF[linear()], input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, None, wgrad_deferral_limit, tp_group, gtp_remat_size)
 
-    count = 0
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            replace_linear_impl(m, impl, "I/W split: the linear computes only its input GEMM at I, its weight GEMM at W")
-            count += 1
-    return count
+    return impl
 
 
 @dataclass(kw_only=True)
