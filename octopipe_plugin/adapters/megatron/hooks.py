@@ -21,7 +21,7 @@ The replaced names (megatron-core 0.19.x):
   plans whose stage->rank map is not looped);
 - `megatron.core.parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` (`pipeline_view`:
   answer for the plan inside the view, Megatron's own answer outside it);
-- `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan);
+- `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan).
 - `_forward_impl` of the Column/RowParallelLinear instances of a chunk run with split I/W
   (`replace_linear_impl`, handed `wgrad`'s split-capable implementation).
 """
