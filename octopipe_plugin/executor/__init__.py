@@ -30,7 +30,9 @@ API (what the Megatron and DeepSpeed adapters build on):
 - `TorchStages` / `ForwardStepStages`: runners over plain modules and over a Megatron-style
   `forward_step_func`; `grad_sink='autograd'` (default) accumulates weight gradients
   through autograd's AccumulateGrad, so grad-accumulator hooks fire once per parameter and
-  micro-batch also under split I/W; `'direct'` adds them into `p.grad` itself.
+  micro-batch also under split I/W; `'direct'` adds them into `p.grad` itself. Both, and the
+  adapters' `MegatronStages` / `DeepSpeedStages`, fill the hooks of one life cycle,
+  `stage_core.StageCore` (typed per-(stage, micro-batch) states, the first stage's "W does it all").
 - `CommCache` (`default_cache()` unless given): per-direction process groups (NCCL, or
   gloo with `ExecutorOptions(pair_groups=True)`), made once per rank pair for every
   pipeline of the world (collective over the default group: every rank constructs its

@@ -10,8 +10,10 @@ in-place `detach_()`, which fails on view outputs.
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Sequence
 
 import torch
@@ -74,37 +76,88 @@ def _capture(group: dict, i: int):
     return hook
 
 
-def backward_weight(work: WeightWork, sink: str = "direct") -> None:
+class WeightSink:
+    """Where W's weight gradients go: the walk hands it (edge into a parameter's graph, gradient) pairs.
+
+    A sink may compute a group's gradients itself (`group`, e.g. Megatron's split linears run their weight
+    GEMM from the gradient I captured, no engine walk), set the context of the walk from the outputs
+    (`whole_backward`: the branch I never reached), and deliver as it goes (`take`) or at the end (`finish`).
+    """
+
+    def group(self, group) -> list | None:
+        """The (edge, gradient) pairs of one parameter group computed without walking the graph, or None."""
+        return None
+
+    def whole_backward(self, outputs):
+        """Context of the walk from the outputs to the parameters no intermediate captured (default: none)."""
+        return contextlib.nullcontext()
+
+    def take(self, pairs: list, owner: dict, incoming: tuple) -> None:
+        """Deliver `pairs` (`owner`: gradient accumulator -> parameter; `incoming`: I's received gradients)."""
+        raise NotImplementedError
+
+    def finish(self, owner: dict, incoming: tuple) -> None:
+        """After the last `take` of one W."""
+
+
+class DirectSink(WeightSink):
+    """Each weight gradient added into `p.grad` here, without running the parameter's hooks."""
+
+    def take(self, pairs: list, owner: dict, incoming: tuple) -> None:
+        for edge, g in pairs:
+            accumulate_grad(owner[edge.node], owned_grad(g, incoming))
+
+
+class AutogradSink(WeightSink):
+    """Each weight gradient run into its parameter's AccumulateGrad node, so hooks on the grad accumulator
+    and post-accumulate-grad hooks fire (once per parameter and W)."""
+
+    def take(self, pairs: list, owner: dict, incoming: tuple) -> None:
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [owned_grad(g, incoming) for _, g in pairs])
+
+
+SINKS = MappingProxyType({"direct": DirectSink(), "autograd": AutogradSink()})
+
+
+def backward_weight(work: WeightWork, sink: "str | WeightSink" = "direct") -> None:
     """Accumulate parameter gradients from the gradients I captured; frees the retained graph.
 
-    sink 'direct' computes each weight gradient and adds it into `p.grad`; 'autograd' lets the
-    engine run each parameter's AccumulateGrad node, so hooks on the grad accumulator and
-    post-accumulate-grad hooks fire (once per parameter and call).
+    The one weight-gradient walk: the parameters on no captured path first (from the outputs), then
+    each parameter group from its intermediates, every gradient handed to `sink` ('direct',
+    'autograd' (see SINKS) or a WeightSink such as Megatron's split-linear one).
     """
+    sink = SINKS[sink] if isinstance(sink, str) else sink
     owner = {_get_grad_fn_or_grad_acc(p): p for p in work.params}
     if work.rest:
         # first, while the groups' part of the graph is still retained: this branch shares no node with it
         outputs, grads, leftover = work.rest
-        if sink == "autograd":
-            torch.autograd.backward(list(outputs), list(grads), retain_graph=True, inputs=list(leftover))
-        else:
+        with sink.whole_backward(outputs):
             dws = torch.autograd.grad(list(outputs), list(leftover), list(grads), retain_graph=True,
                                       allow_unused=True)
-            for p, dw in zip(leftover, dws):
-                if dw is not None:
-                    accumulate_grad(p, owned_grad(dw, work.incoming))
+        sink.take([(GradientEdge(grad_acc(p), 0), dw) for p, dw in zip(leftover, dws) if dw is not None],
+                  owner, work.incoming)
     for group in work.groups:
-        edges, grads = captured_edges(group)
-        with pinned_intermediates(group):
-            if edges:
-                accs = list(group["params"])
-                if sink == "autograd":
-                    torch.autograd.backward(edges, grads, inputs=[owner[a] for a in accs])
-                else:
-                    dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads)
-                    for acc, dw in zip(accs, dws):
-                        accumulate_grad(owner[acc], owned_grad(dw, work.incoming))
+        pairs = sink.group(group)
+        sink.take(_walk(group) if pairs is None else pairs, owner, work.incoming)
         group.clear()
+    sink.finish(owner, work.incoming)
+
+
+def _walk(group) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """Parameter gradients of one group by walking the engine from its captured intermediates."""
+    edges, grads = captured_edges(group)
+    if not edges:
+        return []
+    with pinned_intermediates(group):
+        accs = list(group["params"])
+        dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
+    return [(GradientEdge(a, 0), d) for a, d in zip(accs, dws) if d is not None]
+
+
+def grad_acc(t: torch.Tensor):
+    """The autograd node a tensor's gradient flows into: its grad_fn, or a leaf's AccumulateGrad."""
+    return _get_grad_fn_or_grad_acc(t)
 
 
 def captured_edges(group) -> tuple[list[GradientEdge], list[torch.Tensor]]:

@@ -10,6 +10,7 @@ from torch import nn
 from .boundary import flatten, unflatten
 from .interface import LossOutput
 from .split_backward import accumulate_grad, backward_input, backward_weight, owned_grad
+from .stage_core import Forwarded, StageCore, _add, _computed, _passthrough, input_targets
 
 GRAD_SINKS = ("direct", "autograd")
 
@@ -30,7 +31,7 @@ def split_loss(raw) -> tuple[torch.Tensor, object, Mapping | None]:
                     f"'loss'; got {type(raw).__name__}")
 
 
-class TorchStages:
+class TorchStages(StageCore):
     """The stages one rank owns, each an `nn.Module` mapping the stage input to its output.
 
     - Inputs and outputs are a tensor or a tuple / list / dict of tensors (boundary.py);
@@ -44,6 +45,7 @@ class TorchStages:
       dict) or {'loss': ...}; `scale_loss(loss, num_tokens)` turns it into what the step
       sums and backward starts from (default: divided by `num_microbatches`); `grad_scale`
       (e.g. a loss scaler) multiplies only the backward's start.
+    - The F/B/I/W life cycle is `stage_core.StageCore`'s; this class gives its hooks for plain modules.
     - `metas[s]` declares stage s's output (TensorMeta or a structure of them); None, or a
       None entry, lets the executor learn it by one handshake per step.
     - `grad_sink`: 'autograd' (default: weight gradients reach `p.grad` through each
@@ -69,40 +71,33 @@ class TorchStages:
     ):
         if grad_sink not in GRAD_SINKS:
             raise ValueError(f"grad_sink {grad_sink!r}: expected one of {', '.join(GRAD_SINKS)}")
+        super().__init__(num_stages=num_stages, num_microbatches=num_microbatches, grad_scale=grad_scale)
         self.modules = dict(modules)
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
         self.metas = tuple(metas) if metas is not None else None
         self.load_input = load_input
         self.loss_fn = loss_fn
         self.call = call
         self.scale_loss = scale_loss or (lambda loss, num_tokens: loss / self.num_microbatches)
-        self.grad_scale = grad_scale
         self.grad_sink = grad_sink
-        # (stage, mb) -> what the next action of that pair needs; entries die with their last use
-        self._saved: dict[tuple[int, int], dict] = {}
 
     def boundary_meta(self, stage: int):
         """Meta of stage `stage`'s output (None: learned per step)."""
         return self.metas[stage] if self.metas is not None else None
 
-    # ----- forward
+    # ----- forward (StageCore hooks)
 
-    def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
-        """Run the stage; the last stage applies the loss and returns a LossOutput."""
-        last = stage == self.num_stages - 1
-        if forward_only:
-            with torch.no_grad():
-                x = self._first_input(mb) if stage == 0 else inputs
-                out = self._compute(stage, mb, x, batch)
-            return self._loss_output(out)[0] if last else out
-        x = self._first_input(mb) if stage == 0 else _cut(inputs)
+    def _stage_input(self, stage: int, mb: int, inputs, keep: bool):
+        """Stage 0 loads its input; the others take the received value, cut from the producer's graph when kept."""
+        if stage == 0:
+            return self._first_input(mb)
+        return _cut(inputs) if keep else inputs
+
+    def _forward(self, stage: int, mb: int, x, batch, keep: bool):
         out = self._compute(stage, mb, x, batch)
-        if last:
-            result, root = self._loss_output(out)
-            out = root
-        self._saved[(stage, mb)] = {"input": x, "output": out}
-        return result if last else out
+        if stage < self.num_stages - 1:
+            return out, Forwarded(input=x, output=out)
+        result, root = self._loss_output(out)
+        return result, Forwarded(input=x, output=root)
 
     def _first_input(self, mb: int):
         """Stage 0's pipeline input of micro-batch `mb` (None without `load_input`)."""
@@ -134,38 +129,12 @@ class TorchStages:
     def _params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.modules[stage].parameters() if p.requires_grad]
 
-    # ----- backward
+    # ----- backward (StageCore hooks): autograd, and the executor's split walk with this runner's sink
 
-    def _roots(self, stage: int, out, grad_output) -> tuple[list, list, list]:
-        """(output tensors to differentiate, their gradients, incoming gradient tensors) of one backward."""
-        if stage == self.num_stages - 1:
-            root = self.grad_scale(out) if self.grad_scale is not None else out
-            return [root], [torch.ones_like(root)], []
-        outs, _ = flatten(out)
-        gs, _ = flatten(grad_output) if grad_output is not None else ([None] * len(outs), None)
-        pairs = [(o, g) for o, g in zip(outs, gs, strict=True)
-                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        incoming = [g for g in gs if isinstance(g, torch.Tensor)]
-        return [o for o, _ in pairs], [g for _, g in pairs], incoming
-
-    @staticmethod
-    def _input_targets(x) -> list:
-        """Input leaves that require grad (on stage 0 only the I/W split walks them: see _first_input)."""
-        return [t for t in flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    def _dx(self, x, grads: dict) -> object:
-        """The input gradient in the input's structure (None at leaves without one)."""
-        leaves, structure = flatten(x)
-        return unflatten([grads.get(id(t)) for t in leaves], structure)
-
-    def backward(self, stage: int, mb: int, grad_output):
-        """Fused backward; frees the micro-batch's graph."""
-        saved = self._saved.pop((stage, mb))
-        return self._fused(stage, saved["input"], saved["output"], grad_output)
-
-    def _fused(self, stage: int, x, out, grad_output, want_dx: bool = True):
-        outs, gs, incoming = self._roots(stage, out, grad_output)
-        ins = self._input_targets(x) if want_dx and stage > 0 else []
+    def _fused(self, stage: int, fwd: Forwarded, grad_output, want_dx: bool = True):
+        x = fwd.input
+        outs, gs, incoming = self._roots(stage, fwd.output, grad_output)
+        ins = input_targets(x) if want_dx and stage > 0 else []
         dx = _passthrough(outs, gs, ins)
         outs, gs = _computed(outs, gs, ins)
         params = self._params(stage)
@@ -183,40 +152,13 @@ class TorchStages:
                         accumulate_grad(p, owned_grad(g, incoming))
                 for t, g in zip(ins, grads[len(params):]):
                     _add(dx, t, g)
-        return self._dx(x, dx) if stage > 0 else None
+        return self._dx(stage, x, dx)
 
-    def backward_input(self, stage: int, mb: int, grad_output):
-        """Input gradient only; keeps the captured gradients (not the activations above them) for W."""
-        key = (stage, mb)
-        saved = self._saved[key]
-        x, out = saved["input"], saved["output"]
-        ins = self._input_targets(x)
-        if not ins:
-            # No input gradient to give (first stage on integer input or data-only input): all is W's work.
-            saved["grad_output"] = grad_output
-            return self._dx(x, {}) if stage > 0 else None
-        outs, gs, _ = self._roots(stage, out, grad_output)
-        dx = _passthrough(outs, gs, ins)
-        outs, gs = _computed(outs, gs, ins)
-        work = None
-        if outs:
-            dins, work = backward_input(outs, gs, ins, self._params(stage))
-            for t, g in zip(ins, dins):
-                _add(dx, t, g)
-        self._saved[key] = {"work": work}  # drops input and output references
-        return self._dx(x, dx) if stage > 0 else None
+    def _split_input(self, stage: int, outs: list, gs: list, ins: list):
+        return backward_input(outs, gs, ins, self._params(stage))
 
-    def backward_weight(self, stage: int, mb: int) -> None:
-        """Finish the weight gradients deferred by backward_input."""
-        saved = self._saved.pop((stage, mb))
-        if "grad_output" in saved:
-            self._fused(stage, saved["input"], saved["output"], saved["grad_output"], want_dx=False)
-        elif saved["work"] is not None:
-            backward_weight(saved["work"], self.grad_sink)
-
-    def pending(self) -> int:
-        """Micro-batches whose state is still held (0 after a complete step)."""
-        return len(self._saved)
+    def _split_weight(self, stage: int, work) -> None:
+        backward_weight(work, self.grad_sink)
 
 
 def _cut(inputs):
@@ -225,27 +167,3 @@ def _cut(inputs):
     leaves, structure = flatten(inputs)
     return unflatten([t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                       for t in leaves], structure)
-
-
-def _passthrough(outs: list, gs: list, ins: list) -> dict:
-    """Gradients of output tensors that are input tensors themselves (a stage passing a tensor on unchanged)."""
-    ids = {id(t) for t in ins}
-    dx: dict = {}
-    for o, g in zip(outs, gs):
-        if id(o) in ids:
-            _add(dx, o, g)
-    return dx
-
-
-def _computed(outs: list, gs: list, ins: list) -> tuple[list, list]:
-    ids = {id(t) for t in ins}
-    kept = [(o, g) for o, g in zip(outs, gs) if id(o) not in ids]
-    return [o for o, _ in kept], [g for _, g in kept]
-
-
-def _add(dx: dict, t: torch.Tensor, g) -> None:
-    if g is None:
-        return
-    prev = dx.get(id(t))
-    dx[id(t)] = g if prev is None else prev + g
-

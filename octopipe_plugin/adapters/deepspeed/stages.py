@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ...actions import RULES, Kind
 from ...executor.torch_stage import TorchStages
 
 
@@ -51,7 +52,7 @@ class DeepSpeedStages(TorchStages):
         self.outputs = {}
         self.losses = {}
         self.batches = []
-        self._saved.clear()
+        self.state.clear()
 
     def batch(self, mb: int):
         """Micro-batch `mb` of this step, pulling from the engine's data iterator in order."""
@@ -88,31 +89,16 @@ class DeepSpeedStages(TorchStages):
         opt = self.engine.optimizer
         return root * float(getattr(opt, "loss_scale", None) or getattr(opt, "cur_scale", 1.0))
 
+    # ---- every backward: the stage active; after B and W the master gradients up to date ----------------
     @contextmanager
-    def _master_grads(self):
-        """bf16 without immediate updates: add this action's weight gradients into the fp32 masters."""
+    def _grad_action(self, stage: int, kind: Kind, last_backward: bool):
+        """The stage active (a checkpointed segment recomputes from it); bf16 without immediate updates: this
+        action's weight gradients added into the fp32 masters."""
+        self.module.activate_stage(stage)
         opt = self.engine.optimizer
-        bf16 = self.engine.using_bf16_optimizer
+        bf16 = self.engine.using_bf16_optimizer and RULES[kind].weight_grad
         if bf16:
             opt.clear_lp_grads()
         yield
         if bf16:
             opt.update_hp_grads(clear_lp_grads=False)
-
-    # ---- backward: the stage active, master gradients kept up to date --------------------------------
-    def backward(self, stage: int, mb: int, grad_output):
-        """B: input and parameter gradients in one pass."""
-        self.module.activate_stage(stage)
-        with self._master_grads():
-            return super().backward(stage, mb, grad_output)
-
-    def backward_input(self, stage: int, mb: int, grad_output):
-        """I: the input gradient only (no parameter gradient is written)."""
-        self.module.activate_stage(stage)
-        return super().backward_input(stage, mb, grad_output)
-
-    def backward_weight(self, stage: int, mb: int) -> None:
-        """W: the parameter gradients deferred by I."""
-        self.module.activate_stage(stage)
-        with self._master_grads():
-            super().backward_weight(stage, mb)

@@ -26,6 +26,8 @@ The replaced names (megatron-core 0.19.x):
   HybridModel chunk built inside the view takes the plan's stage of its '|' pattern and that stage's
   global layer offset; outside, Megatron's round-robin segment);
 - `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan).
+- `_forward_impl` of the Column/RowParallelLinear instances of a chunk run with split I/W
+  (`replace_linear_impl`, handed `wgrad`'s split-capable implementation).
 """
 
 from __future__ import annotations
@@ -169,4 +171,12 @@ def replace_forward(module, make: Make, why: str) -> bool:
     if PATCHES.is_replaced(module, "forward"):
         return False
     PATCHES.replace(module, "forward", make, why)
+    return True
+
+
+def replace_linear_impl(linear, impl: Callable, why: str) -> bool:
+    """Route one Column/RowParallelLinear instance's `_forward_impl` through `impl` (once); whether it was now."""
+    if PATCHES.is_replaced(linear, "_forward_impl"):
+        return False
+    PATCHES.replace(linear, "_forward_impl", lambda _megatron: impl, why)
     return True

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
-from ...executor.engine import forward_plan
 from .embeddings import sum_local_grads
 from .placement import plan_float16_wrappers, plan_pipeline_view
 from .loss_transfer import recv_loss_dicts, send_loss_dicts
@@ -49,33 +48,23 @@ class ScheduleOptions:
 
 
 class _Executors:
-    """One executor per pipeline group: its program, communicators (made by every rank of the world
-    together, for every pipeline, by the executor's CommCache) and buffers are made once and reused by
-    training and evaluation steps."""
+    """One executor per pipeline group, on the training plan: its program, communicators (made by every rank
+    of the world together, for every pipeline, by the executor's CommCache) and buffers are made once and
+    reused by training steps and by evaluation steps of any micro-batch count (the executor's forward-only
+    program of that count, `run_step(forward_only=True, num_microbatches=m)`)."""
 
     def __init__(self, plan, options: ScheduleOptions):
         self.plan = plan
         self.options = options
-        self.cache: dict[tuple, PipelineExecutor] = {}
-        self.eval_plans: dict[int, object] = {}
-
-    def plan_for(self, num_microbatches: int):
-        """The plan of a forward-only step of `num_microbatches` (evaluation batches may differ from training's)."""
-        if num_microbatches == self.plan.num_microbatches:
-            return self.plan
-        if num_microbatches not in self.eval_plans:
-            self.eval_plans[num_microbatches] = forward_plan(self.plan, num_microbatches)
-        return self.eval_plans[num_microbatches]
+        self.cache: dict[int, PipelineExecutor] = {}
 
     def get(self, runner, rank: int, group) -> PipelineExecutor:
-        """The executor of this group and of the runner's plan (the training plan, or a forward-only plan for
-        an evaluation batch of another size), bound to this step's runner (boundaries on the model's device)."""
-        key = (id(group), runner.plan.num_microbatches, runner.plan is self.plan)
-        ex = self.cache.get(key)
+        """The executor of this group, bound to this step's runner (boundaries on the model's device)."""
+        ex = self.cache.get(id(group))
         if ex is None:
             opts = ExecutorOptions(timeout_s=self.options.timeout_s, tags=self.options.tags)
-            ex = PipelineExecutor(runner.plan, runner, rank=rank, group=group, device=runner.device, options=opts)
-            self.cache[key] = ex
+            ex = PipelineExecutor(self.plan, runner, rank=rank, group=group, device=runner.device, options=opts)
+            self.cache[id(group)] = ex
         ex.runner = runner
         return ex
 
@@ -94,8 +83,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         from megatron.core.utils import get_model_config
 
         model = model if isinstance(model, list) else [model]
-        step_plan = executors.plan_for(num_microbatches) if forward_only else plan
-        if num_microbatches != step_plan.num_microbatches:
+        if not forward_only and num_microbatches != plan.num_microbatches:
             raise OctoPipeError(f"the OctoPipe plan was made for {plan.num_microbatches} micro-batches, this step has "
                                 f"{num_microbatches} (global batch / (micro-batch size x data-parallel size)); "
                                 "re-plan for this batch size (batch-size ramp-up changes it)")
@@ -117,7 +105,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         phases = split_phases(model) if options.split_linears else None
         plan_float16_wrappers(model, plan, rank)
         saved_sync = config.grad_sync_func, config.param_sync_func
-        runner = MegatronStages(plan=step_plan, rank=rank, model=model, forward_step_func=forward_step_func,
+        runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
                                 collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases)
@@ -127,8 +115,8 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
                 config.grad_sync_func, config.param_sync_func = None, None
             with plan_pipeline_view(plan, rank), runner.sync:
                 if forward_only:
-                    with torch.no_grad():
-                        ex.run_step(forward_only=True)
+                    with torch.no_grad():  # evaluation may run another micro-batch count than training
+                        ex.run_step(forward_only=True, num_microbatches=num_microbatches)
                 else:
                     ex.run_step()
         finally:

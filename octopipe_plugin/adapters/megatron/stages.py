@@ -10,26 +10,31 @@ storage, which lives only until the send completes, and the kept output holds ju
 autograd node (B takes Megatron's `custom_backward`; I and W see the output's shape through
 a zero-stride view of one element). I and W split the backward for real: the linears compute
 only their input GEMM at I and only their weight GEMM at W (`wgrad`), every parameter
-gradient reaches `main_grad` through AccumulateGrad, so DDP's hooks fire.
+gradient reaches `main_grad` through AccumulateGrad, so DDP's hooks fire. The F/B/I/W life
+cycle itself (what each action keeps, the first stage's "W does it all") is the executor's
+`stage_core.StageCore`; this module gives its Megatron hooks.
 
 Gradient synchronisation follows Megatron's interleaved schedule: each chunk's
 `no_sync_func` is active during the step; without `grad_sync_func` it is lifted just before
-the chunk's last gradient-producing action (its last B or W in this rank's list), so DDP's
-hooks start the reduction; with `grad_sync_func` that action still runs under no_sync and
-the sync is lifted and `grad_sync_func[c]` called right after it. `param_sync_func[c]` runs
-before the chunk's first forward.
+the chunk's last gradient-producing action (the executor passes `last_backward=True` to it,
+from the lowered plan), so DDP's hooks start the reduction; with `grad_sync_func` that action
+still runs under no_sync and the sync is lifted and `grad_sync_func[c]` called right after
+it. `param_sync_func[c]` runs before the chunk's first forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Sequence
 
 import torch
 
+from octopipe_plugin.actions import RULES, Kind
 from octopipe_plugin.executor.data import MicroBatches
 from octopipe_plugin.executor.interface import TensorMeta
-from octopipe_plugin.actions import Kind
+from octopipe_plugin.executor.lowered import lowered_plan
+from octopipe_plugin.executor.stage_core import Forwarded, StageCore
 
 from .hooks import pipeline_view
 from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
@@ -62,12 +67,12 @@ def _per_chunk(value, n: int) -> list:
 class GradSync:
     """no_sync / grad_sync / param_sync of one step, per chunk, as Megatron's interleaved schedule runs them."""
 
-    def __init__(self, config, model, last_grad_action: dict[int, object], forward_only: bool,
-                 hold: set[int] = frozenset()):
+    def __init__(self, config, model, last_chunk: int | None, forward_only: bool, hold: set[int] = frozenset()):
         n = len(model)
         self.model = model
         self.hold = set(hold)  # chunks whose reduction waits for `sync_held` (same-rank tied copies)
-        self.last_grad_action = last_grad_action  # chunk -> its last B/W action in this rank's list
+        # the chunk whose last gradient-producing action is the rank's last one (a shared no_sync holds until then)
+        self.last_chunk = last_chunk
         no_sync = config.no_sync_func
         self.shared = no_sync is not None and not isinstance(no_sync, list) and n > 1
         self.no_sync = _per_chunk(no_sync, n) if not self.shared else [no_sync] + [None] * (n - 1)
@@ -80,7 +85,6 @@ class GradSync:
         self.stack = contextlib.ExitStack()
         self.open: dict[int, contextlib.ExitStack] = {}
         self.started: set[int] = set()
-        self.last_overall = max(last_grad_action.values(), key=lambda a: a[0]) if last_grad_action else None
 
     def __enter__(self):
         for c, fn in enumerate(self.no_sync):
@@ -104,16 +108,16 @@ class GradSync:
             self.param_sync[c](self.model[c].parameters())
         return True
 
-    def before_grad(self, c: int, position: int) -> None:
+    def before_grad(self, c: int, last_backward: bool) -> None:
         """Without grad_sync_func: lift the chunk's no_sync just before its last gradient-producing action
-        (DDP's hooks then start the reduction as the gradients arrive)."""
-        if self.grad_sync is None and c not in self.hold and self._is_last(c, position):
+        (the executor's `last_backward`; DDP's hooks then start the reduction as the gradients arrive)."""
+        if self.grad_sync is None and c not in self.hold and last_backward:
             self._lift(c)
 
-    def after_grad(self, c: int, position: int) -> None:
+    def after_grad(self, c: int, last_backward: bool) -> None:
         """With grad_sync_func: right after the chunk's last gradient-producing action, lift its no_sync
         and start its reduction (the backward itself ran under no_sync, as in Megatron's schedules)."""
-        if self.grad_sync is not None and c not in self.hold and self._is_last(c, position):
+        if self.grad_sync is not None and c not in self.hold and last_backward:
             self._lift(c)
             self.grad_sync[c](self.model[c].parameters())
 
@@ -126,26 +130,29 @@ class GradSync:
             elif getattr(getattr(self.model[c], "ddp_config", None), "overlap_grad_reduce", False):
                 self.model[c].start_grad_sync()  # finalize's finish_grad_sync expects it issued
 
-    def _is_last(self, c: int, position: int) -> bool:
-        last = self.last_grad_action.get(c)
-        return last is not None and last[0] == position
-
     def _lift(self, c: int) -> None:
         if self.shared:
             # one no_sync for every chunk: it holds until the rank's last gradient-producing action
-            if self.last_overall is not None and self.last_grad_action.get(c) == self.last_overall and 0 in self.open:
+            if c == self.last_chunk and 0 in self.open:
                 self.open.pop(0).close()
         elif c in self.open:
             self.open.pop(c).close()
 
 
-class MegatronStages:
-    """StageRunner for the stages one rank holds; `model[v]` is the chunk of the rank's v-th stage."""
+class MegatronStages(StageCore):
+    """StageRunner for the stages one rank holds; `model[v]` is the chunk of the rank's v-th stage.
+
+    The life cycle is the executor's `StageCore`; this class gives Megatron's call (forward_step), loss
+    (inside forward_step), gradient scale (`config.grad_scale_func`), fused backward (backward_step), the
+    split linears' I/W passes, and the gradient synchronisation around every weight-gradient action.
+    """
 
     def __init__(self, *, plan, rank: int, model: Sequence[torch.nn.Module], forward_step_func: Callable,
                  data_iterator, config, num_microbatches: int, tensor_shape: tuple[int, ...],
                  forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
                  phases: Sequence[Phase] | None = None):
+        super().__init__(num_stages=plan.num_stages, num_microbatches=num_microbatches,
+                         grad_scale=config.grad_scale_func)
         self.plan = plan
         self.rank = rank
         self.stages = plan.stages_of(rank)
@@ -156,8 +163,6 @@ class MegatronStages:
         self.model = list(model)
         self.forward_step_func = forward_step_func
         self.config = config
-        self.num_microbatches = num_microbatches
-        self.num_stages = plan.num_stages
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.cp_size = cp_size
@@ -171,17 +176,12 @@ class MegatronStages:
         self.loss_data: dict[int, object] = {}
         self.device = model_device(self.model)
         self.num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
-        self._saved: dict[tuple[int, int], dict] = {}
-        row = plan.schedule[rank]
-        self.position = {a: i for i, a in enumerate(row)}
-        last: dict[int, tuple[int, object]] = {}
-        for i, a in enumerate(row):
-            if a.kind in (Kind.B, Kind.W):
-                last[self.chunk_of[a.stage]] = (i, a)
+        last = lowered_plan(plan, rank).last_backward  # stage -> program index of its last weight-gradient action
+        last_chunk = self.chunk_of[max(last, key=last.get)] if last else None
         from .embeddings import local_copy_chunks
 
         hold = set() if forward_only else local_copy_chunks(self.model)
-        self.sync = GradSync(config, self.model, last, forward_only, hold)
+        self.sync = GradSync(config, self.model, last_chunk, forward_only, hold)
 
     # -- StageRunner -------------------------------------------------------------------------------
 
@@ -196,13 +196,18 @@ class MegatronStages:
         The chunk's own data iterator feeds it (`batch` from the executor is not used: Megatron
         hands one iterator per chunk to the schedule).
         """
+        return super().forward(stage, mb, inputs, batch=batch, forward_only=forward_only or self.forward_only)
+
+    # -- StageCore hooks ---------------------------------------------------------------------------
+
+    def _stage_input(self, stage: int, mb: int, inputs, keep: bool):
+        return inputs.detach().requires_grad_(not self.forward_only) if stage > 0 else None
+
+    def _forward(self, stage: int, mb: int, x, batch, keep: bool):
         from megatron.core.pipeline_parallel import schedules
 
         c = self.chunk_of[stage]
         first = self.sync.before_forward(c)
-        x = None
-        if stage > 0:
-            x = inputs.detach().requires_grad_(not self.forward_only)
         store: list = []
         last = stage == self.num_stages - 1
         with pipeline_view(self.plan, self.rank, running=stage):  # get_batch's rank-level question: this chunk
@@ -213,71 +218,51 @@ class MegatronStages:
         if last:
             self.num_tokens += num_tokens
             self.loss_data[mb] = store[0] if store else None
-        if not (self.forward_only or forward_only):
-            saved = self._saved[(stage, mb)] = {"input": x, "output": out, "shape": None}
+        fwd = None
+        if keep:
             if not last and self.config.deallocate_pipeline_outputs:
                 sent = out.detach()  # the storage, alive while the executor sends (or hands) it on
-                saved["shape"] = out.shape  # the shape I and W show autograd while the output is freed
+                fwd = Forwarded(input=x, output=out, output_shape=out.shape)  # the shape I and W show autograd
                 schedules.deallocate_output_tensor(out, True)
-                return sent
+                return sent, fwd
+            fwd = Forwarded(input=x, output=out)
         if last and not torch.is_tensor(out):  # collect_non_loss_data: nothing flows on
-            return torch.zeros([], device=self.device)
-        return out
+            return torch.zeros([], device=self.device), fwd
+        return out, fwd
 
-    def backward(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """B: Megatron's backward_step (grad_scale_func on the loss, gradients into main_grad via DDP's hooks)."""
+    def _params(self, stage: int) -> list:
+        return [p for p in self.model[self.chunk_of[stage]].parameters() if p.requires_grad]
+
+    def _fused(self, stage: int, fwd: Forwarded, grad_output, want_dx: bool = True):
+        """B (and W of the first stage): Megatron's backward_step (grad_scale_func on the loss, custom_backward
+        for a pseudo-freed output, gradients into main_grad via DDP's hooks)."""
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        c = self.chunk_of[stage]
-        saved = self._saved.pop((stage, mb))
-        pos = self._pos(stage, Kind.B, mb)
-        self.sync.before_grad(c, pos)
-        dx = backward_step(saved["input"], saved["output"], grad_output, self.config)
-        self.sync.after_grad(c, pos)
-        return dx if stage > 0 else None
+        dx = backward_step(fwd.input, fwd.output, grad_output, self.config)
+        return dx if want_dx and stage > 0 else None
 
-    def backward_input(self, stage: int, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """I: only input gradients (linears run their input GEMM only); keeps the captured gradients for W."""
-        key = (stage, mb)
-        saved = self._saved[key]
-        x, out = saved["input"], saved["output"]
-        if grad_output is None and self.config.grad_scale_func is not None:
-            out = self.config.grad_scale_func(out)
-        g = torch.ones_like(out) if grad_output is None else grad_output
-        if x is None:
-            # The first stage has no pipeline input: no input gradient to produce, all of it is W's work.
-            self._saved[key] = {"input": None, "output": out, "grad": g, "shape": saved["shape"]}
-            return None
+    def _split_input(self, stage: int, outs: list, gs: list, ins: list):
+        """I: the linears run their input GEMM only; the captured gradients are kept for W."""
         c = self.chunk_of[stage]
-        params = [p for p in self.model[c].parameters() if p.requires_grad]
-        with _full_shape(out, saved["shape"]):
-            (dx,), split = input_pass([out], [g], [x], params, self.phases[c], self.te[c])
-        self._saved[key] = {"split": split}
-        return dx
+        return input_pass(outs, gs, ins, self._params(stage), self.phases[c], self.te[c])
 
-    def backward_weight(self, stage: int, mb: int) -> None:
+    def _split_weight(self, stage: int, work) -> None:
         """W: the weight gradients deferred by I, through AccumulateGrad (DDP's hooks fill main_grad)."""
-        saved = self._saved.pop((stage, mb))
+        weight_pass(work)
+
+    @contextlib.contextmanager
+    def _grad_action(self, stage: int, kind: Kind, last_backward: bool):
+        """Around B and W: the chunk's no_sync lifted before (or grad_sync called after) its last one."""
+        if not RULES[kind].weight_grad:
+            yield
+            return
         c = self.chunk_of[stage]
-        pos = self._pos(stage, Kind.W, mb)
-        self.sync.before_grad(c, pos)
-        if "split" in saved:
-            weight_pass(saved["split"])
-        else:
-            with _full_shape(saved["output"], saved["shape"]):
-                torch.autograd.backward(saved["output"], grad_tensors=saved["grad"])
-        self.sync.after_grad(c, pos)
+        self.sync.before_grad(c, last_backward)
+        yield
+        self.sync.after_grad(c, last_backward)
 
-    def pending(self) -> int:
-        """(stage, micro-batch) pairs whose state is still held (0 after a complete step)."""
-        return len(self._saved)
-
-    # -- helpers -----------------------------------------------------------------------------------
-
-    def _pos(self, stage: int, kind: Kind, mb: int) -> int:
-        from octopipe_plugin.actions import Action
-
-        return self.position[Action(stage, kind, mb)]
+    def _autograd_view(self, fwd: Forwarded):
+        return _full_shape(fwd.output, fwd.output_shape)
 
 
 def model_device(model: Sequence[torch.nn.Module]) -> torch.device:
@@ -304,17 +289,18 @@ def _full_shape(out: torch.Tensor, shape):
             out.data = stub
 
 
-_PHASE_ATTR = "_octopipe_wgrad_phase"
+# chunk -> its Phase: our own state beside the chunk (no attribute set on Megatron's module); weak, so a
+# chunk that goes away takes its entry with it
+_PHASES: "weakref.WeakKeyDictionary[torch.nn.Module, Phase]" = weakref.WeakKeyDictionary()
 
 
 def split_phases(model: Sequence[torch.nn.Module]) -> list[Phase]:
     """Each chunk's Phase, making its Megatron linears split-capable the first time (idempotent)."""
     phases = []
     for chunk in model:
-        phase = getattr(chunk, _PHASE_ATTR, None)
+        phase = _PHASES.get(chunk)
         if phase is None:
-            phase = Phase()
+            phase = _PHASES[chunk] = Phase()
             enable_wgrad_split(chunk, phase)
-            object.__setattr__(chunk, _PHASE_ATTR, phase)
         phases.append(phase)
     return phases

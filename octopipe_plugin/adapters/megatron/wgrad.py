@@ -5,15 +5,16 @@ Megatron's local-spec Column/RowParallelLinear run one autograd Function
 gradient and the weight gradient together. Split backward (I then W) re-enters that node
 at W, so the weight GEMM's partner, the input GEMM, ran twice and I+W cost about 2x B.
 
-`enable_wgrad_split(chunk, phase)` gives each such layer of a chunk (instance attribute
-`_forward_impl`, no Megatron file changed) a subclass of that Function whose backward
-reads `phase.value` at backward time:
+`enable_wgrad_split(chunk, phase)` gives each such layer of a chunk (its instance attribute
+`_forward_impl`, replaced through `hooks.replace_linear_impl`; no Megatron file changed) a
+subclass of that Function whose backward reads `phase.value` at backward time:
 - None (B): Megatron's own backward, unchanged;
 - "input" (I): only the input-gradient GEMM and its tensor-parallel reduction;
 - "weight" (W): only the weight-gradient GEMM (and bias sum), from the input the node saved.
 The split itself (which nodes I passes through, the gradients it captures where parameter
-sub-graphs join, the W walk from them) is the executor's (`executor.split_backward`); here
-W delivers each parameter's gradient through autograd's AccumulateGrad node, so hooks on it
+sub-graphs join, the W walk from them) is the executor's (`executor.split_backward`); this
+module gives that walk its sink (`SplitLinearSink`): the split linears' weight GEMMs, and
+every parameter's gradient delivered through autograd's AccumulateGrad node, so hooks on it
 (Megatron DDP's main_grad accumulation) fire once per parameter and micro-batch.
 
 Transformer Engine linears defer through their own `delay_wgrad_compute` queue: see
@@ -22,19 +23,17 @@ Transformer Engine linears defer through their own `delay_wgrad_compute` queue: 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from octopipe_plugin.executor.split_backward import (
-    _get_grad_fn_or_grad_acc,
-    backward_input,
-    captured_edges,
-    owned_grad,
-    pinned_intermediates,
-)
+from octopipe_plugin.executor.split_backward import WeightSink, backward_input, backward_weight, owned_grad
+
+from .hooks import replace_linear_impl
 
 INPUT, WEIGHT = "input", "weight"
 
@@ -124,9 +123,27 @@ def _fused_accumulate(ctx, weight, total_input, grad_output):
     return make(main_grad.shape, dtype=total_input.dtype, device=main_grad.device, requires_grad=False)
 
 
+# linear -> the Phase its backward reads (the latest enable_wgrad_split's): our state beside Megatron's module
+_PHASE_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Phase]" = weakref.WeakKeyDictionary()
+
+
 def enable_wgrad_split(module: torch.nn.Module, phase: Phase) -> int:
     """Route every Column/RowParallelLinear of `module` through the split-capable Function; returns how many."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, linear_with_frozen_weight
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            _PHASE_OF[m] = phase
+            replace_linear_impl(m, _split_impl(weakref.ref(m)),
+                                "I/W split: the linear computes only its input GEMM at I, its weight GEMM at W")
+            count += 1
+    return count
+
+
+def _split_impl(linear: "weakref.ref"):
+    """The `_forward_impl` of one split-capable linear: Megatron's arguments, our Function, the linear's Phase."""
+    from megatron.core.tensor_parallel.layers import linear_with_frozen_weight
     from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
     split = _function_class()
@@ -141,15 +158,10 @@ def enable_wgrad_split(module: torch.nn.Module, phase: Phase) -> int:
             raise ValueError("defer_embedding_wgrad_compute keeps its own wgrad buffer; with OctoPipe's split "
                              "backward the output layer's weight gradient is already deferred to W: turn it off")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-        return split.apply(phase, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+        return split.apply(_PHASE_OF[linear()], input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, None, wgrad_deferral_limit, tp_group, gtp_remat_size)
 
-    count = 0
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m._forward_impl = impl
-            count += 1
-    return count
+    return impl
 
 
 @dataclass(kw_only=True)
@@ -175,15 +187,16 @@ def weight_pass(split: SplitWork) -> None:
     """W: every parameter gradient the I pass deferred, delivered through AccumulateGrad (hooks fire)."""
     split.phase.value = WEIGHT
     try:
-        _deliver(split.work)
+        backward_weight(split.work, SplitLinearSink())
         for m in split.te_modules:
             te_backward_dw(m)
     finally:
         split.phase.value = None
 
 
-def _deliver(work) -> None:
-    """The executor's W walk (from the gradients I captured), all gradients sunk through AccumulateGrad at once.
+class SplitLinearSink(WeightSink):
+    """The executor's W walk with Megatron's split linears: their weight GEMMs run directly, and every
+    gradient is sunk through AccumulateGrad in one engine call at the end.
 
     A group whose parameters join the input path only at split linears needs no graph walk:
     each linear's weight GEMM runs directly from the input its node saved and the gradient I
@@ -191,40 +204,42 @@ def _deliver(work) -> None:
     every node between it and a later use of the same weight (MTP reuses the output layer),
     and some of those (Megatron's cross-entropy) changed their saved tensors in place at I.
     """
-    sink: list[tuple[GradientEdge, torch.Tensor]] = []
-    for group in work.groups:
+
+    def __init__(self):
+        self.pairs: list[tuple[GradientEdge, torch.Tensor]] = []
+
+    def group(self, group) -> list | None:
         inter, captured = group["intermediates"], group["grads"]
-        if inter and all(getattr(n, "octopipe_split", False) for n in inter):
-            for node, cap in zip(inter, captured):
-                if cap and cap[0] is not None:
-                    sink.extend(_direct_weight_grad(node, cap[0]))
-        else:
-            sink.extend(_walk(group))
-        group.clear()
-    sink.extend(_walk_rest(work))
-    if sink:
-        # a received gradient buffer (reused by the executor next step) must not become a parameter's .grad
-        incoming = getattr(work, "incoming", ())
-        torch.autograd.backward([e for e, _ in sink], [owned_grad(g, incoming) for _, g in sink])
+        if not (inter and all(getattr(n, "octopipe_split", False) for n in inter)):
+            return None
+        pairs = []
+        for node, cap in zip(inter, captured):
+            if cap and cap[0] is not None:
+                pairs.extend(_direct_weight_grad(node, cap[0]))
+        return pairs
 
+    @contextlib.contextmanager
+    def whole_backward(self, outputs):
+        """Parameters on a branch that never meets the input's path are walked from the outputs with the
+        linears' whole backward (none in a GPT chunk; kept for other models)."""
+        phases = {id(p): p for p in _phases_in(outputs)}
+        saved = {k: p.value for k, p in phases.items()}
+        for p in phases.values():
+            p.value = None
+        try:
+            yield
+        finally:
+            for k, p in phases.items():
+                p.value = saved[k]
 
-def _walk_rest(work) -> list[tuple[GradientEdge, torch.Tensor]]:
-    """Parameters on a branch that never meets the input's path (no intermediate captured their gradient):
-    walked from the outputs with the linears' whole backward (none in a GPT chunk; kept for other models)."""
-    rest = getattr(work, "rest", ())
-    if not rest:
-        return []
-    outputs, grad_outputs, leftover = rest
-    phases = {id(p): p for p in _phases_in(outputs)}
-    saved = {k: p.value for k, p in phases.items()}
-    for p in phases.values():
-        p.value = None
-    try:
-        dws = torch.autograd.grad(list(outputs), list(leftover), list(grad_outputs), allow_unused=True)
-    finally:
-        for k, p in phases.items():
-            p.value = saved[k]
-    return [(GradientEdge(_get_grad_fn_or_grad_acc(p), 0), d) for p, d in zip(leftover, dws) if d is not None]
+    def take(self, pairs: list, owner: dict, incoming: tuple) -> None:
+        self.pairs.extend(pairs)
+
+    def finish(self, owner: dict, incoming: tuple) -> None:
+        if self.pairs:
+            # a received gradient buffer (reused by the executor next step) must not become a parameter's .grad
+            torch.autograd.backward([e for e, _ in self.pairs], [owned_grad(g, incoming) for _, g in self.pairs])
+        self.pairs = []
 
 
 def _phases_in(outputs) -> list:
@@ -251,22 +266,6 @@ def _direct_weight_grad(node, grad_output) -> list[tuple[GradientEdge, torch.Ten
         if g is not None and pos < len(nexts) and nexts[pos][0] is not None:
             out.append((GradientEdge(*nexts[pos]), g))
     return out
-
-
-def _walk(group) -> list[tuple[GradientEdge, torch.Tensor]]:
-    """Parameter gradients of one group by walking the engine from its captured intermediates."""
-    edges, grads = captured_edges(group)
-    if not edges:
-        return []
-    with pinned_intermediates(group):
-        accs = list(group["params"])
-        dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
-    return [(GradientEdge(a, 0), d) for a, d in zip(accs, dws) if d is not None]
-
-
-def param_edges_of(params) -> list:
-    """Gradient accumulators of `params` (kept alive so hooks registered on them stay attached)."""
-    return [_get_grad_fn_or_grad_acc(p) for p in params]
 
 
 def te_backward_dw(module) -> None:
