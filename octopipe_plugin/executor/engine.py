@@ -195,9 +195,9 @@ class PipelineExecutor:
             else:
                 key = local_input_key(a, ns)
                 inp = local.pop(key) if key is not None else None
-            if step.shard is not None and step.shard.takes:
-                inp = taken(a, [tp.recv(t.msg, a) if t.msg is not None else local.pop(t.key)
-                                for t in step.shard.takes])
+            takes = step.shard.takes if step.shard is not None else ()
+            if takes or a.kind is Kind.J:  # a J of the only shard takes no peer statistics
+                inp = taken(a, [tp.recv(t.msg, a) if t.msg is not None else local.pop(t.key) for t in takes])
             last = not forward_only and low.is_last_backward(i, a)
             start = time.time()
             out = self._run(a, inp, batches, forward_only, last)
