@@ -120,3 +120,17 @@ def test_a_runner_without_a_shard_method_is_refused_in_one_line_naming_it():
     assert "\n" not in str(exc.value)
     with pytest.raises(RunnerInterfaceError, match=r"has no method split_meta\(\)"):
         check_runner(runner, {Kind.F, Kind.B}, split=True)
+
+
+def test_dry_run_of_a_tuned_split_plan_sleeps_the_shards_and_checks_every_hand_over():
+    from octopipe_plugin.executor.dryrun import dry_run
+    from octopipe_plugin.formats import plan_from_dict
+    from octopipe_plugin.schedules.split_messages import split_messages
+
+    doc, spec = tuned(4, 5)
+    plan = plan_from_dict(doc)
+    rep = dry_run(cost_model(spec, 4.0), plan, target_ms=300.0, timeout_s=120.0)
+    assert rep.predicted_ms == pytest.approx(300.0)
+    assert rep.measured_ms > 0
+    # every split hand-over crossing devices was checked on arrival (micro-batch and kind), besides the stage ones
+    assert rep.messages_checked >= len(split_messages(plan)) + plan.num_microbatches
