@@ -67,6 +67,7 @@ def _run(p: int, cases) -> None:
     spawn(check_split_plans_worker, p, list(docs), list(specs))
 
 
+@pytest.mark.distributed
 def test_split_head_embedding_and_tied_on_two_ranks_looped_and_v_shape():
     both = lambda plan: [head_split(SPEC, [0, 1]), embedding_split([0, 1])]  # noqa: E731
     _run(2, [
@@ -80,6 +81,7 @@ def test_split_head_embedding_and_tied_on_two_ranks_looped_and_v_shape():
     ])
 
 
+@pytest.mark.distributed
 def test_split_plans_on_three_and_four_ranks_tuned_and_irregular():
     _run(3, [
         tuned(3, 4),
@@ -94,12 +96,16 @@ def test_split_plans_on_three_and_four_ranks_tuned_and_irregular():
                        label="V-shape, tied over four, uneven")])
 
 
-def test_a_split_plan_that_would_deadlock_is_refused_before_any_process_starts():
-    # device 0 lists 1J0 before its own 1H0, whose statistics 1J0 needs (and device 1's 1J0 waits on device 0's)
-    plan = Plan(model="toy", num_devices=2, num_microbatches=1,
+def _deadlocking() -> Plan:
+    """Device 0 lists 1J0 before its own 1H0, whose statistics 1J0 needs (and device 1's 1J0 waits on device 0's)."""
+    return Plan(model="toy-lm", num_devices=2, num_microbatches=1,
                 stages=(Stage(start=0, end=4, device=0), Stage(start=4, end=7, device=1)),
                 schedule=parse_schedule([["0F0", "1J0", "1H0", "0B0", "1K0"], ["1F0", "1H0", "1J0", "1B0", "1K0"]]),
                 splits=(head_split(SPEC, [0, 1]),))
+
+
+def test_a_split_plan_that_would_deadlock_is_refused_before_any_process_starts():
+    plan = _deadlocking()
     with pytest.raises(DeadlockError, match="device 0 stuck at 1J0") as exc:
         PipelineExecutor(plan, object(), rank=0)  # no process group exists: refused before any is needed
     assert "waiting for head-shard forward 1H0 on device 0" in str(exc.value).splitlines()[1]
@@ -122,15 +128,31 @@ def test_a_runner_without_a_shard_method_is_refused_in_one_line_naming_it():
         check_runner(runner, {Kind.F, Kind.B}, split=True)
 
 
-def test_dry_run_of_a_tuned_split_plan_sleeps_the_shards_and_checks_every_hand_over():
-    from octopipe_plugin.executor.dryrun import dry_run
-    from octopipe_plugin.formats import plan_from_dict
+@pytest.mark.distributed
+def test_octopipe_dryrun_of_a_tuned_split_plan_sleeps_the_shards_and_checks_every_hand_over(tmp_path, capsys):
+    from octopipe_plugin.cli import main
+    from octopipe_plugin.formats import plan_from_dict, write_model, write_plan
     from octopipe_plugin.schedules.split_messages import split_messages
 
     doc, spec = tuned(4, 5)
     plan = plan_from_dict(doc)
-    rep = dry_run(cost_model(spec, 4.0), plan, target_ms=300.0, timeout_s=120.0)
-    assert rep.predicted_ms == pytest.approx(300.0)
-    assert rep.measured_ms > 0
+    write_model(cost_model(spec, 4.0), tmp_path / "m.json")
+    write_plan(plan, tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--target-s", "0.3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    checked = int(out.split("messages checked: ")[1].split()[0])
     # every split hand-over crossing devices was checked on arrival (micro-batch and kind), besides the stage ones
-    assert rep.messages_checked >= len(split_messages(plan)) + plan.num_microbatches
+    assert checked >= len(split_messages(plan)) + plan.num_microbatches, out
+    assert "predicted" in out and "measured" in out
+
+
+def test_octopipe_dryrun_refuses_a_deadlocking_split_plan_before_starting_processes(tmp_path, capsys):
+    from octopipe_plugin.cli import main
+    from octopipe_plugin.formats import write_model, write_plan
+
+    write_model(cost_model(SPEC), tmp_path / "m.json")
+    write_plan(_deadlocking(), tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: plan deadlocks:" in err and "device 0 stuck at 1J0" in err, err
