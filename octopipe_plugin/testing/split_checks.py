@@ -84,14 +84,16 @@ def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int) -> Split
         loss_fn=loss_fn(spec))
 
 
-def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, tags: bool = True) -> None:
+def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, tags: bool = True,
+                     exchange: str | None = None) -> None:
     """Run `plan` on this rank; assert its loss and every gradient it holds equal the reference (float64)."""
     layers = build_layers(spec)
     runner = split_runner(spec, layers, plan, rank)
-    result = PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=timeout_s, tags=tags)).run_step()
+    opts = ExecutorOptions(timeout_s=timeout_s, tags=tags, exchange=exchange)
+    result = PipelineExecutor(plan, runner, options=opts).run_step()
     ref = build_layers(spec)
     ref_loss = reference_step(spec, ref, plan.num_microbatches)
-    label = f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}"
+    label = f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}, {exchange}"
     reports = runner.head_rows is not None if runner.head_split else plan.num_stages - 1 in plan.stages_of(rank)
     if reports:
         torch.testing.assert_close(result.loss, ref_loss, rtol=1e-10, atol=1e-12, msg=f"{label}: loss")
@@ -120,8 +122,9 @@ def _same(got, want, label: str) -> None:
 
 
 def check_split_plans_worker(rank: int, world: int, port: int, docs: list[dict], specs: list[ToySpec]) -> None:
-    """Spawn target: join the group, check every (plan document, spec) in turn (every other one untagged)."""
+    """Spawn target: join the group, check every (plan document, spec) in turn (every other one untagged, every
+    third one with the batched exchange)."""
     init_gloo(rank, world, port, timeout_s=60)
     for i, (doc, spec) in enumerate(zip(docs, specs)):
-        check_split_plan(rank, plan_from_dict(doc), spec, tags=i % 2 == 0)
+        check_split_plan(rank, plan_from_dict(doc), spec, tags=i % 2 == 0, exchange="batched" if i % 3 == 2 else None)
     dist.destroy_process_group()
