@@ -72,6 +72,10 @@ def worker(rest: list[str]) -> None:
     import cpu_shims
     import launch
 
+    # the shims import megatron: from the checkout the launch runs (its script's folder first, as launch.py
+    # and `python pretrain_gpt.py` put it), not from an installed package that would then shadow it
+    script, _ = launch.split_argv(rest)
+    sys.path.insert(0, os.path.dirname(script))
     cpu_shims.install_for_pretrain()
     launch.main(rest)
 

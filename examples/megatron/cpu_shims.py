@@ -7,6 +7,13 @@ few CUDA calls (current device, streams, synchronize, `.cuda()`, the dropout RNG
 of them to its CPU equivalent; the model, DDP, optimizer, schedule and training-loop code that
 runs is Megatron's own. `install_for_pretrain()` adds what `megatron.training.pretrain` needs
 on top (see docs in the function).
+
+What the distributed optimizer and `--overlap-grad-reduce` meet (megatron-core 0.19.2): the
+bucket's `start_grad_sync` calls `torch.cuda.current_stream()` on every reduction (the stream
+shims); the optimizer's `param.type() == 'torch.cuda.FloatTensor'` checks (the type names);
+its state-dict buffers on `torch.cuda.current_device()` (the factories); and, on a resume from
+a torch_dist checkpoint, torch Adam's per-parameter 'step', which Megatron's fallback keeps when
+neither Transformer Engine's nor Apex's fused Adam (both CUDA) is installed — `_torch_adam_resume`.
 """
 
 from __future__ import annotations
@@ -48,6 +55,59 @@ def install() -> None:
     rnd.CudaRNGStatesTracker.add = lambda self, name, seed: self.states_.__setitem__(name, None)
     rnd.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     rnd._set_cuda_rng_state = lambda *a, **k: None
+    _torch_adam_resume()
+
+
+def _torch_adam_resume() -> None:
+    """Resume the distributed optimizer from a torch_dist checkpoint with torch's Adam (three places it fails).
+
+    A GPU install has Transformer Engine's or Apex's fused Adam (CUDA extensions), which keep Adam's step
+    in the param groups. Without them DistributedOptimizer falls back to torch Adam ("for non-Apex/TE
+    support" in distrib_optimizer.py), whose step is a per-parameter state tensor; a resume then fails in
+    three places (Megatron's fallback, not the plugin; each shim below is the smallest that fixes one):
+    - `state_dict()` reads the step from that state and asserts one value; `sharded_state_dict(is_loading=
+      True)` calls it before any step, when the state is empty (AssertionError). A fresh optimizer reports
+      step 0 in this template, as the fused path reports its param groups' (the checkpoint sets the real one);
+    - `load_state_dict` then puts the loaded step into every parameter's state, and
+      `_set_main_param_and_optimizer_states` copies each state tensor from the checkpoint's per-parameter
+      tensors, which carry no step (KeyError 'step'): the step stays the one just loaded;
+    - that loaded step is one tensor shared by every parameter's state, and torch Adam adds 1 to each
+      parameter's step in place: after one step it is 3 + (number of parameters), so every later update has
+      another bias correction (measured: the resumed run's second iteration off in the third digit). Each
+      parameter gets its own copy.
+    """
+    import megatron.core.optimizer.distrib_optimizer as distrib
+
+    cls = distrib.DistributedOptimizer
+    if distrib.HAVE_APEX_OR_TE or getattr(cls.state_dict, "_cpu_shim", False):
+        return
+    plain_state_dict, plain_set, plain_load = (cls.state_dict, cls._set_main_param_and_optimizer_states,
+                                               cls.load_state_dict)
+
+    def state_dict(self):
+        inner = self.optimizer
+        if len(inner.state) > 0:
+            return plain_state_dict(self)
+        for group in inner.param_groups:  # only for this call: load_state_dict reads an empty state as fresh
+            for p in group["params"]:
+                inner.state[p] = {"step": torch.tensor(0.0)}
+        try:
+            return plain_state_dict(self)
+        finally:
+            inner.state.clear()
+
+    def set_states(self, model_param, tensors):
+        return plain_set(self, model_param, {"step": None, **tensors})  # None: not copied
+
+    def load_state_dict(self, state_dict):
+        plain_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    state_dict._cpu_shim = True
+    cls.state_dict, cls._set_main_param_and_optimizer_states = state_dict, set_states
+    cls.load_state_dict = load_state_dict
 
 
 def install_for_pretrain() -> None:
@@ -57,8 +117,10 @@ def install_for_pretrain() -> None:
       call gets it;
     - `_initialize_distributed` opens Megatron's model-parallel groups only when
       `torch.cuda.device_count() > 0` (then `set_device(local_rank)`): one "device", set_device a no-op;
-    - not CUDA, the pip wheel: it ships the compiled dataset helpers but no Makefile, and start-up runs
-      `make` on them (exit 1); with the helpers importable, that compilation is skipped.
+    - not CUDA: start-up runs `make` on the dataset helpers on rank 0; the pip wheel ships them compiled
+      but no Makefile (exit 1), and a checkout's Makefile needs pybind11 (and, under pyenv, reads the
+      checkout's .python-version: another Python's extension suffix). With the helpers importable for
+      this Python, that compilation is skipped.
     """
     install()
     torch.cuda.device_count = lambda: 1
@@ -76,13 +138,10 @@ def install_for_pretrain() -> None:
 
 def _prebuilt_dataset_helpers() -> None:
     import importlib.util
-    import os
 
     import megatron.core.datasets.utils as dataset_utils
 
-    folder = os.path.dirname(dataset_utils.__file__)
-    if (importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
-            and not os.path.exists(os.path.join(folder, "Makefile"))):
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
         dataset_utils.compile_helpers = lambda: None
 
 

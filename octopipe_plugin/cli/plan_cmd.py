@@ -11,6 +11,7 @@ from ..tuner.compare import comparison_rows, format_table
 from ._options import (add_constraint_options, add_headroom_option, apply_headroom, check_writable, integer,
                        keep_on_failure, load_cluster, load_model, number)
 from .plan_report import as_json, check_size, native_references, summary, tuned
+from .plan_split import add_split_option, with_splits
 
 
 def add_parser(subparsers) -> None:
@@ -36,6 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_headroom_option(p)
     add_constraint_options(p)
+    add_split_option(p)
     g = p.add_argument_group("from your launch", "plan for the model and batch a Megatron launch would run")
     g.add_argument("--megatron-args", metavar="'ARGS'|@FILE",
                    help="the launch's Megatron arguments (pretrain_gpt.py ...), inline or @file: parsed and "
@@ -59,6 +61,9 @@ def run(args) -> int:
     """Tune, write the plan (and picture) if asked, print the summary and the comparison."""
     if args.megatron_args is not None and args.deepspeed_config is not None:
         raise OctoPipeError("--megatron-args and --deepspeed-config: give one launch to plan from")
+    if args.splits != "off" and (args.megatron_args is not None or args.deepspeed_config is not None):
+        raise OctoPipeError(f"--splits {args.splits}: split plans are for --model plans (the Megatron and DeepSpeed "
+                            "runners do not run shard actions); drop --splits or plan with --model")
     if args.megatron_args is not None:
         from .launch_plan import run_from_megatron
 
@@ -81,6 +86,9 @@ def run(args) -> int:
     model, costs = load_model(args, cluster)
     check_size(model, cluster, args.microbatches, args.time_budget)
     result = tuned(args, model, cluster, args.microbatches)
+    rows, split_line = None, None
+    if args.splits == "auto":
+        result, rows, split_line = with_splits(args, model, cluster, args.microbatches, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = []
     if args.output:
@@ -90,13 +98,16 @@ def run(args) -> int:
 
         failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png,
                                   None if args.output and not failed else plan)
-    rows = comparison_rows(result, cluster)
+    rows = rows or comparison_rows(result, cluster)
     natives = native_references(result, model, cluster)
     if args.json:
         print(json.dumps({**as_json(result, rows, cluster, natives), "plan": plan_to_dict(plan),
-                          "costs": costs.as_dict()}, indent=1))
+                          "costs": costs.as_dict(), **({"split_layers": split_line} if split_line else {})},
+                         indent=1))
     else:
         print(summary(result, model, cluster, costs.line(), natives))
+        if split_line:
+            print("  " + split_line)
         print()
         print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
     if failed:

@@ -49,6 +49,8 @@ class Model:
     # empty means a plain chain. Keys and values are layer indices.
     inputs: dict[int, tuple[int, ...]] = dc_field(default_factory=dict)
     meta: dict = dc_field(default_factory=dict)
+    # Pairs of layers sharing one weight (a tied embedding and LM head); empty: none (docs/formats.md).
+    tied: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -80,7 +82,22 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
         )
     inputs = _read_inputs(data, src, len(layers))
     meta = field(data, "meta", src, "$", dict, default={})
-    return Model(name=name, layers=tuple(layers), inputs=inputs, meta=meta)
+    return Model(name=name, layers=tuple(layers), inputs=inputs, meta=meta, tied=_read_tied(data, src, len(layers)))
+
+
+def _read_tied(data: dict, src: str, n: int) -> tuple[tuple[int, int], ...]:
+    """The optional `tied` list: pairs of distinct layer indices sharing one weight."""
+    raw = field(data, "tied", src, "$", list, default=[])
+    out = []
+    for j, pair in enumerate(raw):
+        path = f"$.tied[{j}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise FormatError(src, path, "a pair [a, b] of layer indices sharing one weight", pair)
+        a, b = (check_value(x, src, f"{path}[{k}]", int, minimum=0, maximum=n - 1) for k, x in enumerate(pair))
+        if a == b:
+            raise FormatError(src, path, "two different layers", pair)
+        out.append((min(a, b), max(a, b)))
+    return tuple(out)
 
 
 def _read_inputs(data: dict, src: str, n: int) -> dict[int, tuple[int, ...]]:
@@ -113,6 +130,8 @@ def model_to_dict(model: Model) -> dict:
         doc["inputs"] = {str(k): list(v) for k, v in model.inputs.items()}
     if model.meta:
         doc["meta"] = model.meta
+    if model.tied:
+        doc["tied"] = [list(p) for p in model.tied]
     return doc
 
 

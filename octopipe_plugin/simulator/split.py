@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..actions import RULES, Action, Kind
 from ..errors import DeadlockError, PlanError
-from ..formats.splits import SplitLayer, check_model_splits, owner_stage, side_of
+from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, owner_stage, side_of
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
@@ -86,6 +86,41 @@ def split_costs(model, plan) -> list[SplitCosts]:
         out.append(SplitCosts(split=sp, side=side, owner=owner, fwd=lay.fwd_ms, bwd=lay.bwd_ms, wgrad=lay.wgrad_ms,
                               state=lay.state_bytes, activation=lay.activation_bytes,
                               link_bytes=link_bytes(model, sp.layer)))
+    return out
+
+
+def shard_state(model, splits: list[SplitCosts], num_devices: int) -> list[int]:
+    """Per device, the state bytes of the split-layer shards it holds (docs/formats.md, "Split layers", Memory).
+
+    `round(share x state_bytes)` of every split layer; a tied pair of split layers (`Model.tied`) over
+    the same devices in the same shares holds one weight per row range: `round(share x max of the two)`.
+    """
+    out = [0] * num_devices
+    once = _tied_once(model, splits)
+    for c in splits:
+        other = once.get(c.split.layer, 0)
+        if other is None:
+            continue  # the second of a tied pair: the first counts the shared rows
+        state = max(c.state, other)
+        for d, share in zip(c.split.devices, c.split.shares):
+            out[d] += int(round(share * state))
+    return out
+
+
+def _tied_once(model, splits: list[SplitCosts]) -> dict[int, int | None]:
+    """Tied split pairs on the same devices and shares: {first layer: the second's state, second: None}."""
+    if model is None or not getattr(model, "tied", ()):
+        return {}
+    by_layer = {c.split.layer: c for c in splits}
+    out = {}
+    for a, b in model.tied:
+        ca, cb = by_layer.get(a), by_layer.get(b)
+        if ca is None or cb is None:
+            continue
+        sa = dict(zip(ca.split.devices, ca.split.shares))
+        sb = dict(zip(cb.split.devices, cb.split.shares))
+        if sa.keys() == sb.keys() and all(abs(sa[d] - sb[d]) <= SHARE_TOLERANCE for d in sa):
+            out[a], out[b] = cb.state, None
     return out
 
 
@@ -186,6 +221,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     waiting: dict = {}
     free, busy, pos = [0.0] * nd, [0.0] * nd, [0] * nd
     timeline = [[] for _ in range(nd)] if detail else None
+    bound = [[None] * len(row) for row in rows] if detail else None  # the input that set each start (None: the device)
     transfers = [] if detail else None
     ready = list(range(nd))
     while ready:
@@ -193,14 +229,14 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         row, p = rows[d], pos[d]
         while p < len(row):
             a, key, deps, dur = row[p]
-            start, blocked = free[d], None
+            start, blocked, by = free[d], None, None
             for dep, delay in deps:
                 t = done.get(dep)
                 if t is None:
                     blocked = dep
                     break
                 if t + delay > start:
-                    start = t + delay
+                    start, by = t + delay, dep
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(d)
                 break
@@ -208,6 +244,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
             free[d], busy[d] = end, busy[d] + dur
             if timeline is not None:
                 timeline[d].append((a, start, end))
+                bound[d][p] = by
             woken = [key]
             if RULES[a.kind].sends is not None and RULES[a.kind].sends.step < 0:
                 woken.append((GRAD, a.stage, a.microbatch))
@@ -218,12 +255,11 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         pos[d] = p
     if any(pos[d] < len(rows[d]) for d in range(nd)):
         _raise_deadlock(plan, rows, pos, waiting, _stuck_grid)
+    critical = []
     if detail:
         transfers = _transfers(g, rows, done, Transfer)
-    static = sc.device_state(plan.stages, nd)
-    for c in splits:
-        for d, share in zip(c.split.devices, c.split.shares):
-            static[d] += int(round(share * c.state))
+        critical = _critical_path(rows, timeline, bound)
+    static = [a + b for a, b in zip(sc.device_state(plan.stages, nd), shard_state(model, splits, nd))]
     peak_act = []
     for d, row in enumerate(plan.schedule):
         cur = peak = 0
@@ -236,9 +272,32 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     return SimResult(step_time_ms=step, bubble_ratio=bubble, busy_ms=busy,
                      peak_memory_bytes=[static[d] + peak_act[d] for d in range(nd)], static_bytes=static,
                      peak_activation_bytes=peak_act, timeline=timeline if detail else [[] for _ in range(nd)],
-                     transfers=transfers or [], critical_path=[], stage_activation=sc.activation,
+                     transfers=transfers or [], critical_path=critical, stage_activation=sc.activation,
                      live_changes=[[g.live(a, d) for a, _, _ in row] for d, row in enumerate(timeline)]
                      if detail else None)
+
+
+def _critical_path(rows, timeline, bound) -> list[tuple[int, Action]]:
+    """Walk back from the last action to t = 0 through whichever input or device set each start."""
+    ends = [(row[-1][2], d) for d, row in enumerate(timeline) if row]
+    if not ends:
+        return []
+    where = {key: (d, p) for d, row in enumerate(rows) for p, (_, key, _, _) in enumerate(row)}
+    _, d = max(ends, key=lambda t: (t[0], -t[1]))  # the lowest device on a tie
+    p, path = len(rows[d]) - 1, []
+    while True:
+        path.append((d, rows[d][p][0]))
+        by = bound[d][p]
+        if by is None:  # the device's own previous action (or t = 0) set the start
+            if p == 0 or timeline[d][p][1] <= 0.0:
+                break
+            p -= 1
+            continue
+        if by[0] == GRAD:  # a stage's input gradient: its I, else its B
+            by = (Kind.I, by[1], by[2]) if (Kind.I, by[1], by[2]) in where else (Kind.B, by[1], by[2])
+        d, p = where[by]
+    path.reverse()
+    return path
 
 
 def _transfers(g: SplitGraph, rows, done, transfer_type) -> list:
@@ -283,4 +342,4 @@ def _name(key) -> str:
     return text + (f" on device {key[3]}" if len(key) > 3 else "")
 
 
-__all__ = ["SplitGraph", "simulate_split", "split_costs", "without_split_layers", "link_bytes"]
+__all__ = ["SplitGraph", "simulate_split", "split_costs", "without_split_layers", "link_bytes", "shard_state"]

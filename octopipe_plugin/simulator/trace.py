@@ -16,7 +16,7 @@ _COLOURS = {"F": "thread_state_running", "B": "thread_state_iowait", "I": "rail_
 def trace_events(plan, result: SimResult) -> list[dict]:
     """The trace's events: metadata, compute slices, transfer slices and memory counters."""
     events: list[dict] = []
-    critical = {a for _, a in result.critical_path}
+    critical = set(result.critical_path)  # (device, action): a split layer's shard action runs on several devices
     for d in range(plan.num_devices):
         events += _metadata(d)
         for a, start, end in result.timeline[d]:
@@ -24,7 +24,7 @@ def trace_events(plan, result: SimResult) -> list[dict]:
                 "name": str(a), "cat": a.kind.value, "ph": "X", "pid": d, "tid": _COMPUTE_TID,
                 "ts": start * _US, "dur": (end - start) * _US, "cname": _COLOURS.get(a.kind.value, "generic_work"),
                 "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind.value,
-                         "critical_path": a in critical},
+                         "critical_path": (d, a) in critical},
             })
         for t, nbytes in result.memory_curve(d):
             events.append({"name": "memory", "ph": "C", "pid": d, "ts": t * _US,

@@ -3,11 +3,14 @@
 `tune_split` keeps the best plan without splits (today's `tune`) as a candidate and adds split
 ones: the tuner's own search on the model without the head's work, or with one shard's worth of
 it on the owner stage (so boundaries, placement and orders are chosen for the layers that stay
-whole), then the head's shards spread over the
-devices in shares that even out each device's work (or fill each device's idle time), placed
-into the bubbles by `split_sched.insert_shards`, the shares refined from the simulated idle
-time. Every candidate is judged by the simulator with its communication; one whose messages
-cost more than its split saves simply loses to the plan without splits, which is kept.
+whole), then the head's shards spread over the devices and placed into the bubbles by
+`split_sched.insert_shards`: first in shares that even out each device's work under the lead
+policies, then other share sets, then shares moved towards each device's room in the simulated
+step (its shard work plus its idle time; a device whose share falls below 0.2% is dropped, so
+the search also picks which devices), then the other policies. The insertions of one variant
+stop when their work units (`attempt_units`) pass INSERT_SHARE times the variant's budget.
+Every candidate is judged by the simulator with its communication; one whose messages cost
+more than its split saves simply loses to the plan without splits, which is kept.
 """
 
 from __future__ import annotations
@@ -20,17 +23,28 @@ from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
 from ..simulator.costs import stage_costs
-from .search import tune
+from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
 
 log = logging.getLogger(__name__)
 
 STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target logit, per token
+# The policies, most promising first (the insertions stop when their budget is spent).
 # Measured on the zoo (benchmarks/split_layers.py): shard passes first and a look-ahead of a few actions
-# win; waiting for the own order (window 1) or running the shards last leave the devices idle.
+# win; waiting for the own order (window 1) or running the shards last leave the devices idle. Holding
+# the head's K and the stages' W back for the gaps (klim 64, defer-w) fills the drain: 16 devices, 2
+# micro-batches per device, gemma3 1.22 -> 1.17 of the no-idle bound.
 # (the head's work while the rest is tuned, in shards' worth: 0 none, 1 one shard's pass; embedding split too)
 VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
-POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=4, window=w) for w in (4, 8, 16))
+POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=k, window=w, defer_w=dw)
+                 for k, w, dw in ((64, 16, True), (64, 4, True), (4, 4, False), (4, 16, False)))
+# measured on 2 idle cores: 16 devices x 32 micro-batches, ~3000 commits, 1.4 s an insertion: ~12 units per
+# committed action and device at WORK_RATE
+INSERT_UNITS_PER_ACTION_DEVICE = 12
+LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, on the best shares found
+INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
+REFINE_ROUNDS = 4  # share refinements from the simulated idle time, after the fixed share sets
+REFINE_STEP = 0.5  # how far each refinement moves the shares towards the room-proportional ones
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,23 +95,28 @@ def splittable_head(model) -> int | None:
 
 
 def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
-               iterations: int | None = None, options: SimOptions | None = None, unsplit=None) -> SplitTuneResult:
+               iterations: int | None = None, options: SimOptions | None = None, unsplit=None,
+               constraints=None, variant_budget_s: float | None = None) -> SplitTuneResult:
     """The fastest fitting plan with or without a split LM head; never slower than the best without.
 
-    `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here).
+    `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here
+    with `time_budget_s`); each split variant's tune of the rest takes `variant_budget_s` (default the
+    same). Plans fit `cluster.usable_memory_bytes` and keep to `constraints` as `tune`'s do.
     """
     opts = options or SimOptions()
     if unsplit is None:
         unsplit = tune(model, cluster, num_microbatches, time_budget_s=time_budget_s, seed=seed,
-                       iterations=iterations, options=opts)
+                       iterations=iterations, options=opts, constraints=constraints)
+    vbudget = time_budget_s if variant_budget_s is None else variant_budget_s
     best = (unsplit.step_ms, unsplit.plan, unsplit.bubble, tuple(unsplit.peak))
     tried = [("no split", unsplit.step_ms, True)]
     head = splittable_head(model)
     split_best = None
     if head is not None and cluster.num_devices > 1 and not opts.contention and opts.overlap:
-        for out in _split_candidates(model, cluster, num_microbatches, head, time_budget_s, seed, iterations, opts):
+        for out in _split_candidates(model, cluster, num_microbatches, head, vbudget, seed, iterations, opts,
+                                     constraints):
             label, res, plan = out
-            fits = res is not None and max(res.peak_memory_bytes) <= cluster.memory_bytes
+            fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes
             tried.append((label, None if res is None else res.step_time_ms, fits))
             if not fits:
                 continue
@@ -118,7 +137,7 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
                            unsplit=unsplit, tried=tuple(tried))
 
 
-def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
+def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, constraints=None):
     """(label, SimResult or None, plan) of each split candidate, from tunes of the model without the head's work.
 
     Two stand-ins for the head while the rest is tuned: nothing at all, and one shard's pass on the
@@ -140,12 +159,14 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts):
             rest = _with_layer_scaled(rest, emb, 0.0)
         small = replace(cluster, memory_bytes=max(1, cluster.memory_bytes - reserve))
         try:
-            base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts)
+            base = tune(rest, small, m, time_budget_s=budget, seed=seed, iterations=iterations, options=opts,
+                        constraints=constraints)
         except OctoPipeError as exc:  # no plan of the rest fits: no candidate from it, the unsplit plan stands
             log.info("no split candidate: %s", exc)
             continue
         label = f"stand-in {stand_in:g}/D" + (" +embedding" if with_emb else "")
-        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label)
+        units = float("inf") if iterations is not None else budget * WORK_RATE * INSERT_SHARE
+        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units)
 
 
 def splittable_embedding(model) -> int | None:
@@ -169,8 +190,12 @@ def _with_layer_scaled(model, index: int, factor: float):
     return replace(model, layers=tuple(layers))
 
 
-def _insertions(model, cluster, head, emb, plan, opts, label0):
-    """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated."""
+def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf")):
+    """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated.
+
+    Attempts, most promising first, while their work (`attempt_units`) stays within `units`; the first
+    always runs.
+    """
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
     nd = cluster.num_devices
@@ -183,16 +208,67 @@ def _insertions(model, cluster, head, emb, plan, opts, label0):
         extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
     work = _device_work(without_split_layers(model, tuple(gone)), plan)
     stats = stats_bytes(model)
-    balanced = _balance(work, model.layers[head].total_ms)
+    head_ms = model.layers[head].total_ms
+    balanced = _balance(work, head_ms)
     equal = [1.0 / nd] * nd
-    for label, shares in (("equal", equal), ("balance work", balanced),
-                          ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
-        for pol in POLICIES:
-            splits = extra + (_split_of(head, shares, stats),)
-            cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol,
-                                 opts.launch_ms)
-            res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
-            yield f"{label0} {label} {pol.describe()}", res, cand
+    best = None  # (step, shares, policy, SimResult) of the fastest fitting insertion so far
+    cost = attempt_units(plan, nd)
+    spent = 0.0
+
+    def affordable() -> bool:
+        return spent == 0.0 or spent + cost <= units
+
+    def attempt(label, shares, pol):
+        nonlocal best, spent
+        spent += cost
+        splits = extra + (_split_of(head, shares, stats),)
+        cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol, opts.launch_ms)
+        res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
+        if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
+                best is None or res.step_time_ms < best[0]):
+            best = (res.step_time_ms, list(shares), pol, res)
+        return f"{label0} {label} {pol.describe()}", res, cand
+
+    # the policies on the work-balancing shares, then the other share sets under the best policy
+    for pol in POLICIES[:LEAD_POLICIES]:
+        if affordable():
+            yield attempt("balance work", balanced, pol)
+    pol = best[2] if best is not None else POLICIES[0]
+    for label, shares in (("equal", equal), ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
+        if affordable():
+            yield attempt(label, shares, pol)
+    # shares proportional to bubble room: a device's room is its shard work plus its idle time in the
+    # simulated step; move part of the way towards the room-proportional shares, keep what is faster,
+    # and take smaller steps once a step did not pay
+    step = REFINE_STEP
+    for k in range(REFINE_ROUNDS):
+        if best is None or not affordable():
+            break
+        before = best[0]
+        target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
+        shares = [(1 - step) * a + step * b for a, b in zip(best[1], target)]
+        yield attempt(f"room {k + 1}", shares, best[2])
+        if best[0] >= before:
+            step /= 2
+    for pol in POLICIES[LEAD_POLICIES:]:  # the other policies on the best shares, budget permitting
+        if best is not None and affordable():
+            yield attempt("best shares", best[1], pol)
+
+
+def attempt_units(plan, num_devices: int) -> float:
+    """Work units (tuner/search.py WORK_RATE) of one insertion and its simulation, measured: each of the
+    plan's actions and its shard actions is committed once and wakes up to every device."""
+    stage_actions = sum(len(r) for r in plan.schedule)
+    shard_actions = 3 * plan.num_microbatches * num_devices
+    return INSERT_UNITS_PER_ACTION_DEVICE * (stage_actions + shard_actions) * num_devices
+
+
+def _room_shares(shares, res, head_total: float) -> list[float]:
+    """Shares proportional to each device's room: its shard work plus its idle time in the step."""
+    step = res.step_time_ms
+    room = [s * head_total + max(0.0, step - b) for s, b in zip(shares, res.busy_ms)]
+    tot = sum(room)
+    return [r / tot for r in room] if tot > 0 else list(shares)
 
 
 def _exact(vals: list[float]) -> tuple[float, ...]:
@@ -239,11 +315,11 @@ def _split_of(head: int, shares, stats: int) -> SplitLayer:
     return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)
 
 
-def comparison_rows_with_splits(result: SplitTuneResult) -> list:
+def comparison_rows_with_splits(result: SplitTuneResult, cluster=None) -> list:
     """The comparison table (tuner/compare.py) led by the best plan with splits and the best without."""
     from .compare import Row, comparison_rows, per_device
 
-    rows = comparison_rows(result.unsplit)
+    rows = comparison_rows(result.unsplit, cluster)
     base = rows[0].speedup * result.unsplit_ms if rows[0].speedup else None
     if result.split_ms is None:
         rows[0] = replace(rows[0], label="OctoPipe (no split)", note=(rows[0].note + " no split fits").strip())

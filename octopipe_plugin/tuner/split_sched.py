@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ..actions import RULES, Action, Kind, shard_kinds
 from ..formats import Plan
 from ..simulator.costs import stage_costs
-from ..simulator.split import GRAD, SplitGraph, split_costs, without_split_layers  # the judge's own rules
+from ..simulator.split import GRAD, SplitGraph, shard_state, split_costs, without_split_layers  # the judge's own rules
 
 BASE = "base"  # the next stage action of the device's own order
 
@@ -29,10 +29,12 @@ class ShardPolicy:
     shard_first: bool = True
     k_limit: int = 2  # pending head weight-gradients (J run, K not) before K goes first
     window: int = 1  # a device may run any of the next `window` actions of its own order whose inputs are in
+    defer_w: bool = False  # its own W (within the window) after every ready F/B/I and H/J: W fills the gaps
 
     def describe(self) -> str:
         """Compact text for plan metadata."""
-        return f"shard-first={self.shard_first} klim={self.k_limit} window={self.window}"
+        return f"shard-first={self.shard_first} klim={self.k_limit} window={self.window}" + \
+            (" defer-w" if self.defer_w else "")
 
 
 def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: float = 0.0) -> Plan | None:
@@ -40,11 +42,9 @@ def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: fl
     sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
     splits = split_costs(model, plan)
     g = SplitGraph(cluster, plan, sc, splits, launch_ms)
-    static = sc.device_state(plan.stages, plan.num_devices)
-    for c in splits:
-        for d, share in zip(c.split.devices, c.split.shares):
-            static[d] += int(round(share * c.state))
-    room = [cluster.memory_bytes - b for b in static]
+    static = [a + b for a, b in zip(sc.device_state(plan.stages, plan.num_devices),
+                                    shard_state(model, splits, plan.num_devices))]
+    room = [cluster.usable_memory_bytes - b for b in static]
     return _Inserter(g, plan, policy, room).run()
 
 
@@ -74,6 +74,7 @@ class _Inserter:
         self.pending_k = [0] * nd
         self.deps: dict = {}  # (device, action) -> its (producer key, delay) list, built once
         self.known: dict = {}  # (device, action) -> when its inputs are all in, once they are
+        self.lv: dict = {}  # (device, action) -> its change of the device's live bytes, built once
         self.consumers = self._consumers()
 
     def _consumers(self) -> dict:
@@ -82,6 +83,7 @@ class _Inserter:
         for d in range(self.nd):
             acts = list(self.base[d]) + [Action(self.owner[k], k, mb) for k in self.kinds[d] for mb in range(self.m)]
             for a in acts:
+                self.lv[(d, a)] = self.g.live(a, d)
                 deps = self.deps[(d, a)] = self.g.deps(a, d)
                 for dep, _ in deps:
                     out.setdefault(dep, set()).add(d)
@@ -103,7 +105,7 @@ class _Inserter:
 
     def _fits(self, a: Action, d: int) -> bool:
         """Whether running `a` keeps device d within its memory (actions that free or keep always do)."""
-        c = self.g.live(a, d)
+        c = self.lv[(d, a)]
         return c <= 0 or self.live[d] + c <= self.room[d]
 
     def _candidates(self, d: int) -> list[tuple[int, float, Action]]:
@@ -115,7 +117,8 @@ class _Inserter:
                 seen += 1
                 r = self._ready(row[i], d)
                 if r is not None and self._fits(row[i], d):  # earlier in the order ranks first
-                    out.append(((1 if self.pol.shard_first else 0) + seen * 1e-3, r, (row[i], i)))
+                    rank = 2.5 if self.pol.defer_w and row[i].kind is Kind.W else (1 if self.pol.shard_first else 0)
+                    out.append((rank + seen * 1e-3, r, (row[i], i)))
             i += 1
         for k, mb in self.spos[d].items():
             if mb >= self.m:
@@ -169,7 +172,7 @@ class _Inserter:
         end = t + dur
         self.free[d] = end
         self.out[d].append(a)
-        self.live[d] += self.g.live(a, d)
+        self.live[d] += self.lv[(d, a)]
         rule = RULES[a.kind]
         if rule.side is None:
             ran = self.ran[d]

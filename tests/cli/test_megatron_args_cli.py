@@ -72,9 +72,8 @@ def test_graph_equals_the_launchs_and_the_printed_arguments_start_it(capsys, tmp
     args = parse(kept + add.split(), world=2)  # Megatron's parse + OctoPipe's start-up + validate_args
     assert args.pipeline_schedule == "octopipe"
     assert plan_from_dict(args.octopipe_plan).stages == plan.stages  # the start-up took the plan as written
-    if launch is HYBRID:
-        assert "constraint added for Megatron: looped placement" in text
-        assert [st.device for st in plan.stages] == [s % 2 for s in range(plan.num_stages)]
+    if launch is HYBRID:  # a hybrid model's chunks follow any stage->rank map: no placement constraint is added
+        assert "constraint added for Megatron: looped placement" not in text
 
 
 def test_table_against_the_launchs_layout(capsys, tmp_path):

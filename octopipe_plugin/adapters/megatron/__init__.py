@@ -4,7 +4,8 @@ Submodules import megatron lazily (inside functions), so the layout conversions 
 Megatron is not installed:
 - `layout`: a plan's stages as Megatron's own layout arguments (round-robin plans only);
 - `mapping`: the pure plan -> Megatron mapping (no framework import): `chunk_specs`, `loss_rank`,
-  `is_looped`, `plan_of_args`, `copy_ranks`, `embedding_ranks_fn`, `stage_layout_args`;
+  `is_looped`, `plan_of_args`, `copy_ranks`, `embedding_ranks_fn`, `stage_layout_args`, `plan_segment`
+  (a hybrid chunk's segment of the '|' pattern under any placement);
 - `placement`: which layers each (rank, virtual stage) builds under any plan (`chunk_specs`,
   `mapped_layout`, `plan_model_provider`, `plan_pipeline_view`);
 - `embeddings`: tied word embeddings and MTP copies under any placement;

@@ -16,25 +16,31 @@ The replaced names (megatron-core 0.19.x):
 - `megatron.training.arguments.parse_args` and `megatron.training.training.get_forward_backward_func`
   (`install_entry_points`, the launcher's octopipe runs);
 - `megatron.core.parallel_state.initialize_model_parallel`, `megatron.training.training.get_model`,
-  `GPTModelBuilder.build_model`, `GPTModelBuilder.build_distributed_models`,
+  `GPTModelBuilder.build_model`, `GPTModelBuilder.build_distributed_models`, and the same two of
+  `HybridModelBuilder`,
   `megatron.training.training.build_train_valid_test_data_iterators` (`install_model_hooks`,
   plans whose stage->rank map is not looped);
 - `megatron.core.parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` (`pipeline_view`:
   answer for the plan inside the view, Megatron's own answer outside it);
+- `megatron.core.models.hybrid.hybrid_layer_allocation.select_pipeline_segment` (`pipeline_view`: a
+  HybridModel chunk built inside the view takes the plan's stage of its '|' pattern and that stage's
+  global layer offset; outside, Megatron's round-robin segment);
 - `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from ..patching import Patches
 from .compat import allow_megatron_training_import, require_supported_megatron
-from .mapping import is_first_stage, is_last_stage
+from .mapping import is_first_stage, is_last_stage, plan_segment
 
 PATCHES = Patches("megatron")
+log = logging.getLogger("octopipe.megatron")
 
 # [(plan, pipeline rank)] whose answers the patched is_pipeline_first/last_stage give; [None]: Megatron's own.
 # Process-wide, not a ContextVar: autograd's device threads would not see a context-local view.
@@ -83,13 +89,15 @@ def install_model_hooks(hooks: ModelHooks) -> None:
     import megatron.core.parallel_state as parallel_state
     import megatron.training.training as training
     from megatron.training.models.gpt import GPTModelBuilder
+    from megatron.training.models.hybrid import HybridModelBuilder
 
     PATCHES.replace(parallel_state, "initialize_model_parallel", hooks.initialize_model_parallel,
                     "the plan's word-embedding ranks (Megatron's {first, last} deadlocks under a V)")
     PATCHES.replace(training, "get_model", hooks.get_model, "builds the plan's chunks through the model_provider")
-    PATCHES.replace(GPTModelBuilder, "build_model", hooks.build_model, "builds the plan's chunk for a vp_stage")
-    PATCHES.replace(GPTModelBuilder, "build_distributed_models", hooks.build_distributed_models,
-                    "ties same-rank embedding copies and the plan's fp16 casts")
+    for builder in (GPTModelBuilder, HybridModelBuilder):
+        PATCHES.replace(builder, "build_model", hooks.build_model, "builds the plan's chunk for a vp_stage")
+        PATCHES.replace(builder, "build_distributed_models", hooks.build_distributed_models,
+                        "ties same-rank embedding copies and the plan's fp16 casts")
     PATCHES.replace(training, "build_train_valid_test_data_iterators", hooks.build_data_iterators,
                     "each chunk's data iterator where the plan's chunk reads data (V-shape: rank 0's loss chunk)")
 
@@ -106,22 +114,49 @@ def _view_answer(original, answer):
     return replacement
 
 
+def _segment_answer(original):
+    def select_pipeline_segment(main_pattern, pp_group, vp_stage, first_stage_layers=None, last_stage_layers=None,
+                                **kwargs):
+        view = _VIEW[0]
+        if view is None:
+            return original(main_pattern, pp_group, vp_stage, first_stage_layers=first_stage_layers,
+                            last_stage_layers=last_stage_layers, **kwargs)
+        from megatron.core.models.hybrid.hybrid_layer_allocation import validate_segment_layers
+
+        plan, rank, _ = view
+        segment, offset = plan_segment(plan, rank, vp_stage, main_pattern)
+        layers = validate_segment_layers(segment)  # Megatron's own symbol check of the segment
+        # the line Megatron's own select_pipeline_segment logs for each chunk, with the plan's stage
+        log.info("octopipe: HybridModel: pp_rank=%d, vp_stage=%d, plan stage %d of %d, layers '%s' (%d layers), "
+                 "layer_offset=%d", rank, vp_stage or 0, plan.stages_of(rank)[vp_stage or 0], plan.num_stages,
+                 segment, len(layers), offset)
+        return layers, offset
+
+    select_pipeline_segment.__doc__ = "select_pipeline_segment, answered for the plan inside octopipe's pipeline_view."
+    return select_pipeline_segment
+
+
 @contextlib.contextmanager
 def pipeline_view(plan, rank: int, running: int | None = None):
     """Inside: `parallel_state.is_pipeline_first_stage` / `is_pipeline_last_stage` answer for `plan` on `rank`.
 
     Callers that pass `vp_stage` (get_batch, MTP, get_model) learn whether *that chunk* holds the
     embedding / the loss; with `ignore_virtual=True` whether this rank holds any such chunk, or,
-    with `running` (the stage whose forward runs), whether that stage does. The two names are
-    replaced once, on first use; outside a view they give Megatron's own answer.
+    with `running` (the stage whose forward runs), whether that stage does. A HybridModel built inside
+    takes the plan's segment of its '|' pattern (`mapping.plan_segment`). The names are replaced once,
+    on first use; outside a view they give Megatron's own answer.
     """
     require_supported_megatron()
+    import megatron.core.models.hybrid.hybrid_layer_allocation as hybrid_allocation
     import megatron.core.parallel_state as ps
 
     PATCHES.replace(ps, "is_pipeline_first_stage", lambda orig: _view_answer(orig, is_first_stage),
                     "answers for the plan inside a pipeline_view (labels, MTP, pre/post flags)")
     PATCHES.replace(ps, "is_pipeline_last_stage", lambda orig: _view_answer(orig, is_last_stage),
                     "answers for the plan inside a pipeline_view (labels, MTP, pre/post flags)")
+    # HybridModel.__init__ imports it from the module at call time, so the module attribute is the one to replace
+    PATCHES.replace(hybrid_allocation, "select_pipeline_segment", _segment_answer,
+                    "a HybridModel chunk built inside a pipeline_view takes the plan's stage of the '|' pattern")
     saved, _VIEW[0] = _VIEW[0], (plan, rank, running)
     try:
         yield

@@ -11,6 +11,7 @@ another for a rule.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from ...actions import Action, Kind
 from ...errors import OctoPipeError
@@ -21,6 +22,9 @@ from .layout import GPT_SYMBOLS, HYBRID_SYMBOLS
 
 DECODER = "t"  # layout symbol of a decoder layer
 MTP = "m"  # layout symbol of an MTP layer
+# A HybridModel chunk's layers (Mamba, attention, MLP, MoE) count as decoder layers: its HybridStack numbers
+# them globally like a TransformerBlock does, and the plan's chunk holds the same ends (embedding, MTP, loss).
+CHUNK_SYMBOLS = MappingProxyType({**{kind: DECODER for kind in HYBRID_SYMBOLS}, **GPT_SYMBOLS})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,16 +46,16 @@ class ChunkSpec:
 
 
 def stage_symbols(plan, model) -> list[list[str]]:
-    """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds."""
+    """Megatron layout symbols (E, t, m, L) of each plan stage, checked against the model's layer kinds (GPT or hybrid)."""
     problem = stage_range_problem([(st.start, st.end) for st in plan.stages], model.num_layers)
     if problem is not None:
         raise OctoPipeError(f"model {model.name!r}: {problem.message}")
     symbols = []
     for i, layer in enumerate(model.layers):
-        sym = GPT_SYMBOLS.get(layer.kind)
+        sym = CHUNK_SYMBOLS.get(layer.kind)
         if sym is None:
             raise OctoPipeError(f"model {model.name!r} layer {i} ({layer.name!r}) has kind {layer.kind!r}; a Megatron "
-                                f"GPTModel chunk can hold only {sorted(GPT_SYMBOLS)}")
+                                f"GPTModel or HybridModel chunk can hold only {sorted(CHUNK_SYMBOLS)}")
         symbols.append(sym)
     out = [symbols[st.start:st.end] for st in plan.stages]
     if "E" not in out[0]:
@@ -144,6 +148,27 @@ def embedding_ranks_fn(plan, model, tied: bool):
         return [pp_ranks[r] for r in sorted(ranks)]
 
     return get_embedding_ranks
+
+
+def plan_segment(plan, rank: int, vp_stage: int | None, main_pattern: str) -> tuple[str, int]:
+    """The hybrid pattern segment chunk `vp_stage` of `rank` builds under `plan`, and its global layer offset.
+
+    Start-up writes the plan's stages into `--hybrid-layer-pattern` in stage order ('|' between them,
+    `stage_layout_args`); Megatron's select_pipeline_segment reads segment `vp_stage * P + rank` of it
+    (round-robin). Under the plan the chunk is the plan's `vp_stage`-th stage on `rank` (model order), and
+    its layers keep the global numbers of that stage (checkpoint keys match any other split)."""
+    segments = main_pattern.split("|") if main_pattern else [""]
+    if len(segments) != plan.num_stages:
+        raise OctoPipeError(f"hybrid layer pattern {main_pattern!r} has {len(segments)} '|' segments but the plan "
+                            f"has {plan.num_stages} stages; start-up writes one segment per plan stage (do not pass "
+                            "'|' in --hybrid-layer-pattern under --pipeline-schedule octopipe)")
+    mine = plan.stages_of(rank)
+    v = vp_stage or 0
+    if v >= len(mine):
+        raise OctoPipeError(f"plan places {len(mine)} stages on pipeline rank {rank}; Megatron asked for its chunk "
+                            f"{v} (vp_stage); the virtual pipeline size must be the plan's stages per rank")
+    stage = mine[v]
+    return segments[stage], sum(len(seg) for seg in segments[:stage])
 
 
 def stage_layout_args(plan, specs, args) -> dict:

@@ -12,7 +12,9 @@ Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec`
 - `mapped_layout(plan, model)` -> a `MappedLayout` for `TransformerConfig.pipeline_model_parallel_layout`;
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
-  answer for the plan (get_batch's labels, MTP, get_model's pre/post flags).
+  answer for the plan (get_batch's labels, MTP, get_model's pre/post flags), and a HybridModel built
+  inside takes the plan's segment of its '|' pattern (hooks.pipeline_view); HybridModels take no
+  `MappedLayout` (`plan_model_provider(..., hybrid=True)`).
 """
 
 from __future__ import annotations
@@ -90,14 +92,16 @@ def make_mapped_layout_class():
     return MappedLayout
 
 
-def plan_model_provider(plan, model, provider):
+def plan_model_provider(plan, model, provider, *, hybrid: bool = False):
     """Wrap a `model_provider(pre_process, post_process, vp_stage=..., config=..., ...)` to build the plan's chunks.
 
     Megatron's get_model derives pre/post_process round-robin and hands every chunk the same
     config: the wrapper gives each chunk the plan's flags, puts the plan's `MappedLayout` into
     that config (layer counts and global layer numbers per chunk) and, once the rank's chunks
     hold several copies of the tied embedding, copies the embedding into them (Megatron leaves
-    a same-rank copy zero-filled).
+    a same-rank copy zero-filled). `hybrid`: the provider builds HybridModels, which take no
+    layout: each takes the plan's segment of the '|' pattern and its global layer offset inside
+    the pipeline view the provider runs in (hooks.pipeline_view).
     """
     layout = None
     built: list = []
@@ -119,7 +123,8 @@ def plan_model_provider(plan, model, provider):
                 made.append(core_transformer_config_from_args(get_args()))
             kwargs["config"] = made[0]
         config = kwargs["config"]
-        if layout is None or getattr(config.pipeline_model_parallel_layout, "stage_devices", None) is None:
+        if not hybrid and (layout is None or
+                           getattr(config.pipeline_model_parallel_layout, "stage_devices", None) is None):
             layout = layout or mapped_layout(plan, model)
             apply_layout(config, layout)
         with plan_pipeline_view(plan, rank):

@@ -112,11 +112,13 @@ def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, sou
     else:
         problems.append(f"its {plan.num_stages} stages are not a multiple of the {plan.num_devices} pipeline ranks; "
                         "Megatron builds the same number of model chunks on every rank")
-    if not is_looped(plan) and hybrid:
-        # GPT chunks follow any map (pretrain_hooks); a HybridModel's chunks come from its '|' segments round-robin
-        problems.append(f"it places stages on ranks {[st.device for st in plan.stages]} (not looped: stage i on rank "
-                        f"i % {plan.num_devices}); a hybrid (Mamba) model's chunks follow the looped map only "
-                        "(non-uniform stages and any per-rank order are fine)")
+    if hybrid:
+        # a HybridModel builds its MTP depths (the pattern's '/' part) with the loss, on the last stage
+        mtp = [i for i, s in enumerate(specs) if s.kind == "mtp" and i < plan.stages[-1].start]
+        if mtp:
+            problems.append(f"it puts the MTP layers {mtp} before its last stage ({plan.num_stages - 1}, layers "
+                            f"{plan.stages[-1].start}..{plan.stages[-1].end - 1}); a hybrid model builds its MTP "
+                            "depths (the pattern's '/' part) with the loss: move them into the last stage")
     if problems:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {source} does not match this run: "
                             + "; ".join(problems))
@@ -256,16 +258,13 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None, decision: 
 def run_constraints(args, asked: Constraints) -> tuple[Constraints, list[str]]:
     """The user's constraints plus what Megatron's start-up needs of this run, and a line for each addition.
 
-    Megatron builds the same number of model chunks on every rank; a hybrid (Mamba) model's
-    chunks follow the looped map only (start-up refuses other plans for it).
+    Megatron builds the same number of model chunks on every rank. Any stage->rank map is fine, for
+    GPT and hybrid (Mamba) models alike (pretrain_hooks builds the plan's chunks).
     """
     notes, cons = [], asked
     if not cons.uniform_stages_per_device:
         cons = replace(cons, uniform_stages_per_device=True)
         notes.append("the same number of stages on every rank (Megatron builds as many model chunks on each)")
-    if hybrid_pattern(args) and cons.placement != "looped":
-        cons = replace(cons, placement="looped")
-        notes.append("looped placement (a hybrid model's chunks follow Megatron's round-robin map)")
     return cons, notes
 
 

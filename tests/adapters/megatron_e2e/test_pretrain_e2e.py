@@ -18,47 +18,21 @@ Launches are shared between checks (one module-scoped fixture runs them once).
 
 from __future__ import annotations
 
-import os
 import random
-import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from e2e_runs import MODEL, RESUME, launch, loss_table
 from octopipe_plugin.testing.plans import make_plan, sample_schedule
 from octopipe_plugin.formats import write_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
-ROOT = Path(__file__).resolve().parents[3]
 M = 4
 BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
 MEGATRON_LAYOUT = "Et|t|t|tL"  # the same stages, looped (stage i on rank i % 2)
-ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-        "--global-batch-size", str(M), "--eval-global-batch-size", "2", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "128", "--mock-data", "--position-embedding-type", "rope",
-        "--num-experts", "2", "--moe-layer-freq", "[0,1,0,1]", "--moe-router-topk", "2",
-        "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
-        "--moe-token-dispatcher-type", "alltoall",
-        "--disable-bias-linear",  # Megatron's local MoE experts with biases fail (in-place add on a view)
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
-        "--seed", "1234", "--pipeline-model-parallel-size", "2", "--log-interval", "1", "--eval-interval", "3",
-        "--eval-iters", "1", "--train-iters", "6", "--save-interval", "3", "--ckpt-format", "torch_dist",
-        "--dist-ckpt-optim-fully-reshardable",
-        # need CUDA: Transformer Engine, fused kernels, GPU initialisation
-        "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
-        "--use-cpu-initialization",
-        # the oracle: no dropout draws (the schedules run forwards in different orders)
-        "--hidden-dropout", "0", "--attention-dropout", "0"]
-RESUME = ["--ckpt-step", "3", "--no-load-rng"]  # the shimmed CUDA RNG state saved on CPU is empty
-
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
-VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+ARGS = [*MODEL, "--global-batch-size", str(M), "--eval-global-batch-size", "2"]
 
 
 def _plan(devices, seed, path):
@@ -69,17 +43,9 @@ def _plan(devices, seed, path):
     return str(path)
 
 
-def _launch(log: Path, *extra: str) -> dict:
-    """One cpu_run.py launch of train_gpt.py; its logged losses {"train": {it: loss}, "valid": {it: loss}}."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(ROOT / "examples/megatron/cpu_run.py"), "--nproc", "2",
-           str(ROOT / "examples/megatron/train_gpt.py"), *ARGS, *extra]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)
-    text = log.read_text()
-    assert proc.returncode == 0, f"launch failed ({proc.returncode}): {' '.join(extra)}\n{text[-4000:]}"
-    return {"train": {int(i): float(v) for i, v in LINE.findall(text)},
-            "valid": {int(i): float(v) for i, v in VALID.findall(text)}}
+def _launch(log, *extra: str) -> dict:
+    """One 2-rank launch of train_gpt.py with the scenario's arguments."""
+    return launch(log, *ARGS, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +68,6 @@ def runs(tmp_path_factory):
     shutil.rmtree(d / "ck_octopipe", ignore_errors=True)
     print(loss_table(out))
     return out
-
-
-def loss_table(out: dict) -> str:
-    """The logged losses side by side (what the report shows)."""
-    names = list(out)
-    rows = ["iteration " + " ".join(f"{n:>17}" for n in names)]
-    for kind in ("train", "valid"):
-        for it in range(1, 7):
-            vals = [out[n][kind].get(it) for n in names]
-            if any(v is not None for v in vals):
-                rows.append(f"{kind} {it:>3}  " + " ".join(f"{v:17.6E}" if v is not None else " " * 17 for v in vals))
-    return "\n".join(rows)
 
 
 @pytest.mark.timeout(1500)

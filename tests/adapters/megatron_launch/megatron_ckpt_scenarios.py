@@ -116,52 +116,10 @@ def load(chunks, opt, path: str) -> None:
     """Load a torch_dist checkpoint (of any split) into these chunks and optimizer."""
     from megatron.core import dist_checkpointing
 
-    _empty_adam_state(opt)
     loaded = dist_checkpointing.load(_state_dict(chunks, opt, loading=True), path)
     for i, c in enumerate(chunks):
         c.module.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
     opt.load_state_dict(loaded["optimizer"])
-    _own_step_tensors(opt)
-
-
-def _own_step_tensors(opt) -> None:
-    """CPU-only: on the non-Apex/TE path DistributedOptimizer.load_state_dict gives every parameter's state the
-    same 'step' tensor (distrib_optimizer.py: `s["step"] = step` in a loop), which torch's Adam then
-    increments once per parameter; one tensor each, as a fresh Adam has."""
-    for sub in getattr(opt, "chained_optimizers", [opt]):
-        for state in sub.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-def _empty_adam_state(opt) -> None:
-    """CPU-only: torch's Adam (no Apex / Transformer Engine here) has no state, hence no 'step', before its
-    first step, and DistributedOptimizer.state_dict() needs one to describe what it loads; on GPUs
-    the fused Adam keeps 'step' in its param groups. Zero state of the right shapes, replaced by the load."""
-    for sub in getattr(opt, "chained_optimizers", [opt]):
-        for group in sub.optimizer.param_groups:
-            for p in group["params"]:
-                if not sub.optimizer.state[p]:
-                    sub.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-
-
-def _cpu_adam_step_shim() -> None:
-    """CPU-only: torch's Adam keeps 'step' as a tensor in each parameter's state; on the non-Apex/TE path
-    megatron-core 0.19.2's fully-reshardable loader copies every tensor state from the checkpoint
-    (distrib_optimizer.py _set_main_param_and_optimizer_states), which stores exp_avg / exp_avg_sq only
-    ('step' travels in the param groups and load_state_dict restores it): skip 'step' there."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "cpu_shim", False):
-        return
-
-    def set_states(self, model_param, tensors):
-        return original(self, model_param, {"step": None, **tensors})
-
-    set_states.cpu_shim = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def adam_state(opt) -> dict:
@@ -199,8 +157,7 @@ def run_case(spec, case: dict, root: str) -> dict:
 
 def worker(rank: int, world: int, port: int, spec, cases: list[dict], root: str, out_path: str) -> None:
     """Spawn target: every case in turn; rank 0 saves {case name: result} (or the first error)."""
-    H.init_process(rank, world, port)
-    _cpu_adam_step_shim()
+    H.init_process(rank, world, port)  # the CPU shims, torch Adam's resume path included (cpu_shims.py)
     logging.disable(logging.INFO)
     results = {}
     for case in cases:

@@ -32,11 +32,34 @@ def test_pipeline_view_answers_for_the_plan_inside_and_megatron_outside():
                 assert not ps.is_pipeline_first_stage() and not ps.is_pipeline_last_stage()
             assert ps.is_pipeline_first_stage()
         assert [line.split(":")[0] for line in hooks.installed()] == [
-            "megatron.core.parallel_state.is_pipeline_first_stage", "megatron.core.parallel_state.is_pipeline_last_stage"]
+            "megatron.core.parallel_state.is_pipeline_first_stage", "megatron.core.parallel_state.is_pipeline_last_stage",
+            "megatron.core.models.hybrid.hybrid_layer_allocation.select_pipeline_segment"]
     finally:
         hooks.uninstall()
     assert hooks.installed() == []
     assert ps.is_pipeline_first_stage is megatron_first and ps.is_pipeline_last_stage is megatron_last
+
+
+def test_a_hybrid_chunk_built_in_the_view_takes_the_plans_segment():
+    """HybridModel asks select_pipeline_segment for (its layers, their global offset): under the V-shape, chunk 1
+    of rank 0 is stage 3 (Megatron's round-robin would give segment 1 * 2 + 0 = 2); uninstalled, Megatron's own."""
+    import megatron.core.models.hybrid.hybrid_layer_allocation as alloc
+
+    megatron_select = alloc.select_pipeline_segment
+
+    pattern = "M*|-|*M-|-"  # the plan's stages in stage order, as start-up writes them
+    try:
+        with hooks.pipeline_view(_v_plan(), 0):
+            assert alloc.select_pipeline_segment(pattern, None, 0) == (["M", "*"], 0)
+            assert alloc.select_pipeline_segment(pattern, None, 1) == (["-"], 6)
+        with hooks.pipeline_view(_v_plan(), 1):
+            assert alloc.select_pipeline_segment(pattern, None, 0) == (["-"], 2)
+            assert alloc.select_pipeline_segment(pattern, None, 1) == (["*", "M", "-"], 3)
+            with pytest.raises(Exception, match="has 2 '\\|' segments but the plan has 4 stages"):
+                alloc.select_pipeline_segment("M*|-", None, 0)
+    finally:
+        hooks.uninstall()
+    assert alloc.select_pipeline_segment is megatron_select
 
 
 def test_only_hooks_assigns_attributes_of_other_modules():

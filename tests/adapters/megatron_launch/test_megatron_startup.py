@@ -77,14 +77,53 @@ def test_a_plan_that_does_not_match_the_run_stops_startup_with_one_message(tmp_p
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
-def test_a_v_shape_plan_for_a_hybrid_model_is_refused(tmp_path):
+def test_a_v_shape_plan_for_a_hybrid_model_is_taken(tmp_path):
+    """A hybrid model's chunks follow any stage->rank map now (pretrain_hooks + the segment hook): the pattern
+    holds the plan's stages in stage order, Megatron derives VP from it, and the model hooks are installed."""
+    from octopipe_plugin.adapters.megatron import hooks
+
     argv = ["--hybrid-layer-pattern", "M*-M*-", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
             "--position-embedding-type", "rope", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
     model = model_from_megatron(parse(argv, octopipe=False, validate=False))
-    write_plan(build_plan(model, "zb-v", 2, 4), tmp_path / "hv.json")
-    with pytest.raises(OctoPipeError, match=r"places stages on ranks \[0, 1, 1, 0\] \(not looped.*hybrid"):
-        parse(argv + ["--pipeline-schedule", "octopipe", "--octopipe-plan", str(tmp_path / "hv.json")], world=2,
+    plan = build_plan(model, "zb-v", 2, 4)
+    write_plan(plan, tmp_path / "hv.json")
+    try:
+        args = parse(argv + ["--pipeline-schedule", "octopipe", "--octopipe-plan", str(tmp_path / "hv.json")], world=2)
+        assert [st["device"] for st in args.octopipe_plan["stages"]] == [0, 1, 1, 0]
+        symbols = "".join("M*-M*-")
+        layers = [(st.start, st.end) for st in plan.stages]
+        # graph layer i + 1 is pattern symbol i (layer 0 is the embedding)
+        want = "|".join(symbols[max(a - 1, 0):min(b - 1, 6)] for a, b in layers)
+        assert args.hybrid_layer_pattern == want and args.virtual_pipeline_model_parallel_size == 2
+        assert "megatron.training.models.hybrid.HybridModelBuilder.build_model" in \
+            [line.split(":")[0] for line in hooks.installed()]
+    finally:
+        hooks.uninstall()
+
+
+def test_start_up_tuning_of_a_hybrid_run_keeps_any_placement():
+    """The tuner may place a hybrid model's stages as it does a GPT's: only the chunks-per-rank rule is added."""
+    from octopipe_plugin.adapters.megatron.startup import run_constraints
+    from octopipe_plugin.tuner.constraints import Constraints
+
+    args = parse(["--hybrid-layer-pattern", "M*-M*-", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                  "--vocab-size", "128"], octopipe=False, validate=False)
+    cons, notes = run_constraints(args, Constraints())
+    assert cons.placement == "any" and cons.uniform_stages_per_device
+    assert notes == ["the same number of stages on every rank (Megatron builds as many model chunks on each)"]
+
+
+def test_a_hybrid_plan_with_mtp_before_its_last_stage_is_refused(tmp_path):
+    argv = ["--hybrid-layer-pattern", "M*-M*-/*-", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
+            "--position-embedding-type", "rope", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    model = model_from_megatron(parse(argv, octopipe=False, validate=False))  # E M * - M * - mtp L
+    write_plan(build_plan(model, "interleaved-1f1b", 2, 4, stages_per_device=2,
+                          boundaries=[(0, 3), (3, 5), (5, 8), (8, 9)]), tmp_path / "h.json")
+    with pytest.raises(OctoPipeError, match=r"MTP layers \[7\] before its last stage \(3, layers 8\.\.8\)"):
+        parse(argv + ["--pipeline-schedule", "octopipe", "--octopipe-plan", str(tmp_path / "h.json")], world=2,
               validate=False)
 
 

@@ -1,0 +1,85 @@
+"""`octopipe plan --splits auto|off`: the split-aware tuner from the command line, both bests in the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from octopipe_plugin.cli import main
+from octopipe_plugin.formats import Cluster, Layer, Link, Model, read_plan, validate_plan, write_cluster, write_model
+from octopipe_plugin.simulator import simulate
+
+GIB = 2**30
+
+
+def _files(tmp_path, head_ms: float):
+    def lay(name, kind, t):
+        return Layer(name=name, kind=kind, fwd_ms=t, bwd_ms=t, wgrad_ms=t, state_bytes=GIB, activation_bytes=GIB,
+                     output_bytes=2**20)
+    layers = (lay("emb", "embedding", 0.2),) + tuple(lay(f"l{i}", "dense", 1.0 + (i % 3)) for i in range(9)) \
+        + (lay("head", "lm_head", head_ms),)
+    model = Model(name="cli-model", layers=layers)
+    link = Link(bandwidth_gb_per_s=400, latency_us=1)
+    cl = Cluster(num_devices=4, devices_per_node=4, memory_bytes=40 * GIB, intra_node=link, inter_node=link)
+    mpath, cpath = tmp_path / "model.json", tmp_path / "cluster.json"
+    write_model(model, mpath)
+    write_cluster(cl, cpath)
+    return model, cl, ["plan", "--model", str(mpath), "--cluster", str(cpath), "--microbatches", "8",
+                       "--iterations", "30", "--no-progress"]
+
+
+def test_auto_splits_a_heavy_head_and_shows_both_bests(tmp_path, capsys):
+    model, cl, args = _files(tmp_path, 14.0)
+    out = tmp_path / "plan.json"
+    assert main(args + ["--splits", "auto", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "split layers   head over" in text
+    rows = [line for line in text.splitlines() if line.startswith("OctoPipe (")]
+    assert rows[0].startswith("OctoPipe (split layers)") and "chosen" in rows[0]
+    assert rows[1].startswith("OctoPipe (no split)")
+    split_ms, unsplit_ms = (float(r.split()[4]) for r in rows)
+    assert split_ms < unsplit_ms
+    # the bound the summary judges a split plan by does not count the split head as a heaviest layer
+    assert "(total work / devices)" in text.splitlines()[1]
+    plan = read_plan(out, model.num_layers)
+    validate_plan(plan, model.num_layers)
+    assert model.num_layers - 1 in {sp.layer for sp in plan.splits}
+    assert plan.predicted["step_time_ms"] == pytest.approx(simulate(model, cl, plan).step_time_ms, abs=1e-5)
+    assert plan.predicted["step_time_ms"] == pytest.approx(split_ms, abs=0.06)
+
+
+def test_off_is_the_default_and_keeps_whole_layers(tmp_path, capsys):
+    _, _, args = _files(tmp_path, 14.0)
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "splits" not in doc["plan"] and "split_layers" not in doc
+    assert [r["label"] for r in doc["comparison"]][0] == "OctoPipe (tuned)"
+
+
+def test_auto_json_names_the_split_and_keeps_the_unsplit_row(tmp_path, capsys):
+    _, _, args = _files(tmp_path, 14.0)
+    assert main(args + ["--splits", "auto", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"]["splits"] and doc["split_layers"].startswith("split layers   head over")
+    labels = [r["label"] for r in doc["comparison"]]
+    assert labels[:2] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
+
+
+def test_auto_with_a_framework_launch_is_refused_in_one_line(tmp_path, capsys):
+    rc = main(["plan", "--cluster", "h100x8", "--no-progress", "--splits", "auto", "--megatron-args", "--num-layers 4"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--splits auto: split plans are for --model plans" in err
+
+
+def test_auto_on_a_model_without_a_head_says_so_and_keeps_the_plain_table(tmp_path, capsys):
+    from octopipe_plugin.formats import read_model
+
+    _, _, args = _files(tmp_path, 14.0)
+    path = args[2]
+    m = read_model(path)
+    write_model(Model(name=m.name, layers=m.layers[:-1]), path)
+    assert main(args + ["--splits", "auto"]) == 0
+    text = capsys.readouterr().out
+    assert "split layers   none: the model's last layer is not an lm_head" in text
+    assert "OctoPipe (tuned)" in text and "OctoPipe (split layers)" not in text
