@@ -92,7 +92,7 @@ RULES: Mapping[Kind, KindRule] = MappingProxyType({
     # every shard's statistics (max, sum-exp, target logit) and sends its input-gradient partial to the
     # owner, whose B/I sums them; K, like W, frees the shard's logits.
     # shard kinds' weight_grad is False: a shard's gradients belong to the split layer, not to the owner
-    # stage's last backward (the executor does not run shard kinds yet)
+    # stage's last backward (the executor's shard runners add them into the shard weights themselves)
     Kind.H: KindRule(kind=Kind.H, noun="head-shard forward", receives=None, after=None, sends=None,
                      cost=("fwd",), activation=1, phase="head-forward", form="shard",
                      side="output", takes="owner", weight_grad=False),

@@ -33,6 +33,11 @@ API (what the Megatron and DeepSpeed adapters build on):
   micro-batch also under split I/W; `'direct'` adds them into `p.grad` itself. Both, and the
   adapters' `MegatronStages` / `DeepSpeedStages`, fill the hooks of one life cycle,
   `stage_core.StageCore` (typed per-(stage, micro-batch) states, the first stage's "W does it all").
+- Plans with split layers (docs/formats.md, "Split layers"): shard actions call the runner's
+  optional shard methods (`interface.SHARD_METHODS`); their hand-overs travel with the stage
+  messages in one per-pair order (`split_program.py`); with a split head every head shard's rank
+  reports the loss (its J). `SplitTorchStages` (vocab_shard.py) is the plain-module runner.
+  Training steps only: an evaluation step of a split plan is refused.
 - `CommCache` (`default_cache()` unless given): per-direction process groups (NCCL, or
   gloo with `ExecutorOptions(pair_groups=True)`), made once per rank pair for every
   pipeline of the world (collective over the default group: every rank constructs its
@@ -52,10 +57,11 @@ from .posting import format_lowered
 from .program import RankProgram, Step, build_program
 from .torch_stage import TorchStages
 from .validate import check_runnable
+from .vocab_shard import SplitTorchStages
 
 __all__ = [
     "CommCache", "default_cache", "ExecutorOptions", "PipelineExecutor", "StepResult", "forward_plan",
     "ExecutorError", "LossOutput", "StageRunner", "TensorMeta", "RankProgram", "Step", "build_program",
     "TorchStages", "check_runnable", "RunnerInterfaceError", "check_runner", "LoweredPlan", "lowered_plan",
-    "loss_rank", "first_rank", "check_nccl_rules", "format_lowered",
+    "loss_rank", "first_rank", "check_nccl_rules", "format_lowered", "SplitTorchStages",
 ]

@@ -103,6 +103,7 @@ class Transport:
         self.buffers = {} if buffers is None else buffers
         self.forward_only = False
         self.declared: dict[int, object] = {}
+        self.split_metas: dict[str, TensorMeta] = {}  # a split layer's messages: what -> meta (runner.split_meta)
         self.learned: dict[int, object] = {}
         self.target: dict[int, int] = {}
         self.posted_count: dict[int, int] = {}
@@ -112,12 +113,14 @@ class Transport:
         self.in_flight: list[Transfer] = []
         self.queued: list[Transfer] = []
 
-    def begin(self, declared: dict, forward_only: bool) -> None:
-        """Start a step: the metas the runner declares now (None where learned by handshake)."""
+    def begin(self, declared: dict, forward_only: bool, split_metas: dict | None = None) -> None:
+        """Start a step: the metas the runner declares now (None where learned by handshake), and those of the
+        split layers' messages (what -> TensorMeta: no handshake, the runner declares them)."""
         self.reset()
         if not self.keep_buffers:
             self.buffers.clear()  # reuse_buffers=False: this step's receives get buffers of their own
         self.declared = dict(declared)
+        self.split_metas = dict(split_metas or {})
         self.forward_only = forward_only
         self.lane.begin()
 
@@ -204,6 +207,8 @@ class Transport:
 
     def _recv_metas(self, msg: Message) -> list[TensorMeta] | None:
         """Leaf metas of a message, or None while they are not known yet."""
+        if msg.kind is None:  # a split layer's hand-over: one tensor of a declared meta
+            return [self._split_meta(msg, msg.consumer)]
         b = boundary_of(msg)
         if msg.kind is MsgKind.GRAD:
             meta = self._meta(b)  # this rank sent (or declared) the activation this gradient belongs to
@@ -266,6 +271,8 @@ class Transport:
         self._drop_consumed_sends(msg, action)
         tensors = self.lane.received(p)
         self._check_devices(tensors, msg, action, "received buffer")
+        if msg.kind is None:
+            return tensors[0].detach()  # shard math takes no autograd graph across devices
         b = boundary_of(msg)
         if msg.kind is MsgKind.GRAD:
             return unpack_grads(self._meta(b), tensors)
@@ -280,6 +287,9 @@ class Transport:
     def send(self, msg: Message, value, action) -> None:
         """Start sending `value` as `msg`, return at once (dropped once done: `reap`, a later receive, `finish`)."""
         self._check_watchdog(action)
+        if msg.kind is None:
+            self._send_tensors(msg, [self._split_tensor(msg, value, action)])
+            return
         b = boundary_of(msg)
         if msg.kind is MsgKind.ACT:
             self._check_devices(flatten(value)[0], msg, action, "tensor to send")
@@ -299,6 +309,25 @@ class Transport:
         t = Transfer(msg, wires, tuple(Request(send=True, wire=w, group=group, peer=grp_peer, tag=tag) for w in wires))
         self._issue(t)
         self.in_flight.append(t)
+
+    def _split_meta(self, msg, action) -> TensorMeta:
+        meta = self.split_metas.get(msg.what)
+        if meta is None:
+            raise ExecutorError(f"rank {self.rank}: {action}: no meta for the split layer's {msg.what!r} message {msg} "
+                                f"(the runner's split_meta({msg.what!r}) returned None)", rank=self.rank,
+                                action=str(action), awaited=str(msg))
+        return meta
+
+    def _split_tensor(self, msg, value, action) -> torch.Tensor:
+        """The one tensor a split hand-over carries, checked against its declared meta and the device."""
+        meta = self._split_meta(msg, action)
+        if not isinstance(value, torch.Tensor) or not meta.matches(value):
+            got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise ExecutorError(f"rank {self.rank}: {action} produced {got} for {msg}, its declared meta is "
+                                f"{meta.shape} {meta.dtype}", rank=self.rank, action=str(action), awaited=str(msg))
+        self._check_devices([value], msg, action, "tensor to send")
+        return value.detach()
 
     def _check_devices(self, tensors, msg: Message, action, what: str) -> None:
         """Refuse a tensor on another device than the executor's (a device mix-up fails here, by name)."""
@@ -357,15 +386,16 @@ class Transport:
         tensors (for a pseudo-freed output, its whole storage) would live until the step's end, as Megatron's
         schedules never keep them. Waiting on such a send returns at once: the peer already received it.
         """
-        if self.action_index is None or self.lane.pollable() or not self.in_flight:
-            return
+        if self.action_index is None or self.lane.pollable() or not self.in_flight or got.kind is None:
+            return  # (a split hand-over's producer may be a shard action, which several devices run)
         made = self.action_index.get(got.producer)
         if made is None:
             return
         keep = []
         for t in self.in_flight:
             used = self.action_index.get(t.msg.consumer)
-            if t.msg.dst == got.src and t.works is not None and used is not None and used[1] < made[1]:
+            if (t.msg.kind is not None and t.msg.dst == got.src and t.works is not None and used is not None
+                    and used[1] < made[1]):
                 self._wait(t, action, "send")
             else:
                 keep.append(t)

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from ..errors import OctoPipeError
 from ..formats import Cluster, Link, plan_from_dict, plan_to_dict
 from ..simulator import simulate, stage_costs
+from ..simulator.split import without_split_layers
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import init_gloo, spawn
-from .standin import SleepStages, StandInCosts, stage_live_outputs, standin_costs
+from .standin import SleepStages, StandInCosts, stage_live_outputs, standin_costs, standin_shards
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,9 +65,15 @@ def scaled_cluster(cluster: Cluster, scale: float) -> Cluster:
     return replace(cluster, intra_node=sl(cluster.intra_node), inter_node=sl(cluster.inter_node))
 
 
+def scaled_model(model, scale: float):
+    """The model with every layer's durations multiplied by `scale`."""
+    return replace(model, layers=tuple(replace(lay, fwd_ms=lay.fwd_ms * scale, bwd_ms=lay.bwd_ms * scale,
+                                               wgrad_ms=lay.wgrad_ms * scale) for lay in model.layers))
+
+
 def scaled_costs(model, plan, scale: float):
-    """Simulator stage costs of `plan` with every duration multiplied by `scale`."""
-    sc = stage_costs(model, plan.stages)
+    """Simulator stage costs of `plan` with every duration multiplied by `scale` (split layers left to shards)."""
+    sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
     mul = lambda xs: tuple(x * scale for x in xs)  # noqa: E731
     return replace(sc, fwd=mul(sc.fwd), bwd=mul(sc.bwd), wgrad=mul(sc.wgrad))
 
@@ -94,7 +101,8 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     scale = time_scale if time_scale is not None else auto_scale(model, plan, cluster, target_ms)
     sc = scaled_costs(model, plan, scale)
     fast = scaled_cluster(cluster, scale)
-    sim = simulate(None, fast, plan, costs=sc, detail=False)
+    # a split plan's shard costs come from the (scaled) model, its stages' from `sc`
+    sim = simulate(scaled_model(model, scale) if plan.splits else None, fast, plan, costs=sc, detail=False)
     step_s = sim.step_time_ms / 1000.0
     if max_step_ms is not None and sim.step_time_ms > max_step_ms:
         raise OctoPipeError(f"time scale {scale:.4g} makes the step last {step_s:.4g} s, more than the "
@@ -103,6 +111,8 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
         raise OctoPipeError(f"the scaled step lasts {step_s:.4g} s, longer than the {timeout_s:g} s timeout a rank "
                             f"waits for one message: raise --timeout above {step_s:.4g} or lower the time scale")
     costs = standin_costs(sc, [st.device for st in plan.stages], fast)
+    if plan.splits:
+        costs = replace(costs, shards=standin_shards(scaled_model(model, scale), plan, fast))
     live = stage_live_outputs(model, plan.stages)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
         spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, live, timeout_s, clock, out)
@@ -127,8 +137,7 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     plan = plan_from_dict(plan_doc)
     opts = ExecutorOptions(timeout_s=timeout_s)
     # warm-up step without sleeping: opens every gloo pair so the timed step pays no connection setup
-    zero = StandInCosts(fwd=(0.0,) * len(costs.fwd), bwd=(0.0,) * len(costs.fwd), wgrad=(0.0,) * len(costs.fwd),
-                        hop=(0.0,) * len(costs.fwd))
+    zero = costs.zero()
     # the stand-ins' payloads are CPU tensors: the executor is told so (a device is never implied)
     device = torch.device("cpu")
     PipelineExecutor(plan, SleepStages(costs=zero, rank=rank, live=live), device=device, options=opts).run_step()

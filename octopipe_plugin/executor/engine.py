@@ -10,12 +10,14 @@ import torch
 import torch.distributed as dist
 
 from ..actions import Action, Kind
+from ..formats.splits import side_of
+from ..schedules.split_messages import WHATS
 from ..schedules.messages import action_index
 from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
 from .errors import ExecutorError
-from .interface import LAST_BACKWARD, RUNNER_METHODS, LossOutput, check_runner
+from .interface import LAST_BACKWARD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_runner
 from .lowered import LoweredPlan, forward_plan, lowered_plan
 from .nccl_rules import check_nccl_rules
 from .program import RankProgram, local_input_key, local_output_key
@@ -105,7 +107,10 @@ class PipelineExecutor:
             raise ExecutorError(f"rank {self.rank}: the plan has devices 0..{plan.num_devices - 1}", rank=self.rank)
         self.lowered: LoweredPlan = lowered_plan(plan, self.rank, self.options.prefetch)
         # before any message: a runner that cannot take the executor's calls fails here, not at its first action
-        self.binding = check_runner(runner, {a.kind for a in plan.schedule[self.rank]} | {Kind.F})
+        self.binding = check_runner(runner, {a.kind for a in plan.schedule[self.rank]} | {Kind.F},
+                                    split=any(st.shard is not None for st in self.lowered.program.steps))
+        # with a split LM head the loss is the shards' (their J), not the last stage's F
+        self.head_split = any(side_of(sp, plan.stages[-1].end) == "output" for sp in plan.splits)
         size = dist.get_world_size(group)
         if size != plan.num_devices:
             raise ExecutorError(f"rank {self.rank}: plan has {plan.num_devices} devices, process group has {size} ranks",
@@ -169,13 +174,19 @@ class PipelineExecutor:
         another `num_microbatches` than the plan's (`lowered.forward_plan`).
         """
         forward_only = forward_only or self.evaluation_only  # a plan of forwards only is an evaluation plan
+        if forward_only and self.plan.splits:
+            raise ExecutorError(f"rank {self.rank}: an evaluation (forward_only) step of a plan with split layers "
+                                f"is not supported yet (its loss needs the shards' statistics exchange); evaluate "
+                                f"with an unsplit plan", rank=self.rank)
         low = self._lowered_for(forward_only, num_microbatches)
         ns = self.plan.num_stages
         result = StepResult(forward_only=forward_only)
         batches = StepData(data, self.plan.stages_of(self.rank), low.plan.num_microbatches, self.rank)
         local: dict[tuple[str, int, int], object] = {}
         tp = self._transport(low)
-        tp.begin({s: self.runner.boundary_meta(s) for s in range(ns - 1)}, forward_only)
+        split_metas = ({w: self.runner.split_meta(w) for w in WHATS}
+                       if any(st.shard is not None for st in low.program.steps) else None)
+        tp.begin({s: self.runner.boundary_meta(s) for s in range(ns - 1)}, forward_only, split_metas)
         for i, step in enumerate(low.program.steps):
             tp.post_upto(step.post_upto)
             a = step.action
@@ -184,11 +195,22 @@ class PipelineExecutor:
             else:
                 key = local_input_key(a, ns)
                 inp = local.pop(key) if key is not None else None
+            takes = step.shard.takes if step.shard is not None else ()
+            if takes or a.kind is Kind.J:  # a J of the only shard takes no peer statistics
+                inp = taken(a, [tp.recv(t.msg, a) if t.msg is not None else local.pop(t.key) for t in takes])
             last = not forward_only and low.is_last_backward(i, a)
             start = time.time()
             out = self._run(a, inp, batches, forward_only, last)
             result.timeline.append((a, start, time.time()))
-            if a.kind is Kind.F and a.stage == ns - 1:
+            if a.kind is Kind.J:  # a head shard: its partial goes on, every shard reports the loss
+                out, loss = out
+                result.outputs[a.microbatch] = _loss_output(loss, self.rank, a)
+            if step.shard is not None:
+                for msg in step.shard.sends:
+                    tp.send(msg, out, a)
+                for key in step.shard.keeps:
+                    local[key] = out
+            if a.kind is Kind.F and a.stage == ns - 1 and not self.head_split:
                 result.outputs[a.microbatch] = _loss_output(out, self.rank, a)
             elif a.output_stage(ns) is not None:
                 if step.send is not None:
@@ -207,10 +229,23 @@ class PipelineExecutor:
         if a.kind is Kind.F:
             return r.forward(s, mb, inp, batch=batches.get(s, mb), forward_only=forward_only)
         name = RUNNER_METHODS[a.kind]
+        if a.kind in SHARD_METHODS:
+            return getattr(r, name)(s, mb, *(() if a.kind in (Kind.K, Kind.E) else (inp,)))
         kw = {LAST_BACKWARD: last} if name in self.binding.takes_last_backward else {}
         if a.kind is Kind.W:
             return r.backward_weight(s, mb, **kw)
         return getattr(r, name)(s, mb, inp, **kw)
+
+
+def taken(action: Action, values: list):
+    """What an action gets from a split layer's hand-overs (in shard-device order): a J the other shards'
+    statistics, an owner stage's F (embedding) or B/I (head) the sum of the partials, any other the one value."""
+    if action.kind is Kind.J:
+        return tuple(values)
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
 
 
 def _loss_output(out, rank: int, action: Action) -> LossOutput:

@@ -85,6 +85,15 @@ class StageRunner(Protocol):
       `weight_grad`: B or W), False on the others, *before* it runs (e.g. to let the last
       micro-batch's backward start the gradient reduction). Runners without it are called as
       before; `PipelineExecutor(on_last_backward=)` still fires after that call.
+    - Split layers (docs/formats.md, "Split layers"): a rank that runs shard actions needs the
+      optional methods of `SHARD_METHODS` (H, J, K of the LM head, E, G of the embedding) and
+      `split_meta(what)`, the TensorMeta of each split hand-over it receives ("head-input",
+      "stats", "head-partial", "embedding-partial", "embedding-grad"). The owner stage's own
+      actions run its layers without the split one: with a split head its F returns the head's
+      input (handed to every shard) and its B/I gets the sum of the shards' partials as
+      `grad_output`; with a split embedding stage 0's F gets the sum of the partials as `inputs`
+      and its B/I returns their gradient (handed to every G). Shard methods get no `batch`: the
+      runner loads its own tokens and targets.
     - `check_runner` refuses, when the executor is built, a runner whose methods cannot take
       these calls.
     """
@@ -111,11 +120,25 @@ class RunnerInterfaceError(OctoPipeError, TypeError):
 
 
 # The runner method each kind of action calls (the positional parameters after `self`).
+# Shard kinds (optional methods, needed only where a rank runs them):
+# - head_forward(stage, mb, hidden) -> the shard's statistics (a [tokens, 3] tensor: local max, sum of
+#   exponentials, target logit or 0), handed to every other shard;
+# - head_backward_input(stage, mb, peer_stats) -> (partial input gradient, LossOutput): peer_stats are the
+#   other shards' statistics in shard-device order; every shard reports the micro-batch's loss;
+# - head_backward_weight(stage, mb): the shard rows' weight gradient, deferred like W;
+# - embedding_forward(stage, mb) -> the partial embedding of the tokens in the shard's rows (zeros elsewhere);
+# - embedding_backward(stage, mb, grad_output): the shard rows' weight gradient from stage 0's input gradient.
+SHARD_METHODS: Mapping[Kind, str] = MappingProxyType({
+    Kind.H: "head_forward", Kind.J: "head_backward_input", Kind.K: "head_backward_weight",
+    Kind.E: "embedding_forward", Kind.G: "embedding_backward"})
 RUNNER_METHODS: Mapping[Kind, str] = MappingProxyType({
-    Kind.F: "forward", Kind.B: "backward", Kind.I: "backward_input", Kind.W: "backward_weight"})
+    Kind.F: "forward", Kind.B: "backward", Kind.I: "backward_input", Kind.W: "backward_weight", **SHARD_METHODS})
 _POSITIONAL = MappingProxyType({
     "boundary_meta": ("stage",), "forward": ("stage", "mb", "inputs"), "backward": ("stage", "mb", "grad_output"),
-    "backward_input": ("stage", "mb", "grad_output"), "backward_weight": ("stage", "mb")})
+    "backward_input": ("stage", "mb", "grad_output"), "backward_weight": ("stage", "mb"),
+    "head_forward": ("stage", "mb", "hidden"), "head_backward_input": ("stage", "mb", "peer_stats"),
+    "head_backward_weight": ("stage", "mb"), "embedding_forward": ("stage", "mb"),
+    "embedding_backward": ("stage", "mb", "grad_output"), "split_meta": ("what",)})
 _KEYWORDS = MappingProxyType({"forward": ("batch", "forward_only")})  # always passed
 LAST_BACKWARD = "last_backward"  # passed where the method accepts it
 
@@ -127,12 +150,15 @@ class RunnerBinding:
     takes_last_backward: frozenset[str]
 
 
-def check_runner(runner, kinds) -> RunnerBinding:
+def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
     """Refuse (RunnerInterfaceError, one line naming class, method and what is missing) a runner that cannot
-    take the calls the executor makes for actions of `kinds`; say which methods take `last_backward=`."""
+    take the calls the executor makes for actions of `kinds` (`split`: and a split layer's hand-overs); say
+    which methods take `last_backward=`."""
     cls = type(runner).__name__
-    # shard kinds of split layers have no runner method: check_runnable refuses split plans before binding
-    names = ["boundary_meta"] + [RUNNER_METHODS[k] for k in Kind if k in set(kinds) and k in RUNNER_METHODS]
+    kinds = set(kinds)
+    names = ["boundary_meta"] + [RUNNER_METHODS[k] for k in Kind if k in kinds]
+    if split or kinds & set(SHARD_METHODS):
+        names.append("split_meta")
     takes = set()
     for name in names:
         method = getattr(runner, name, None)

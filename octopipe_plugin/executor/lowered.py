@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 from ..actions import Action, Kind
 from ..schedules.messages import Message, messages_by_action, plan_messages
+from ..schedules.split_messages import pair_messages
 from .program import RankProgram, build_program
 
 _CACHE_SIZE = 64  # plans x ranks x prefetch kept; a process runs a handful (training, evaluation counts)
@@ -27,7 +28,7 @@ _CACHE_SIZE = 64  # plans x ranks x prefetch kept; a process runs a handful (tra
 
 def plan_key(plan) -> tuple:
     """What identifies a plan's messages and programs: devices, stages and every device's list."""
-    return (plan.num_devices, plan.stages, plan.schedule)
+    return (plan.num_devices, plan.stages, plan.schedule, plan.splits)
 
 
 class _Key:
@@ -152,9 +153,11 @@ def _remember(store: OrderedDict, key, make):
 
 
 def plan_message_map(plan) -> Mapping[tuple[int, int], tuple[Message, ...]]:
-    """`plan_messages(plan)` computed once per plan (read-only, tuples)."""
+    """`plan_messages(plan)` computed once per plan (read-only, tuples); a plan with split layers also has their
+    messages (`schedules.split_messages.pair_messages`: one per-pair order for both kinds)."""
     def make():
-        return MappingProxyType({pair: tuple(msgs) for pair, msgs in sorted(plan_messages(plan).items())})
+        msgs = pair_messages(plan) if plan.splits else plan_messages(plan)
+        return MappingProxyType({pair: tuple(m) for pair, m in sorted(msgs.items())})
     return _remember(_messages, cache_key(plan), make)
 
 

@@ -165,8 +165,7 @@ class _Replay:
         moved = False
         for r, prog in enumerate(self.programs):
             while self.ready[r] < self.enqueued[r]:
-                recv = prog.steps[self.ready[r]].recv
-                if recv is not None and (recv, "recv") not in self.done:
+                if any((m, "recv") not in self.done for m in prog.steps[self.ready[r]].recvs):
                     break
                 self.ready[r] += 1
                 moved = True

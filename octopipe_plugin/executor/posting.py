@@ -58,13 +58,12 @@ def rank_ops(program: RankProgram, warm: tuple[tuple[int, int], ...] = ()) -> tu
     for i, step in enumerate(program.steps):
         for peer, count in step.post_upto:
             post(peer, count, i)
-        if step.recv is not None:
-            peer = step.recv.src
-            post(peer, position[step.recv] + 1, i)
-            ops.append(Op(kind=OpKind.WAIT_RECV, step=i, msg=step.recv))
+        for msg in step.recvs:  # its stage input, then a split layer's hand-overs (split_program.py)
+            post(msg.src, position[msg] + 1, i)
+            ops.append(Op(kind=OpKind.WAIT_RECV, step=i, msg=msg))
         ops.append(Op(kind=OpKind.COMPUTE, step=i, action=step.action))
-        if step.send is not None:
-            send = Op(kind=OpKind.SEND, step=i, msg=step.send)
+        for msg in step.sends:
+            send = Op(kind=OpKind.SEND, step=i, msg=msg)
             ops.append(send)
             sends.append(send)
     ops += [Op(kind=OpKind.WAIT_SEND, step=len(program.steps), msg=s.msg) for s in sends]
@@ -79,7 +78,8 @@ def describe(op: Op, rank: int) -> str:
         return f"warm r{op.pair[0]}->r{op.pair[1]}"
     m = op.msg
     peer = f"from r{m.src}" if m.dst == rank else f"to r{m.dst}"
-    return f"{op.kind.value} {m.kind.name} {m.producer} {peer}"
+    what = m.kind.name if m.kind is not None else m.what  # a split layer's message names what it carries
+    return f"{op.kind.value} {what} {m.producer} {peer}"
 
 
 def format_ops(ops, rank: int, *, compact: bool = False) -> str:

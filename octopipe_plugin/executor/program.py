@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from ..actions import Action
 from ..schedules.messages import Message, messages_by_action, plan_messages
+from ..schedules.split_messages import pair_messages
+from .split_program import ShardIO, shard_io
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,6 +25,19 @@ class Step:
     send: Message | None
     # per peer: how many of that peer's messages (in per-peer order) must be posted before this step
     post_upto: tuple[tuple[int, int], ...]
+    shard: ShardIO | None = None  # a split layer's hand-overs it takes and gives (split_program.py)
+
+    @property
+    def recvs(self) -> tuple:
+        """Every message it waits for, in order: its stage input, then its split hand-overs."""
+        own = () if self.recv is None else (self.recv,)
+        return own + (self.shard.recvs if self.shard is not None else ())
+
+    @property
+    def sends(self) -> tuple:
+        """Every message it sends, in order: its stage output, then its split hand-overs."""
+        own = () if self.send is None else (self.send,)
+        return own + (self.shard.sends if self.shard is not None else ())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,20 +60,27 @@ def build_program(plan, rank: int, prefetch: int = 2, *, messages=None, by_actio
     `plan_messages` when the caller has them, `by_action` its `messages_by_action` (executor.lowered
     computes both once per plan).
     """
-    pairs = plan_messages(plan) if messages is None else messages
+    if messages is None:  # with a split layer's messages too, in one per-pair order
+        messages = pair_messages(plan) if plan.splits else plan_messages(plan)
+    pairs = messages
     recv_order = {src: tuple(msgs) for (src, dst), msgs in pairs.items() if dst == rank}
     send_order = {dst: tuple(msgs) for (src, dst), msgs in pairs.items() if src == rank}
     sends, recvs = messages_by_action(plan, pairs) if by_action is None else by_action
     position = {msg: (src, i) for src, msgs in recv_order.items() for i, msg in enumerate(msgs)}
     row = plan.schedule[rank]
-    need = [position.get(recvs.get(a)) for a in row]
+    shards = shard_io(plan, rank)
+    stage_row = [None if a.rule.side is not None else a for a in row]  # shard actions carry no stage message
+    need = [[position[m] for m in (recvs.get(a),) + (shards[i].recvs if i in shards else ()) if m is not None]
+            for i, a in enumerate(stage_row)]
     steps = []
     for i, a in enumerate(row):
         upto: dict[int, int] = {}
-        for pos in need[i:i + 1 + max(prefetch, 0)]:
-            if pos is not None:
+        for positions in need[i:i + 1 + max(prefetch, 0)]:
+            for pos in positions:
                 upto[pos[0]] = max(upto.get(pos[0], 0), pos[1] + 1)
-        steps.append(Step(action=a, recv=recvs.get(a), send=sends.get(a), post_upto=tuple(sorted(upto.items()))))
+        st = stage_row[i]
+        steps.append(Step(action=a, recv=recvs.get(st), send=sends.get(st), post_upto=tuple(sorted(upto.items())),
+                          shard=shards.get(i)))
     return RankProgram(rank=rank, num_stages=plan.num_stages, steps=tuple(steps),
                        recv_order=recv_order, send_order=send_order)
 

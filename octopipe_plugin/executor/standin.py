@@ -7,19 +7,26 @@ consumer checks all but the send time against what it expects and, to charge the
 not use the payload before `send time + transfer time` (processes share the host clock),
 which is the simulator's model of a transfer with full overlap. Sleeping costs no CPU, so
 many ranks fit on a laptop's few cores.
+
+A split layer's shard actions (docs/formats.md, "Split layers") sleep the device's share of the
+layer's costs, and its hand-overs travel as messages too. The executor sums the partials an
+owner takes, so a split payload is summable: [micro-batch, what, count, 0, 0, then one slot per
+device holding the send time of the device that made it]; the consumer checks micro-batch and
+kind (divided by the count) and waits for the latest slot plus that sender's transfer time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from ..simulator.costs import hop_times
+from ..schedules.split_messages import WHATS
 from .clock import DeviceClock
 from .errors import ExecutorError
-from .interface import TensorMeta
+from .interface import LossOutput, TensorMeta
 
 _PAYLOAD = TensorMeta(shape=(5,), dtype=torch.float64)
 
@@ -32,6 +39,38 @@ class StandInCosts:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     hop: tuple[float, ...]  # hop[s]: stage s -> s+1 (and the gradient back)
+    shards: tuple["ShardCosts", ...] = ()  # the plan's split layers
+
+    def zero(self) -> "StandInCosts":
+        """The same plan with every duration and transfer 0 (the warm-up step)."""
+        z = lambda xs: tuple(0.0 for _ in xs)  # noqa: E731
+        return StandInCosts(fwd=z(self.fwd), bwd=z(self.bwd), wgrad=z(self.wgrad), hop=z(self.hop),
+                            shards=tuple(replace(c, fwd=0.0, bwd=0.0, wgrad=0.0,
+                                                 link_ms=tuple(z(r) for r in c.link_ms),
+                                                 stats_ms=tuple(z(r) for r in c.stats_ms)) for c in self.shards))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardCosts:
+    """One split layer's scaled costs (ms, the whole layer: a shard sleeps its share) and hand-over times."""
+
+    side: str  # "output" (LM head) or "input" (embedding)
+    owner: int
+    devices: tuple[int, ...]
+    shares: tuple[float, ...]
+    fwd: float
+    bwd: float
+    wgrad: float
+    link_ms: tuple[tuple[float, ...], ...]  # [src][dst]: the owner <-> shard hand-over (0 on one device)
+    stats_ms: tuple[tuple[float, ...], ...]  # [src][dst]: one head shard's statistics to another
+
+    def share(self, device: int) -> float:
+        """The device's share of the layer."""
+        return self.shares[self.devices.index(device)]
+
+
+_SIDE = {"head-input": "output", "stats": "output", "head-partial": "output", "embedding-partial": "input",
+         "embedding-grad": "input"}
 
 
 class SleepStages:
@@ -56,6 +95,8 @@ class SleepStages:
         # live[s]: the layers whose outputs cross the boundary after stage s (one payload each)
         self.live = live if live is not None else tuple((s,) for s in range(self.num_stages))
         self.checked = 0
+        self.split = {c.side: c for c in costs.shards}
+        self.num_devices = len(costs.shards[0].link_ms) if costs.shards else 0
 
     @property
     def busy_s(self) -> float:
@@ -104,10 +145,15 @@ class SleepStages:
                      for layer in self.live[boundary])
 
     def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
-        """Check the incoming activation, sleep F."""
-        ready = self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False) if stage > 0 else 0.0
+        """Check the incoming activation (stage 0 of a split embedding: the partials), sleep F."""
+        if stage > 0:
+            ready = self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False)
+        else:
+            ready = self._arrival(inputs, f"{stage}F{mb}", mb, "embedding-partial") if "input" in self.split else 0.0
         end = self._work(self.costs.fwd[stage], ready)
         if stage == self.num_stages - 1:
+            if "output" in self.split:
+                return self._split_payload("head-input", mb, end)
             return torch.zeros((), dtype=torch.float64)
         return self._payload(mb, stage, False, end)
 
@@ -115,8 +161,65 @@ class SleepStages:
         ready = 0.0
         if stage < self.num_stages - 1:
             ready = self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
+        elif "output" in self.split:
+            ready = self._arrival(grad_output, f"{stage}{kind}{mb}", mb, "head-partial")
         end = self._work(ms, ready)
-        return self._payload(mb, stage, True, end) if stage > 0 else None
+        if stage > 0:
+            return self._payload(mb, stage, True, end)
+        return self._split_payload("embedding-grad", mb, end) if "input" in self.split else None
+
+    # ----- split layers' shards
+
+    def split_meta(self, what: str) -> TensorMeta:
+        """Every split hand-over is one summable payload (module docstring)."""
+        return TensorMeta(shape=(5 + self.num_devices,), dtype=torch.float64, requires_grad=False)
+
+    def _split_payload(self, what: str, mb: int, sent: float) -> torch.Tensor:
+        t = torch.zeros(5 + self.num_devices, dtype=torch.float64)
+        t[0], t[1], t[2], t[5 + self.rank] = mb, WHATS.index(what), 1.0, sent
+        return t
+
+    def _arrival(self, value, action: str, mb: int, what: str) -> float:
+        """Check a (possibly summed) split payload; when its last part lands on this device."""
+        n = float(value[2])
+        got = (round(float(value[0]) / n), round(float(value[1]) / n)) if n > 0 else None
+        if got != (mb, WHATS.index(what)):
+            raise ExecutorError(f"rank {self.rank}: {action} received split payload {got} (micro-batch, kind), "
+                                f"expected micro-batch {mb} of {what!r}", rank=self.rank, action=action)
+        c = self.split[_SIDE[what]]
+        table = c.stats_ms if what == "stats" else c.link_ms
+        self.checked += 1
+        return max(float(value[5 + j]) + table[j][self.rank] / 1000.0
+                   for j in range(self.num_devices) if float(value[5 + j]) > 0)
+
+    def head_forward(self, stage: int, mb: int, hidden) -> torch.Tensor:
+        """H: wait for the head's input, sleep the share of F; the statistics go to every other shard."""
+        c = self.split["output"]
+        end = self._work(c.share(self.rank) * c.fwd, self._arrival(hidden, f"{stage}H{mb}", mb, "head-input"))
+        return self._split_payload("stats", mb, end)
+
+    def head_backward_input(self, stage: int, mb: int, peer_stats):
+        """J: wait for every other shard's statistics, sleep the share of I; the partial goes to the owner."""
+        c = self.split["output"]
+        ready = max([self._arrival(p, f"{stage}J{mb}", mb, "stats") for p in peer_stats], default=0.0)
+        end = self._work(c.share(self.rank) * c.bwd, ready)
+        return self._split_payload("head-partial", mb, end), LossOutput(loss=torch.zeros((), dtype=torch.float64))
+
+    def head_backward_weight(self, stage: int, mb: int) -> None:
+        """K: sleep the share of W."""
+        c = self.split["output"]
+        self._work(c.share(self.rank) * c.wgrad)
+
+    def embedding_forward(self, stage: int, mb: int) -> torch.Tensor:
+        """E: sleep the share of F; the partial goes to stage 0."""
+        c = self.split["input"]
+        return self._split_payload("embedding-partial", mb, self._work(c.share(self.rank) * c.fwd))
+
+    def embedding_backward(self, stage: int, mb: int, grad_output) -> None:
+        """G: wait for stage 0's input gradient, sleep the share of I + W."""
+        c = self.split["input"]
+        self._work(c.share(self.rank) * (c.bwd + c.wgrad),
+                   self._arrival(grad_output, f"{stage}G{mb}", mb, "embedding-grad"))
 
     def backward_input(self, stage: int, mb: int, grad_output):
         """Check the output gradient, sleep I."""
@@ -140,6 +243,21 @@ def stage_live_outputs(model, stages) -> tuple[tuple[int, ...], ...]:
     from ..graph import live_outputs
 
     return tuple(live_outputs(model, st.end) for st in stages[:-1]) + ((),)
+
+
+def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
+    """The stand-in figures of `plan`'s split layers from the (scaled) model and cluster, as the simulator's."""
+    from ..simulator.split import split_costs
+
+    nd = plan.num_devices
+
+    def times(nbytes: int) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(0.0 if a == b else cluster.transfer_ms(a, b, nbytes) for b in range(nd))
+                     for a in range(nd))
+
+    return tuple(ShardCosts(side=c.side, owner=c.owner, devices=c.split.devices, shares=c.split.shares, fwd=c.fwd,
+                            bwd=c.bwd, wgrad=c.wgrad, link_ms=times(c.link_bytes), stats_ms=times(c.split.stats_bytes))
+                 for c in split_costs(model, plan))
 
 
 def standin_costs(stage_costs, stage_devices: Sequence[int], cluster) -> StandInCosts:

@@ -34,6 +34,16 @@ class SplitLayer:
         return self.shares[self.devices.index(device)] if device in self.devices else 0.0
 
 
+def row_range(split: SplitLayer, num_rows: int, device: int) -> tuple[int, int] | None:
+    """Rows [lo, hi) of a `num_rows`-row weight that `device` holds: the shards in `devices` order, each cut at
+    round(num_rows x the running sum of the shares) (None when the device holds no shard)."""
+    if device not in split.devices:
+        return None
+    j = split.devices.index(device)
+    cut = [0] + [round(num_rows * sum(split.shares[:k + 1])) for k in range(len(split.shares) - 1)] + [num_rows]
+    return cut[j], cut[j + 1]
+
+
 def side_of(split: SplitLayer, num_layers: int) -> str | None:
     """'input' for layer 0, 'output' for the last layer, None elsewhere (not splittable by position)."""
     if split.layer == num_layers - 1 and num_layers > 1:

@@ -89,6 +89,8 @@ def messages_by_action(plan, messages=None) -> tuple[dict[Action, Message], dict
     recvs: dict[Action, Message] = {}
     for msgs in (plan_messages(plan) if messages is None else messages).values():
         for msg in msgs:
+            if not isinstance(msg, Message):
+                continue  # a split layer's message (split_messages.py): shard actions repeat over devices
             sends[msg.producer] = msg
             recvs[msg.consumer] = msg
     return sends, recvs

@@ -11,6 +11,7 @@ with the stage-to-stage messages of messages.py, every pair's list in the sender
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..actions import RULES, Action, Flow, Kind, shard_kinds
 from ..formats.splits import owner_stage, side_of
@@ -27,13 +28,25 @@ class SplitMessage:
     dst: int
     producer: Action
     consumer: Action
+    kind: ClassVar[None] = None  # not a stage-boundary flow (messages.Message.kind is ACT or GRAD)
+
+    def tag(self, num_stages: int) -> int:
+        """A tag unique within the step between two devices, apart from every stage message's tag."""
+        return SPLIT_TAG_BASE + self.microbatch * len(WHATS) + WHATS.index(self.what)
 
     def __str__(self) -> str:
         return f"{self.what}[{self.producer}->{self.consumer}] dev{self.src}->dev{self.dst}"
 
 
-def split_messages(plan) -> list[tuple[int, SplitMessage]]:
-    """(position of the producer in its device's list, message) of every cross-device split message."""
+WHATS = ("head-input", "stats", "head-partial", "embedding-partial", "embedding-grad")
+SPLIT_TAG_BASE = 1 << 24  # above (mb * num_stages + stage) * 2 + 1, the stage messages' tags, for any real plan
+
+
+def split_messages(plan, *, same_device: bool = False) -> list[tuple[int, SplitMessage]]:
+    """(position of the producer in its device's list, message) of every cross-device split message.
+
+    `same_device`: also the hand-overs whose two ends share a device (src == dst: the executor passes them in
+    memory), all but the statistics (a shard keeps its own)."""
     if not plan.splits:
         return []
     index = action_index(plan)  # stage actions: one device each
@@ -54,14 +67,14 @@ def split_messages(plan) -> list[tuple[int, SplitMessage]]:
                         flow = Flow.ACT if side == "output" else Flow.GRAD
                         prod = Action(o, Kind.F, m) if side == "output" else consumer_action(index, flow, o, m)
                         what = "head-input" if side == "output" else "embedding-grad"
-                        if own != d and prod in index:
+                        if (own != d or same_device) and prod in index:
                             out.append((index[prod][1], SplitMessage(what, m, own, d, prod, me)))
                     elif rule.takes == "peers":
                         for e in sp.devices:
                             if e != d:
                                 prod = Action(o, rule.peer, m)
                                 out.append((shard_pos.get((e, prod), -1), SplitMessage("stats", m, e, d, prod, me)))
-                    if rule.gives == "owner" and d != own:
+                    if rule.gives == "owner" and (d != own or same_device):
                         flow = Flow.GRAD if side == "output" else Flow.ACT
                         cons = consumer_action(index, flow, o, m) if side == "output" else Action(o, Kind.F, m)
                         what = "head-partial" if side == "output" else "embedding-partial"

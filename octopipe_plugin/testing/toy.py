@@ -1,5 +1,9 @@
 """A small pure-torch transformer-like model (MLP and attention blocks) split into stages.
 
+With `vocab` set it is a language model: an "embed" layer (token ids to vectors), the blocks and an
+"lm" head (bias-free logits over the vocabulary), trained with cross-entropy on next-token targets;
+`tied` shares the embedding's weight with the head's (the layers a plan may split by rows).
+
 Used by the executor's tests and benchmark as a real-compute model, and as a worked
 example of wiring nn.Module stages to TorchStages.
 """
@@ -24,6 +28,8 @@ class ToySpec:
     layers: tuple[str, ...] = ("in", "mlp", "attn", "mlp", "attn", "mlp", "head")
     dtype: torch.dtype = torch.float64
     seed: int = 0
+    vocab: int = 0  # > 0: token ids in, logits out ("embed" and "lm" layers), cross-entropy loss
+    tied: bool = False  # the "lm" head uses the "embed" layer's weight
 
 
 class MLPBlock(nn.Module):
@@ -60,22 +66,33 @@ class AttnBlock(nn.Module):
 def build_layers(spec: ToySpec) -> nn.ModuleList:
     """Every layer of the model, seeded so every process builds identical weights."""
     torch.manual_seed(spec.seed)
-    make = {"in": lambda h: nn.Linear(h, h), "mlp": MLPBlock, "attn": AttnBlock, "head": lambda h: nn.Linear(h, h)}
-    return nn.ModuleList([make[k](spec.hidden) for k in spec.layers]).to(spec.dtype)
+    make = {"in": lambda h: nn.Linear(h, h), "mlp": MLPBlock, "attn": AttnBlock, "head": lambda h: nn.Linear(h, h),
+            "embed": lambda h: nn.Embedding(spec.vocab, h), "lm": lambda h: nn.Linear(h, spec.vocab, bias=False)}
+    layers = nn.ModuleList([make[k](spec.hidden) for k in spec.layers]).to(spec.dtype)
+    if spec.tied:
+        layers[spec.layers.index("lm")].weight = layers[spec.layers.index("embed")].weight
+    return layers
 
 
 def microbatch(spec: ToySpec, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, target) of micro-batch `mb`, a pure function of (seed, mb)."""
+    """(input, target) of micro-batch `mb`, a pure function of (seed, mb); token ids with a vocabulary."""
     g = torch.Generator().manual_seed(spec.seed * 7919 + mb)
+    if spec.vocab:
+        ids = torch.randint(spec.vocab, (spec.batch, spec.seq + 1), generator=g)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     shape = (spec.batch, spec.seq, spec.hidden)
     return torch.randn(shape, generator=g, dtype=spec.dtype), torch.randn(shape, generator=g, dtype=spec.dtype)
 
 
 def loss_fn(spec: ToySpec):
-    """The last stage's loss of micro-batch mb: mean squared error against its target."""
+    """The last stage's loss of micro-batch mb: mean squared error against its target (cross-entropy over the
+    vocabulary for a language model)."""
 
     def fn(out: torch.Tensor, mb: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(out, microbatch(spec, mb)[1])
+        target = microbatch(spec, mb)[1]
+        if spec.vocab:
+            return torch.nn.functional.cross_entropy(out.reshape(-1, spec.vocab), target.reshape(-1))
+        return torch.nn.functional.mse_loss(out, target)
 
     return fn
 

@@ -157,9 +157,8 @@ def test_a_deadlocking_split_plan_is_refused_before_running_naming_the_wait():
     assert "head-shard forward 1H0 on device 0" in str(exc.value)
 
 
-def test_the_executor_refuses_a_valid_split_plan_it_cannot_run_yet():
-    with pytest.raises(PlanError, match="does not run yet"):
-        check_runnable(head_plan())
+def test_the_executor_accepts_a_valid_split_plan_and_nccl_rules_pass():
+    check_runnable(head_plan(), nccl=True)
 
 
 def test_split_options_other_than_launch_cost_are_refused():

@@ -1,0 +1,130 @@
+"""Exactness check of plans with split layers: the toy language model run by the executor, against one process.
+
+Every rank builds the toy model (testing/toy.py, `vocab` set) with the same seed, runs its stages
+without the split layers and its shards of them (`executor.vocab_shard.SplitTorchStages`), and
+compares the loss (on every head shard, or on the last stage) and every gradient it holds, each
+shard's rows against the same rows of the reference's weight gradient, with a float64 single-process
+reference step. Plans come from the schedule generators or the split-aware tuner, their shard
+actions placed by `tuner.split_sched.insert_shards` (irregular per-device orders).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..executor.engine import ExecutorOptions, PipelineExecutor
+from ..executor.interface import TensorMeta
+from ..executor.launch import init_gloo
+from ..executor.vocab_shard import SplitTorchStages, shard_rows
+from ..formats import Layer, Model, plan_from_dict
+from ..formats.splits import SplitLayer
+from .toy import ToySpec, boundary_metas, build_layers, loss_fn, microbatch, reference_step
+
+KINDS = {"embed": "embedding", "lm": "lm_head"}  # the toy's layer names -> the cost model's kinds
+
+
+def cost_model(spec: ToySpec, head_ms: float = 3.0) -> Model:
+    """A cost model of the toy's layers (heavy head, light embedding), for the tuner and the shard inserter."""
+    def ms(kind: str, i: int) -> float:
+        return head_ms if kind == "lm" else 0.2 if kind == "embed" else 1.0 + (i % 3) * 0.3
+
+    return Model(name="toy-lm", layers=tuple(
+        Layer(name=f"l{i}", kind=KINDS.get(k, "dense"), fwd_ms=ms(k, i), bwd_ms=ms(k, i), wgrad_ms=ms(k, i),
+              state_bytes=1 << 10, activation_bytes=1 << 10, output_bytes=0) for i, k in enumerate(spec.layers)))
+
+
+def with_shards(spec: ToySpec, plan, splits) -> "object":
+    """`plan` (stage actions only) with `splits` set and every shard action placed into its orders."""
+    from ..executor.dryrun import zero_cost_cluster
+    from ..tuner.split_sched import ShardPolicy, insert_shards
+
+    cluster = replace(zero_cost_cluster(plan.num_devices), memory_bytes=1 << 40)
+    out = insert_shards(cost_model(spec), cluster, replace(plan, splits=tuple(splits)), ShardPolicy())
+    if out is None:
+        raise AssertionError(f"could not place the shard actions of {splits} into the plan")
+    return out
+
+
+def head_split(spec: ToySpec, devices, shares=None) -> SplitLayer:
+    """The toy's LM head split over `devices` (equal shares unless given)."""
+    shares = tuple(shares) if shares is not None else tuple(1.0 / len(devices) for _ in devices)
+    return SplitLayer(layer=len(spec.layers) - 1, devices=tuple(devices), shares=shares, stats_bytes=0)
+
+
+def embedding_split(devices, shares=None) -> SplitLayer:
+    """The toy's embedding (layer 0) split over `devices`."""
+    shares = tuple(shares) if shares is not None else tuple(1.0 / len(devices) for _ in devices)
+    return SplitLayer(layer=0, devices=tuple(devices), shares=shares)
+
+
+def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int) -> SplitTorchStages:
+    """SplitTorchStages of `rank`'s stages (split layers taken out) and shards of `plan` over the toy's layers."""
+    split = {sp.layer for sp in plan.splits}
+    mods = {s: nn.Sequential(*[layers[i] for i in range(plan.stages[s].start, plan.stages[s].end) if i not in split])
+            for s in plan.stages_of(rank)}
+    last = len(spec.layers) - 1
+    head_rows = shard_rows(plan, "output", spec.vocab, rank)
+    emb_rows = shard_rows(plan, "input", spec.vocab, rank)
+    head_w = emb_w = None
+    if emb_rows is not None:
+        emb_w = nn.Parameter(layers[0].weight[emb_rows[0]:emb_rows[1]].detach().clone())
+    if head_rows is not None:
+        head_w = (emb_w if spec.tied and emb_rows == head_rows else
+                  nn.Parameter(layers[last].weight[head_rows[0]:head_rows[1]].detach().clone()))
+    act = TensorMeta(shape=(spec.batch, spec.seq, spec.hidden), dtype=spec.dtype)
+    return SplitTorchStages(
+        plan=plan, rank=rank, modules=mods, num_microbatches=plan.num_microbatches, vocab_size=spec.vocab,
+        hidden_meta=act, head_weight=head_w, embedding_weight=emb_w,
+        tokens=lambda mb: microbatch(spec, mb)[0], targets=lambda mb: microbatch(spec, mb)[1],
+        metas=boundary_metas(spec, plan.num_stages), load_input=lambda mb: microbatch(spec, mb)[0],
+        loss_fn=loss_fn(spec))
+
+
+def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, tags: bool = True,
+                     exchange: str | None = None) -> None:
+    """Run `plan` on this rank; assert its loss and every gradient it holds equal the reference (float64)."""
+    layers = build_layers(spec)
+    runner = split_runner(spec, layers, plan, rank)
+    opts = ExecutorOptions(timeout_s=timeout_s, tags=tags, exchange=exchange)
+    result = PipelineExecutor(plan, runner, options=opts).run_step()
+    ref = build_layers(spec)
+    ref_loss = reference_step(spec, ref, plan.num_microbatches)
+    label = f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}, {exchange}"
+    reports = runner.head_rows is not None if runner.head_split else plan.num_stages - 1 in plan.stages_of(rank)
+    if reports:
+        torch.testing.assert_close(result.loss, ref_loss, rtol=1e-10, atol=1e-12, msg=f"{label}: loss")
+    elif result.loss is not None:
+        raise AssertionError(f"{label}: a rank without the loss reported one")
+    split = {sp.layer for sp in plan.splits}
+    for s in plan.stages_of(rank):
+        for idx in range(plan.stages[s].start, plan.stages[s].end):
+            if idx in split:
+                continue
+            for (name, p), q in zip(layers[idx].named_parameters(), ref[idx].parameters()):
+                _same(p.grad, q.grad, f"{label}: layer {idx} {name}")
+    last = len(spec.layers) - 1
+    for rows, weight, idx in ((runner.head_rows, runner.head_weight, last),
+                              (runner.embedding_rows, runner.embedding_weight, 0)):
+        if rows is not None:
+            _same(weight.grad, ref[idx].weight.grad[rows[0]:rows[1]], f"{label}: layer {idx} shard rows {rows}")
+    if runner.pending():
+        raise AssertionError(f"{label}: state of {runner.pending()} (stage or shard, micro-batch) pairs not freed")
+
+
+def _same(got, want, label: str) -> None:
+    if got is None:
+        raise AssertionError(f"{label}: no gradient")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=label)
+
+
+def check_split_plans_worker(rank: int, world: int, port: int, docs: list[dict], specs: list[ToySpec]) -> None:
+    """Spawn target: join the group, check every (plan document, spec) in turn (every other one untagged, every
+    third one with the batched exchange)."""
+    init_gloo(rank, world, port, timeout_s=60)
+    for i, (doc, spec) in enumerate(zip(docs, specs)):
+        check_split_plan(rank, plan_from_dict(doc), spec, tags=i % 2 == 0, exchange="batched" if i % 3 == 2 else None)
+    dist.destroy_process_group()
