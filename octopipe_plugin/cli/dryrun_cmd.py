@@ -31,8 +31,11 @@ def add_parser(subparsers) -> None:
                         "default 60)")
     p.add_argument("--clock", choices=("device", "wall"), default="device",
                    help="device: each stand-in ends at max(device free, input arrival) + cost, so host dispatch "
-                        "overlaps the previous action as with asynchronous GPU kernels; wall: every action sleeps "
-                        "its full cost from when the host reaches it (host overhead adds up)")
+                        "overlaps the previous action as with asynchronous GPU kernels, and transfers take the "
+                        "cluster's scaled time; wall: every action sleeps its full cost from when the host reaches "
+                        "it and payloads of the model's bytes really travel over gloo (host overhead and transfers "
+                        "measured, not modelled; predicted with --cluster's links unscaled: give the file "
+                        "`octopipe cluster --measure --ranks N` wrote)")
     p.set_defaults(run=run)
 
 
@@ -48,13 +51,19 @@ def run(args) -> int:
     _check_size(plan)
     for line in lines:
         warn(args, line)
+    if args.clock == "wall":
+        _check_wall_payloads(args, model, plan, cluster)
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
                   timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
     print(f"costs: {costs.line()}")
     print(f"time scale {rep.time_scale:.4g}: every cost is multiplied by it, so the step sleeps about "
           f"{rep.predicted_ms / 1000:.3g} s (times below are scaled; divide by the scale for the model's own)")
-    print(f"transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}  clock: {rep.clock}")
+    if rep.clock == "wall":
+        print(f"transfers: the model's bytes over gloo, predicted with "
+              f"{'cluster ' + args.cluster + ' (unscaled)' if rep.transfers_priced else 'free links'}  clock: wall")
+    else:
+        print(f"transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}  clock: {rep.clock}")
     print(f"messages checked: {rep.messages_checked} (micro-batch, stage and direction all as planned)")
     print(f"step time  predicted {rep.predicted_ms:9.1f} ms  measured {rep.measured_ms:9.1f} ms  "
           f"({100 * rep.error:+.2f}%)")
@@ -74,3 +83,24 @@ def _check_size(plan) -> None:
         raise OctoPipeError(f"the plan has {plan.num_stages} stages x {plan.num_microbatches} micro-batches = {size:,}"
                             f"; a dry run exchanges real messages for each and handles at most "
                             f"{L.MAX_DRYRUN_STAGE_MICROBATCHES:,}: check it with `octopipe simulate`")
+
+
+def _check_wall_payloads(args, model, plan, cluster) -> None:
+    """Wall clock: refuse payloads the host's memory cannot hold at once; warn when the prediction prices none."""
+    import torch
+
+    from ..profile.device import device_memory_bytes
+    from ..simulator import stage_costs
+
+    out = stage_costs(model, plan.stages).output
+    devices = [st.device for st in plan.stages]
+    # every receive of a step may be posted at once: an activation and its gradient per micro-batch and cut
+    total = sum(2 * plan.num_microbatches * out[s] for s in range(plan.num_stages - 1) if devices[s] != devices[s + 1])
+    free = device_memory_bytes(torch.device("cpu"))
+    if total > free // 2:
+        raise OctoPipeError(f"--clock wall sends the model's bytes across every cut: {total / 2**30:.1f} GiB of "
+                            f"payloads per step, more than half the {free / 2**30:.1f} GiB this host has free; use a "
+                            f"model with smaller activations (e.g. a shorter seq_len) or fewer micro-batches")
+    if cluster is None:
+        warn(args, "--clock wall without --cluster: payloads travel for real but the prediction prices them free; "
+                   "give the cluster `octopipe cluster --measure --ranks N` wrote for this host")

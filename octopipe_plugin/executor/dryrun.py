@@ -7,7 +7,9 @@ span from a common start instant to the moment the last rank's step returns. Tra
 priced by the cluster (the consumer does not use a payload before send time + transfer
 time) or free when no cluster is given. Every boundary carries one payload per model output
 live across it, as the model graph says (a branched model's cut carries several).
-See SleepStages for the 'device' and 'wall' clocks.
+See SleepStages for the 'device' and 'wall' clocks. On the wall clock the model's bytes
+really travel over gloo and only compute is scaled: the prediction prices transfers by the
+cluster's links unscaled (give the cluster `octopipe cluster --measure` wrote for this host).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     cluster = cluster or zero_cost_cluster(plan.num_devices)
     scale = time_scale if time_scale is not None else auto_scale(model, plan, cluster, target_ms)
     sc = scaled_costs(model, plan, scale)
-    fast = scaled_cluster(cluster, scale)
+    # wall clock: real bytes over the host's real links, so transfers keep the cluster's own times
+    fast = cluster if clock == "wall" else scaled_cluster(cluster, scale)
     sim = simulate(None, fast, plan, costs=sc, detail=False)
     step_s = sim.step_time_ms / 1000.0
     if max_step_ms is not None and sim.step_time_ms > max_step_ms:
@@ -126,14 +129,16 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     init_gloo(rank, world, port, timeout_s)
     plan = plan_from_dict(plan_doc)
     opts = ExecutorOptions(timeout_s=timeout_s)
-    # warm-up step without sleeping: opens every gloo pair so the timed step pays no connection setup
-    zero = StandInCosts(fwd=(0.0,) * len(costs.fwd), bwd=(0.0,) * len(costs.fwd), wgrad=(0.0,) * len(costs.fwd),
-                        hop=(0.0,) * len(costs.fwd))
     # the stand-ins' payloads are CPU tensors: the executor is told so (a device is never implied)
     device = torch.device("cpu")
-    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank, live=live), device=device, options=opts).run_step()
     runner = SleepStages(costs=costs, rank=rank, clock=clock, live=live)
     executor = PipelineExecutor(plan, runner, device=device, options=opts)
+    # warm-up step without sleeping, same executor and payload sizes: opens every gloo pair and makes every
+    # receive buffer, so the timed step pays no connection setup or first allocation
+    runner.device.mode = "off"
+    executor.run_step()
+    runner.device.mode = clock
+    runner.checked = 0
     start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks
     t0 = float(start[0])

@@ -6,7 +6,10 @@ e.g. a vision encoder's and the text embedding's outputs, carries several: graph
 consumer checks all but the send time against what it expects and, to charge the link, does
 not use the payload before `send time + transfer time` (processes share the host clock),
 which is the simulator's model of a transfer with full overlap. Sleeping costs no CPU, so
-many ranks fit on a laptop's few cores.
+many ranks fit on a laptop's few cores. On the 'wall' clock nothing is stamped from the
+model: the first payload of a boundary between devices is as large as the model's bytes
+across that cut (`payload_bytes`; the header in its first five elements) and really travels,
+and the consumer uses it when its receive has completed.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import Sequence
 import torch
 
 from ..simulator.costs import hop_times
-from .clock import DeviceClock
+from .clock import DeviceClock, wall_numel
 from .errors import ExecutorError
 from .interface import TensorMeta
 
-_PAYLOAD = TensorMeta(shape=(5,), dtype=torch.float64)
+_HEADER = 5  # [micro-batch, producing stage, direction, send time, producing layer]
+_PAYLOAD = TensorMeta(shape=(_HEADER,), dtype=torch.float64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +36,8 @@ class StandInCosts:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     hop: tuple[float, ...]  # hop[s]: stage s -> s+1 (and the gradient back)
+    # payload_bytes[s]: what boundary s's first payload carries on the wall clock (empty: headers only)
+    payload_bytes: tuple[int, ...] = ()
 
 
 class SleepStages:
@@ -41,7 +47,8 @@ class SleepStages:
     the host dispatches ahead (asynchronous kernels and NCCL): each action ends at
     max(device free, input arrival) + cost, so host overhead hides behind the previous
     action unless it exceeds it, and then the lateness shows. clock='wall' charges every
-    host delay: each action sleeps its full cost from the moment the host reaches it.
+    host delay: each action sleeps its full cost from the moment the host reaches it, and
+    boundaries carry payloads of the modelled size that really travel (no stamped arrival).
     """
 
     def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device",
@@ -71,9 +78,15 @@ class SleepStages:
         """Start the device clock at the shared start instant."""
         self.device.start(t0)
 
+    def _numel(self, boundary: int) -> int:
+        """Elements of the boundary's first payload: the header, or on the wall clock the cut's modelled bytes."""
+        sized = self.clock == "wall" and boundary < len(self.costs.payload_bytes)
+        return wall_numel(self.costs.payload_bytes[boundary], _HEADER) if sized else _HEADER
+
     def boundary_meta(self, stage: int) -> tuple[TensorMeta, ...]:
-        """One 5-number payload per output live across the boundary."""
-        return tuple(_PAYLOAD for _ in self.live[stage])
+        """One payload per output live across the boundary (the first of the wall clock's modelled size)."""
+        first = TensorMeta(shape=(self._numel(stage),), dtype=torch.float64)
+        return tuple(first if k == 0 else _PAYLOAD for k in range(len(self.live[stage])))
 
     def _expect(self, value, action: str, mb: int, stage: int, grad: bool) -> float:
         boundary = stage - 1 if grad else stage
@@ -100,8 +113,13 @@ class SleepStages:
 
     def _payload(self, mb: int, stage: int, grad: bool, sent: float) -> tuple[torch.Tensor, ...]:
         boundary = stage - 1 if grad else stage
-        return tuple(torch.tensor([mb, stage, float(grad), sent, layer], dtype=torch.float64)
-                     for layer in self.live[boundary])
+        out = []
+        for k, layer in enumerate(self.live[boundary]):
+            # empty, not zeros: only the header is read, and filling a wall-clock payload is not the model's work
+            t = torch.empty(self._numel(boundary) if k == 0 else _HEADER, dtype=torch.float64)
+            t[:_HEADER] = torch.tensor([mb, stage, float(grad), sent, layer], dtype=torch.float64)
+            out.append(t)
+        return tuple(out)
 
     def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
         """Check the incoming activation, sleep F."""
@@ -143,7 +161,11 @@ def stage_live_outputs(model, stages) -> tuple[tuple[int, ...], ...]:
 
 
 def standin_costs(stage_costs, stage_devices: Sequence[int], cluster) -> StandInCosts:
-    """Stand-in costs from simulator StageCosts; hops priced by the simulator's own `hop_times` (0 on one device)."""
-    hop = tuple(0.0 if h is None else h for h in hop_times(cluster, stage_devices, stage_costs.output)) + (0.0,)
+    """Stand-in costs from simulator StageCosts; hops priced by the simulator's own `hop_times` (0 on one device).
+
+    `payload_bytes`: the cut's bytes where the boundary crosses devices (0 where the tensor stays in memory)."""
+    hops = hop_times(cluster, stage_devices, stage_costs.output)
+    hop = tuple(0.0 if h is None else h for h in hops) + (0.0,)
+    sent = tuple(0 if h is None else int(n) for h, n in zip(hops, stage_costs.output)) + (0,)
     return StandInCosts(fwd=tuple(stage_costs.fwd), bwd=tuple(stage_costs.bwd), wgrad=tuple(stage_costs.wgrad),
-                        hop=hop)
+                        hop=hop, payload_bytes=sent)

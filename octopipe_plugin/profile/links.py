@@ -89,16 +89,18 @@ def link_pairs(world: int, per_node: int) -> tuple[list[tuple[int, int]], list[t
 
 
 def _ping_pong(rank: int, pair: tuple[int, int], sizes, repeats: int, device: torch.device) -> tuple[float, ...]:
-    """One-way seconds per size between the two ranks of `pair` (half the fastest round trip; others return)."""
+    """One-way seconds per size between the two ranks of `pair` (half the fastest round trip; others return).
+
+    Sizes take turns within each repeat, so a disturbance (another process taking the core) spreads over
+    sizes instead of spoiling every trip of one; two untimed trips first open the pair and warm the buffers."""
     a, b = pair
     if rank not in pair:
         return ()
     other = b if rank == a else a
-    out = []
-    for n in sizes:
-        buf = torch.zeros(n, dtype=torch.uint8, device=device)
-        trips = []
-        for k in range(repeats + 1):  # the first trip opens the pair and warms the buffers: not timed
+    bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+    best = [math.inf] * len(sizes)
+    for k in range(repeats + 2):
+        for i, buf in enumerate(bufs):
             _sync(device)
             t0 = time.perf_counter()
             if rank == a:
@@ -108,10 +110,9 @@ def _ping_pong(rank: int, pair: tuple[int, int], sizes, repeats: int, device: to
                 dist.recv(buf, other)
                 dist.send(buf, other)
             _sync(device)
-            if k:
-                trips.append(time.perf_counter() - t0)
-        out.append(min(trips) / 2)
-    return tuple(out)
+            if k >= 2:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return tuple(t / 2 for t in best)
 
 
 def _sync(device: torch.device) -> None:
