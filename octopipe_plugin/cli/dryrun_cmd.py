@@ -92,15 +92,15 @@ def _check_wall_payloads(args, model, plan, cluster) -> None:
     from ..profile.device import device_memory_bytes
     from ..simulator import stage_costs
 
+    if cluster is None:
+        warn(args, "--clock wall without --cluster: payloads travel for real but the prediction prices them free; "
+                   "give the cluster `octopipe cluster --measure --ranks N` wrote for this host")
     out = stage_costs(model, plan.stages).output
     devices = [st.device for st in plan.stages]
     # every receive of a step may be posted at once: an activation and its gradient per micro-batch and cut
     total = sum(2 * plan.num_microbatches * out[s] for s in range(plan.num_stages - 1) if devices[s] != devices[s + 1])
     free = device_memory_bytes(torch.device("cpu"))
     if total > free // 2:
-        raise OctoPipeError(f"--clock wall sends the model's bytes across every cut: {total / 2**30:.1f} GiB of "
-                            f"payloads per step, more than half the {free / 2**30:.1f} GiB this host has free; use a "
+        raise OctoPipeError(f"--clock wall sends the model's bytes across every cut: {total / 2**20:,.0f} MiB of "
+                            f"payloads per step, more than half the {free / 2**20:,.0f} MiB this host has free; use a "
                             f"model with smaller activations (e.g. a shorter seq_len) or fewer micro-batches")
-    if cluster is None:
-        warn(args, "--clock wall without --cluster: payloads travel for real but the prediction prices them free; "
-                   "give the cluster `octopipe cluster --measure --ranks N` wrote for this host")

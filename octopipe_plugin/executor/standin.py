@@ -96,14 +96,15 @@ class SleepStages:
                                 rank=self.rank, action=action)
         arrival = 0.0
         for payload, layer in zip(value, self.live[boundary]):
-            got = (int(payload[0]), int(payload[1]), int(payload[2]), int(payload[4]))
+            head = payload.detach()[:_HEADER].tolist()  # the header only: a wall-clock payload is much longer
+            got = (int(head[0]), int(head[1]), int(head[2]), int(head[4]))
             want = (mb, stage, int(grad), layer)
             if got != want:
                 raise ExecutorError(
                     f"rank {self.rank}: {action} received the {'gradient' if grad else 'activation'} of micro-batch "
                     f"{got[0]} from stage {got[1]} (direction {got[2]}, layer {got[3]}), expected micro-batch {mb} "
                     f"from stage {stage} (layer {layer})", rank=self.rank, action=action)
-            arrival = max(arrival, float(payload[3]))
+            arrival = max(arrival, float(head[3]))
         self.checked += 1
         return arrival + self.costs.hop[boundary] / 1000.0  # when the input lands on this device
 
