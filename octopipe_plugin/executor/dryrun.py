@@ -66,6 +66,15 @@ def scaled_cluster(cluster: Cluster, scale: float) -> Cluster:
     return replace(cluster, intra_node=sl(cluster.intra_node), inter_node=sl(cluster.inter_node))
 
 
+def host_links(cluster: Cluster, links: Cluster | None) -> Cluster:
+    """`cluster` with the links (and node size) of `links`, the host's measured file: what wall-clock payloads
+    really cross while the plan keeps its own cluster's devices and memory (None: `cluster` as it is)."""
+    if links is None:
+        return cluster
+    return replace(cluster, devices_per_node=min(links.devices_per_node, cluster.num_devices),
+                   intra_node=links.intra_node, inter_node=links.inter_node)
+
+
 def scaled_costs(model, plan, scale: float):
     """Simulator stage costs of `plan` with every duration multiplied by `scale`."""
     sc = stage_costs(model, plan.stages)
@@ -81,8 +90,11 @@ def auto_scale(model, plan, cluster: Cluster, target_ms: float) -> float:
 
 def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | None = None,
             target_ms: float = 2000.0, timeout_s: float = 60.0, clock: str = "device",
-            max_step_ms: float | None = None) -> DryRunReport:
+            max_step_ms: float | None = None, links: Cluster | None = None) -> DryRunReport:
     """Run `plan` with sleeping stand-ins on local processes and compare with the simulator.
+
+    `links` (wall clock): the cluster whose links price the payloads that really travel (this host's,
+    measured by `octopipe cluster --measure`); default `cluster`'s own.
 
     Refused before any process starts (OctoPipeError): a scale, target or timeout that is not a
     positive finite number, a scaled step longer than `max_step_ms`, or one longer than the
@@ -91,12 +103,13 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     for name, value in (("time_scale", time_scale), ("target_ms", target_ms), ("timeout_s", timeout_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OctoPipeError(f"dry run: {name} must be a finite number > 0, got {value}")
-    priced = cluster is not None
+    links = links if clock == "wall" else None
+    priced = cluster is not None or links is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)
     scale = time_scale if time_scale is not None else auto_scale(model, plan, cluster, target_ms)
     sc = scaled_costs(model, plan, scale)
     # wall clock: real bytes over the host's real links, so transfers keep the cluster's own times
-    fast = cluster if clock == "wall" else scaled_cluster(cluster, scale)
+    fast = host_links(cluster, links) if clock == "wall" else scaled_cluster(cluster, scale)
     sim = simulate(None, fast, plan, costs=sc, detail=False)
     step_s = sim.step_time_ms / 1000.0
     if max_step_ms is not None and sim.step_time_ms > max_step_ms:

@@ -118,10 +118,10 @@ def test_wall_clock_dryrun_sends_the_models_bytes_and_checks_every_message(tmp_p
     write_model(model, tmp_path / "m.json")
     write_plan(plan, tmp_path / "p.json")
     rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--target-s", "0.2",
-               "--clock", "wall", "--cluster", _two_device_cluster(tmp_path / "c.json")])
+               "--clock", "wall", "--cluster", "h100x2", "--links", _two_device_cluster(tmp_path / "c.json")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "transfers: the model's bytes over gloo" in out and "clock: wall" in out
+    assert "transfers: the model's bytes over gloo, predicted with links of" in out and "clock: wall" in out
     assert f"messages checked: {2 * plan.num_microbatches * (plan.num_stages - 1)} " in out
 
 
@@ -152,3 +152,16 @@ def test_wall_clock_refuses_payloads_the_host_cannot_hold_and_warns_without_a_cl
     err = capsys.readouterr().err
     assert rc == 2 and "MiB of payloads per step" in err and "shorter seq_len" in err
     assert "prediction prices them free" in err
+
+
+def test_links_go_with_the_wall_clock_only(tmp_path, capsys):
+    model = _model()
+    write_model(model, tmp_path / "m.json")
+    write_plan(build_plan(model, "1f1b", 2, 3), tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--links",
+               _two_device_cluster(tmp_path / "c.json")])
+    assert rc == 2 and "add --clock wall" in capsys.readouterr().err
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--clock", "wall", "--links",
+               "v100x2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --links v100x2: unknown GPU" in err
