@@ -15,8 +15,8 @@ interleaved 1F1B on Megatron's even split at its best virtual-stage count) and t
 predictions for both plans at the same scale give the simulated speedup. With --clock wall
 nothing is modelled but the compute: the boundaries are as large as the model's bytes across a
 cut and Megatron's and OctoPipe's p2p move them over gloo, every host delay counts, and the
-prediction prices transfers by --cluster's links unscaled (give the file
-`octopipe cluster --measure --ranks N` wrote for this host). The last line is
+prediction prices transfers unscaled by the links of --links (this host's: the file
+`octopipe cluster --measure --ranks N` wrote), else --cluster's. The last line is
 
     measured speedup X.XXx (simulated Y.YYx)
 
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, DTYPE, StandInStage, boundary_shape
 from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
-from octopipe_plugin.executor.dryrun import scaled_cluster, scaled_costs
+from octopipe_plugin.executor.dryrun import host_links, scaled_cluster, scaled_costs
 from octopipe_plugin.executor.launch import init_gloo, spawn
 from octopipe_plugin.executor.standin import standin_costs
 from octopipe_plugin.formats import plan_from_dict, plan_to_dict, read_plan
@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--clock", default="device", choices=("device", "wall"),
                    help="device: stand-ins on the simulator's timing rule, transfers stamped from the model; wall: "
                         "host delays count and boundaries of the model's bytes really travel (executor/clock.py)")
+    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
+                                   "pricing the transfers in the prediction (default: --cluster's)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout in seconds")
     return p.parse_args(argv)
 
@@ -256,6 +258,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cluster = resolve_cluster(args.cluster)
+        links = resolve_cluster(args.links) if args.links else None
         model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
         ours = octopipe_plan(model, cluster, args)
@@ -264,7 +267,7 @@ def main(argv=None) -> int:
         return 2
     scale = args.target_ms / simulate(model, cluster, base, detail=False).step_time_ms
     # wall clock: the model's bytes travel over this host's links, so transfers keep the cluster's own times
-    fast = cluster if args.clock == "wall" else scaled_cluster(cluster, scale)
+    fast = host_links(cluster, links) if args.clock == "wall" else scaled_cluster(cluster, scale)
     shape = boundary_shape(args.clock, model)
     runs = [Run(label=label, plan_doc=plan_to_dict(plan), stages=stand_in_stages(model, plan, scale, fast, shape))
             for label, plan in (("megatron", base), ("octopipe", ours))]
@@ -274,8 +277,8 @@ def main(argv=None) -> int:
     print(f"megatron: interleaved 1F1B, {base.num_stages // base.num_devices} virtual stages per rank, even split")
     print(f"octopipe: {ours.num_stages} stages, stage->rank {[st.device for st in ours.stages]}")
     if args.clock == "wall":
-        print(f"transfers: boundaries of {shape[2] * 8 / 2**20:.2f} MiB over gloo, predicted with {args.cluster}'s "
-              f"links unscaled")
+        print(f"transfers: boundaries of {shape[2] * 8 / 2**20:.2f} MiB over gloo, predicted with "
+              f"{args.links or args.cluster}'s links unscaled")
     measured = measure(runs, args.microbatches, args.clock, args.timeout)
     tokens = args.microbatches * _tokens_per_microbatch(model)
     for label in ("megatron", "octopipe"):
