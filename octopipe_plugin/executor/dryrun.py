@@ -8,8 +8,8 @@ priced by the cluster (the consumer does not use a payload before send time + tr
 time) or free when no cluster is given. Every boundary carries one payload per model output
 live across it, as the model graph says (a branched model's cut carries several).
 See SleepStages for the 'device' and 'wall' clocks. On the wall clock the model's bytes
-really travel over gloo and only compute is scaled: the prediction prices transfers by the
-cluster's links unscaled (give the cluster `octopipe cluster --measure` wrote for this host).
+really travel over gloo and only compute is scaled: the prediction prices transfers unscaled
+by `links` (this host's, from `octopipe cluster --measure`), else by the cluster's links.
 """
 
 from __future__ import annotations
