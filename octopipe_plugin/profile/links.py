@@ -14,13 +14,13 @@ number (a machine too busy to measure) is refused with one line, never written.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
 import statistics
 import tempfile
 import time
-import json
 from dataclasses import dataclass
 
 import torch
