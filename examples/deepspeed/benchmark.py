@@ -15,7 +15,11 @@ timing rule as the Megatron benchmark and the dry run) that sleeps its F, I and 
 so that the stock engine's simulated step lasts --target-ms; its parameter is sized in proportion to the real layer, so
 DeepSpeed's `parameters` partition cuts where it would cut the real model. Transfers are not
 charged (tiny tensors on one host), so the simulated column is the simulation without transfer
-costs; the prediction with the cluster's links is printed too.
+costs; the prediction with the cluster's links is printed too. With --clock wall nothing is
+modelled but the compute: the activation is as wide as the model's bytes across a cut and
+DeepSpeed's p2p moves it over gloo, every host delay counts, and the simulated column prices
+transfers unscaled by the links of --links (this host's: the file
+`octopipe cluster --measure --ranks N` wrote), else --cluster's.
 Without --stand-in, real layers need GPUs and your own PipelineModule: build it with
 `OctoPipePipelineModule(specs, config=ds_config)` under the deepspeed launcher (see README).
 """
@@ -44,6 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=8000.0,
                    help="stand-ins: the stock 1F1B engine's simulated step, scaled to this (default 8000)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per engine after one warm-up (default 2)")
+    p.add_argument("--clock", default="device", choices=("device", "wall"),
+                   help="device: stand-ins on the simulator's timing rule, free transfers; wall: host delays count "
+                        "and activations of the model's bytes really travel (octopipe_plugin/executor/clock.py)")
+    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
+                                   "pricing the transfers in the prediction (default: --cluster's)")
     return p.parse_args(argv)
 
 
@@ -74,7 +83,7 @@ def plans(args, model, cluster, param_divisor):
     return {"stock": stock, "dualpipev": dualpipev, "octopipe": ours}
 
 
-def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, out_dir):
+def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, clock_mode, out_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -84,13 +93,16 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
 
     import octopipe_plugin.deepspeed  # noqa: F401  (deepspeed.initialize builds OctoPipeEngine for a planned module)
     from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
-    from octopipe_plugin.testing.deepspeed_standin import standin_loss, standin_specs, timed_train_batches
+    from octopipe_plugin.testing.deepspeed_standin import (
+        standin_loss, standin_specs, standin_width, timed_train_batches,
+    )
     from octopipe_plugin.executor.clock import DeviceClock
     from octopipe_plugin.formats import model_from_dict, plan_from_dict
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = model_from_dict(model_doc)
-    clock = DeviceClock("device")  # the rank's modelled device, shared by all its stand-in layers
+    clock = DeviceClock(clock_mode)  # the rank's modelled device, shared by all its stand-in layers
+    width = standin_width(clock_mode, model)
     specs = standin_specs(model, scale, divisor, clock)
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": m, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0}
@@ -104,7 +116,7 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
     for name, build in builders.items():
         module = build()
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=list(module.parameters()))
-        times[name] = {"engine": type(engine).__name__, "spans": timed_train_batches(engine, clock, m, steps)}
+        times[name] = {"engine": type(engine).__name__, "spans": timed_train_batches(engine, clock, m, steps, width)}
         del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(times, fh)
@@ -118,7 +130,7 @@ def main(argv=None) -> int:
         print("real layers need GPUs and your own PipelineModule; on CPU run with --stand-in", file=sys.stderr)
         return 2
     from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
-    from octopipe_plugin.executor.dryrun import zero_cost_cluster
+    from octopipe_plugin.executor.dryrun import host_links, scaled_costs, zero_cost_cluster
     from octopipe_plugin.executor.launch import free_port
     from octopipe_plugin.formats import model_to_dict, plan_to_dict
     from octopipe_plugin.simulator import simulate
@@ -133,15 +145,20 @@ def main(argv=None) -> int:
     sim = {k: simulate(model, free, p, detail=False).step_time_ms for k, p in chosen.items()}
     linked = {k: simulate(model, cluster, p, detail=False).step_time_ms for k, p in chosen.items()}
     scale = args.target_ms / sim["stock"]
+    scaled = {k: v * scale for k, v in sim.items()}
+    if args.clock == "wall":  # compute scaled, the model's bytes over this host's links as they are
+        wire = host_links(cluster, resolve_cluster(args.links) if args.links else None)
+        scaled = {k: simulate(None, wire, p, costs=scaled_costs(model, p, scale), detail=False).step_time_ms
+                  for k, p in chosen.items()}
     world = cluster.num_devices
     print(f"model {model.name} ({model.num_layers} layers), cluster {args.cluster} ({world} devices), "
           f"{args.microbatches} micro-batches; stand-in time scale {scale:.4g} (sleeping layers on {world} local "
-          "processes, gloo)", flush=True)
+          f"processes, gloo, {args.clock} clock), load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="octopipe-ds-bench-") as out:
         mp.spawn(_worker, args=(world, free_port(), model_to_dict(model), plan_to_dict(chosen["octopipe"]), scale,
-                                divisor, args.microbatches, args.steps, out), nprocs=world, join=True)
+                                divisor, args.microbatches, args.steps, args.clock, out), nprocs=world, join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     labels = {"stock": "DeepSpeed PipelineEngine (1F1B, parameters partition)",
               "dualpipev": "DeepSpeed DualPipeVEngine (parameters partition)",
@@ -152,12 +169,12 @@ def main(argv=None) -> int:
         # a step ends when its slowest rank returns; each timed step's max over ranks, then their mean
         steps = zip(*(r[key]["spans"] for r in ranks))
         measured[key] = sum(max(s) for s in steps) / args.steps * 1000.0
-        print(f"{label:58s} {sim[key] * scale:13.1f} {measured[key]:12.1f} "
+        print(f"{label:58s} {scaled[key]:13.1f} {measured[key]:12.1f} "
               f"{args.microbatches / measured[key] * 1000.0:10.2f}")
     print(f"with {args.cluster}'s links the simulator predicts {linked['stock']:.1f} ms vs {linked['octopipe']:.1f} ms "
           f"unscaled ({linked['stock'] / linked['octopipe']:.2f}x)")
     print(f"measured speedup {measured['stock'] / measured['octopipe']:.2f}x "
-          f"(simulated {sim['stock'] / sim['octopipe']:.2f}x)")
+          f"(simulated {scaled['stock'] / scaled['octopipe']:.2f}x)")
     return 0
 
 

@@ -12,7 +12,11 @@ data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.
 interleaved 1F1B on Megatron's even split at its best virtual-stage count) and then OctoPipe's
 (the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through
 `make_forward_backward_func`, the schedule `--pipeline-schedule octopipe` swaps into Megatron). Both are timed from a common start instant; the simulator's
-predictions for both plans at the same scale give the simulated speedup. The last line is
+predictions for both plans at the same scale give the simulated speedup. With --clock wall
+nothing is modelled but the compute: the boundaries are as large as the model's bytes across a
+cut and Megatron's and OctoPipe's p2p move them over gloo, every host delay counts, and the
+prediction prices transfers unscaled by the links of --links (this host's: the file
+`octopipe cluster --measure --ranks N` wrote), else --cluster's. The last line is
 
     measured speedup X.XXx (simulated Y.YYx)
 
@@ -36,10 +40,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, DTYPE, StandInStage
+from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, DTYPE, StandInStage, boundary_shape
 from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
-from octopipe_plugin.executor.dryrun import scaled_cluster, scaled_costs
+from octopipe_plugin.executor.dryrun import host_links, scaled_cluster, scaled_costs
 from octopipe_plugin.executor.launch import init_gloo, spawn
 from octopipe_plugin.executor.standin import standin_costs
 from octopipe_plugin.formats import plan_from_dict, plan_to_dict, read_plan
@@ -64,7 +68,11 @@ def parse_args(argv=None):
                    help="Megatron's virtual stages per rank (default: its fastest in simulation)")
     p.add_argument("--target-ms", type=float, default=3000.0,
                    help="scale costs so Megatron's simulated step lasts this long (default 3000)")
-    p.add_argument("--clock", default="device", choices=("device", "wall"), help="stand-in clock (see SleepStages)")
+    p.add_argument("--clock", default="device", choices=("device", "wall"),
+                   help="device: stand-ins on the simulator's timing rule, transfers stamped from the model; wall: "
+                        "host delays count and boundaries of the model's bytes really travel (executor/clock.py)")
+    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
+                                   "pricing the transfers in the prediction (default: --cluster's)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout in seconds")
     return p.parse_args(argv)
 
@@ -105,8 +113,8 @@ def octopipe_plan(model, cluster, args):
     return tune(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed).plan
 
 
-def stand_in_stages(model, plan, scale: float, fast_cluster) -> tuple[StandInStage, ...]:
-    """Per-stage stand-in layers (scaled per-layer F/I/W) and the scaled transfer time of each cut."""
+def stand_in_stages(model, plan, scale: float, fast_cluster, boundary=BOUNDARY_SHAPE) -> tuple[StandInStage, ...]:
+    """Per-stage stand-in layers (scaled per-layer F/I/W), the scaled transfer time of each cut, the boundary."""
     sc = scaled_costs(model, plan, scale)
     hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster).hop
     last = plan.num_stages - 1
@@ -114,7 +122,7 @@ def stand_in_stages(model, plan, scale: float, fast_cluster) -> tuple[StandInSta
         StandInStage(stage=s, layers=tuple((layer.fwd_ms * scale, layer.bwd_ms * scale, layer.wgrad_ms * scale)
                                            for layer in model.layers[st.start:st.end]),
                      hop_in_ms=hops[s - 1] if s > 0 else 0.0, hop_out_ms=hops[s] if s < last else 0.0,
-                     first=s == 0, last=s == last)
+                     first=s == 0, last=s == last, boundary=boundary)
         for s, st in enumerate(plan.stages))
 
 
@@ -127,14 +135,14 @@ def measure(runs: list[Run], microbatches: int, clock: str, timeout_s: float) ->
     """Run every schedule on local processes; measured step ms per label."""
     world = plan_from_dict(runs[0].plan_doc).num_devices
     with tempfile.TemporaryDirectory(prefix="octopipe-megatron-bench-") as out:
-        spawn(_worker, world, runs, microbatches, clock, timeout_s, out)
+        spawn(_worker, world, runs, microbatches, clock, timeout_s, runs[0].stages[0].boundary[2], out)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"), encoding="utf-8")) for r in range(world)]
     return {run.label: 1000.0 * (max(r[run.label]["end"] for r in ranks) - ranks[0][run.label]["start"])
             for run in runs}
 
 
 def _worker(rank: int, world: int, port: int, runs: list[Run], microbatches: int, clock: str, timeout_s: float,
-            out: str) -> None:
+            hidden: int, out: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cpu_shims
 
@@ -147,7 +155,7 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], microbatches: int
     times = {}
     for run in runs:
         step = _megatron_step if run.label == "megatron" else _octopipe_step
-        times[run.label] = _timed(step(rank, world, run, microbatches, timeout_s), clock)
+        times[run.label] = _timed(step(rank, world, run, microbatches, timeout_s, hidden), clock)
         dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump(times, fh)
@@ -179,17 +187,18 @@ def _chunks(rank: int, world: int, run: Run, config, device_clock):
     return plan, {s: chunk(config, run.stages[s], device_clock) for s in plan.stages_of(rank)}
 
 
-def _config(world: int, vp: int | None):
+def _config(world: int, vp: int | None, hidden: int):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(num_layers=world * (vp or 1), hidden_size=BOUNDARY_SHAPE[2], num_attention_heads=1,
+    # Megatron's p2p sizes every boundary (seq_length, micro_batch_size, hidden_size): the stand-ins' boundary
+    return TransformerConfig(num_layers=world * (vp or 1), hidden_size=hidden, num_attention_heads=1,
                              pipeline_dtype=DTYPE, params_dtype=DTYPE, pipeline_model_parallel_size=world,
                              virtual_pipeline_model_parallel_size=vp, deallocate_pipeline_outputs=False,
                              # Megatron's batched p2p gives wrong results on gloo (notes/megatron-contract.md)
                              batch_p2p_comm=False)
 
 
-def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
+def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float, hidden: int):
     """Megatron's own schedule (megatron.core.pipeline_parallel.get_forward_backward_func) on stand-in chunks."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -202,7 +211,7 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world,
                                              virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
     device_clock = DeviceClock("off")
-    _, chunks = _chunks(rank, world, run, _config(world, vp if vp > 1 else None), device_clock)
+    _, chunks = _chunks(rank, world, run, _config(world, vp if vp > 1 else None, hidden), device_clock)
     model = [chunks[s] for s in sorted(chunks)]  # stage r + v*P is virtual stage v of rank r
     for v, m in enumerate(model):
         m.vp_stage = v
@@ -217,14 +226,14 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     return step, device_clock
 
 
-def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float):
+def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s: float, hidden: int):
     """OctoPipe's forward_backward_func (what --pipeline-schedule octopipe runs) on the same kind of chunks."""
     from octopipe_plugin.adapters.megatron.schedule import ScheduleOptions, make_forward_backward_func
     from octopipe_plugin.testing.megatron_standin import standin_forward_step
     from octopipe_plugin.executor.clock import DeviceClock
 
     device_clock = DeviceClock("off")
-    plan, chunks = _chunks(rank, world, run, _config(world, None), device_clock)
+    plan, chunks = _chunks(rank, world, run, _config(world, None, hidden), device_clock)
     model = [chunks[s] for s in plan.stages_of(rank)]  # the rank's chunks in model order = its vp stages
     for v, m in enumerate(model):
         m.vp_stage = v
@@ -249,6 +258,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cluster = resolve_cluster(args.cluster)
+        links = resolve_cluster(args.links) if args.links else None
         model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
         ours = octopipe_plan(model, cluster, args)
@@ -256,14 +266,19 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     scale = args.target_ms / simulate(model, cluster, base, detail=False).step_time_ms
-    fast = scaled_cluster(cluster, scale)
-    runs = [Run(label="megatron", plan_doc=plan_to_dict(base), stages=stand_in_stages(model, base, scale, fast)),
-            Run(label="octopipe", plan_doc=plan_to_dict(ours), stages=stand_in_stages(model, ours, scale, fast))]
+    # wall clock: the model's bytes travel over this host's links, so transfers keep the cluster's own times
+    fast = host_links(cluster, links) if args.clock == "wall" else scaled_cluster(cluster, scale)
+    shape = boundary_shape(args.clock, model)
+    runs = [Run(label=label, plan_doc=plan_to_dict(plan), stages=stand_in_stages(model, plan, scale, fast, shape))
+            for label, plan in (("megatron", base), ("octopipe", ours))]
     sim = {"megatron": simulated_ms(model, base, scale, fast), "octopipe": simulated_ms(model, ours, scale, fast)}
     print(f"model {model.name}: {model.num_layers} layers, cluster {args.cluster}, {args.microbatches} micro-batches, "
           f"costs x{scale:.3g} (stand-ins, {args.clock} clock), load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(f"megatron: interleaved 1F1B, {base.num_stages // base.num_devices} virtual stages per rank, even split")
     print(f"octopipe: {ours.num_stages} stages, stage->rank {[st.device for st in ours.stages]}")
+    if args.clock == "wall":
+        print(f"transfers: boundaries of {shape[2] * 8 / 2**20:.2f} MiB over gloo, predicted with "
+              f"{args.links or args.cluster}'s links unscaled")
     measured = measure(runs, args.microbatches, args.clock, args.timeout)
     tokens = args.microbatches * _tokens_per_microbatch(model)
     for label in ("megatron", "octopipe"):

@@ -23,6 +23,7 @@ COMMANDS = MappingProxyType({
     "calibrate": "calibrate_cmd",
     "lower": "lower_cmd",
     "export": "export_cmd",
+    "cluster": "cluster_cmd",
 })
 
 

@@ -31,8 +31,13 @@ def add_parser(subparsers) -> None:
                         "default 60)")
     p.add_argument("--clock", choices=("device", "wall"), default="device",
                    help="device: each stand-in ends at max(device free, input arrival) + cost, so host dispatch "
-                        "overlaps the previous action as with asynchronous GPU kernels; wall: every action sleeps "
-                        "its full cost from when the host reaches it (host overhead adds up)")
+                        "overlaps the previous action as with asynchronous GPU kernels, and transfers take the "
+                        "cluster's scaled time; wall: every action sleeps its full cost from when the host reaches "
+                        "it and payloads of the model's bytes really travel over gloo (host overhead and transfers "
+                        "measured, not modelled; predicted with the links of --links, else --cluster, unscaled)")
+    p.add_argument("--links", help="with --clock wall: cluster file whose links price the payloads that travel "
+                                   "(this host's: `octopipe cluster --measure --ranks N -o local.json`); the plan "
+                                   "keeps --cluster's devices and memory (default: --cluster's links)")
     p.set_defaults(run=run)
 
 
@@ -48,13 +53,23 @@ def run(args) -> int:
     _check_size(plan)
     for line in lines:
         warn(args, line)
+    links = _load_links(args.links) if args.links is not None else None
+    if links is not None and args.clock != "wall":
+        raise OctoPipeError(f"--links {args.links}: only the wall clock sends real payloads; add --clock wall")
+    if args.clock == "wall":
+        _check_wall_payloads(args, model, plan, cluster or links)
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
-                  timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0)
+                  timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0, links=links)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
     print(f"costs: {costs.line()}")
     print(f"time scale {rep.time_scale:.4g}: every cost is multiplied by it, so the step sleeps about "
           f"{rep.predicted_ms / 1000:.3g} s (times below are scaled; divide by the scale for the model's own)")
-    print(f"transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}  clock: {rep.clock}")
+    if rep.clock == "wall":
+        priced_by = f"links of {args.links}" if links is not None else f"cluster {args.cluster}"
+        print(f"transfers: the model's bytes over gloo, predicted with "
+              f"{priced_by + ' (unscaled)' if rep.transfers_priced else 'free links'}  clock: wall")
+    else:
+        print(f"transfers: {'cluster ' + args.cluster if rep.transfers_priced else 'free'}  clock: {rep.clock}")
     print(f"messages checked: {rep.messages_checked} (micro-batch, stage and direction all as planned)")
     print(f"step time  predicted {rep.predicted_ms:9.1f} ms  measured {rep.measured_ms:9.1f} ms  "
           f"({100 * rep.error:+.2f}%)")
@@ -74,3 +89,33 @@ def _check_size(plan) -> None:
         raise OctoPipeError(f"the plan has {plan.num_stages} stages x {plan.num_microbatches} micro-batches = {size:,}"
                             f"; a dry run exchanges real messages for each and handles at most "
                             f"{L.MAX_DRYRUN_STAGE_MICROBATCHES:,}: check it with `octopipe simulate`")
+
+
+def _load_links(name: str):
+    """The --links cluster, its errors naming --links."""
+    try:
+        return load_cluster(name)
+    except OctoPipeError as exc:
+        text = str(exc)
+        raise OctoPipeError(text.replace(f"--cluster {name}", f"--links {name}", 1)) from None
+
+
+def _check_wall_payloads(args, model, plan, cluster) -> None:
+    """Wall clock: refuse payloads the host's memory cannot hold at once; warn when the prediction prices none."""
+    import torch
+
+    from ..profile.device import device_memory_bytes
+    from ..simulator import stage_costs
+
+    if cluster is None:
+        warn(args, "--clock wall without --links or --cluster: payloads travel for real but the prediction prices "
+                   "them free; give --links with the file `octopipe cluster --measure --ranks N` wrote for this host")
+    out = stage_costs(model, plan.stages).output
+    devices = [st.device for st in plan.stages]
+    # every receive of a step may be posted at once: an activation and its gradient per micro-batch and cut
+    total = sum(2 * plan.num_microbatches * out[s] for s in range(plan.num_stages - 1) if devices[s] != devices[s + 1])
+    free = device_memory_bytes(torch.device("cpu"))
+    if total > free // 2:
+        raise OctoPipeError(f"--clock wall sends the model's bytes across every cut: {total / 2**20:,.0f} MiB of "
+                            f"payloads per step, more than half the {free / 2**20:,.0f} MiB this host has free; use a "
+                            f"model with smaller activations (e.g. a shorter seq_len) or fewer micro-batches")

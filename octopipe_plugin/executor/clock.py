@@ -8,13 +8,25 @@ receive): that delays the device only when it exceeds what the queue hides, as w
 asynchronous kernels. time.sleep waking late is not the device's delay (a GPU has no
 scheduler tick): the next deadline counts from this one's, so the oversleep is taken back
 from the next sleep instead of adding up over the hundreds of sleeps of a step.
+
+The 'wall' clock measures without that rule: an action sleeps its cost from the moment the
+host reaches it, and its input is there when the host has received it, since in wall mode
+the stand-ins send payloads of the modelled size over the process group (`wall_numel`) and
+stamp no arrival times: the transfer, its contention and every host delay are the measurement.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 CLOCKS = ("device", "wall", "off")
+WALL_ELEMENT_BYTES = 8  # wall-mode payloads are float64, as the stand-ins' stamps and headers need
+
+
+def wall_numel(nbytes: float, at_least: int = 1) -> int:
+    """Elements of a float64 wall-mode payload of `nbytes` (the model's bytes across the cut), `at_least` many."""
+    return max(int(at_least), math.ceil(nbytes / WALL_ELEMENT_BYTES))
 
 
 def sleep_until(deadline: float) -> None:
@@ -26,8 +38,8 @@ def sleep_until(deadline: float) -> None:
 
 class DeviceClock:
     """One device's queue: 'device' runs actions back to back while the host dispatches ahead (asynchronous
-    kernels), 'wall' charges every host delay (each action sleeps its cost from when the host reaches it),
-    'off' sleeps nothing (warm-up steps)."""
+    kernels), 'wall' charges every host delay (each action sleeps its cost from when the host reaches it; the
+    input's arrival is when the host received it, `ready_at` is not waited for), 'off' sleeps nothing (warm-up)."""
 
     def __init__(self, mode: str = "device"):
         if mode not in CLOCKS:
@@ -48,7 +60,6 @@ class DeviceClock:
         if self.mode == "off":
             return time.time()
         if self.mode == "wall":
-            sleep_until(ready_at)
             start = time.time()
             sleep_until(start + ms / 1000.0)
             end = time.time()

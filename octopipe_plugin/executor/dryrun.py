@@ -7,7 +7,9 @@ span from a common start instant to the moment the last rank's step returns. Tra
 priced by the cluster (the consumer does not use a payload before send time + transfer
 time) or free when no cluster is given. Every boundary carries one payload per model output
 live across it, as the model graph says (a branched model's cut carries several).
-See SleepStages for the 'device' and 'wall' clocks.
+See SleepStages for the 'device' and 'wall' clocks. On the wall clock the model's bytes
+really travel over gloo and only compute is scaled: the prediction prices transfers unscaled
+by `links` (this host's, from `octopipe cluster --measure`), else by the cluster's links.
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ def scaled_model(model, scale: float):
                                                wgrad_ms=lay.wgrad_ms * scale) for lay in model.layers))
 
 
+def host_links(cluster: Cluster, links: Cluster | None) -> Cluster:
+    """`cluster` with the links (and node size) of `links`, the host's measured file: what wall-clock payloads
+    really cross while the plan keeps its own cluster's devices and memory (None: `cluster` as it is)."""
+    if links is None:
+        return cluster
+    return replace(cluster, devices_per_node=min(links.devices_per_node, cluster.num_devices),
+                   intra_node=links.intra_node, inter_node=links.inter_node)
+
+
 def scaled_costs(model, plan, scale: float):
     """Simulator stage costs of `plan` with every duration multiplied by `scale` (split layers left to shards)."""
     sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
@@ -86,8 +97,11 @@ def auto_scale(model, plan, cluster: Cluster, target_ms: float) -> float:
 
 def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | None = None,
             target_ms: float = 2000.0, timeout_s: float = 60.0, clock: str = "device",
-            max_step_ms: float | None = None) -> DryRunReport:
+            max_step_ms: float | None = None, links: Cluster | None = None) -> DryRunReport:
     """Run `plan` with sleeping stand-ins on local processes and compare with the simulator.
+
+    `links` (wall clock): the cluster whose links price the payloads that really travel (this host's,
+    measured by `octopipe cluster --measure`); default `cluster`'s own.
 
     Refused before any process starts (OctoPipeError): a scale, target or timeout that is not a
     positive finite number, a scaled step longer than `max_step_ms`, or one longer than the
@@ -96,11 +110,13 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     for name, value in (("time_scale", time_scale), ("target_ms", target_ms), ("timeout_s", timeout_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OctoPipeError(f"dry run: {name} must be a finite number > 0, got {value}")
-    priced = cluster is not None
+    links = links if clock == "wall" else None
+    priced = cluster is not None or links is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)
     scale = time_scale if time_scale is not None else auto_scale(model, plan, cluster, target_ms)
     sc = scaled_costs(model, plan, scale)
-    fast = scaled_cluster(cluster, scale)
+    # wall clock: real bytes over the host's real links, so transfers keep the cluster's own times
+    fast = host_links(cluster, links) if clock == "wall" else scaled_cluster(cluster, scale)
     # a split plan's shard costs come from the (scaled) model, its stages' from `sc`
     sim = simulate(scaled_model(model, scale) if plan.splits else None, fast, plan, costs=sc, detail=False)
     step_s = sim.step_time_ms / 1000.0
@@ -136,13 +152,16 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     init_gloo(rank, world, port, timeout_s)
     plan = plan_from_dict(plan_doc)
     opts = ExecutorOptions(timeout_s=timeout_s)
-    # warm-up step without sleeping: opens every gloo pair so the timed step pays no connection setup
-    zero = costs.zero()
     # the stand-ins' payloads are CPU tensors: the executor is told so (a device is never implied)
     device = torch.device("cpu")
-    PipelineExecutor(plan, SleepStages(costs=zero, rank=rank, live=live), device=device, options=opts).run_step()
     runner = SleepStages(costs=costs, rank=rank, clock=clock, live=live)
     executor = PipelineExecutor(plan, runner, device=device, options=opts)
+    # warm-up step without sleeping, same executor and payload sizes: opens every gloo pair and makes every
+    # receive buffer, so the timed step pays no connection setup or first allocation
+    runner.device.mode = "off"
+    executor.run_step()
+    runner.device.mode = clock
+    runner.checked = 0
     start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks
     t0 = float(start[0])

@@ -13,22 +13,28 @@ layer's costs, and its hand-overs travel as messages too. The executor sums the 
 owner takes, so a split payload is summable: [micro-batch, what, count, 0, 0, then one slot per
 device holding the send time of the device that made it]; the consumer checks micro-batch and
 kind (divided by the count) and waits for the latest slot plus that sender's transfer time.
+
+On the 'wall' clock nothing is stamped from the model: the first payload of a boundary
+between devices is as large as the model's bytes across that cut (`payload_bytes`; the header
+in its first five elements) and really travels, and the consumer uses it when its receive has
+completed (a split layer's hand-overs keep their small summable payloads).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..simulator.costs import hop_times
 from ..schedules.split_messages import WHATS
-from .clock import DeviceClock
+from .clock import DeviceClock, wall_numel
 from .errors import ExecutorError
 from .interface import LossOutput, TensorMeta
 
-_PAYLOAD = TensorMeta(shape=(5,), dtype=torch.float64)
+_HEADER = 5  # [micro-batch, producing stage, direction, send time, producing layer]
+_PAYLOAD = TensorMeta(shape=(_HEADER,), dtype=torch.float64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,15 +45,9 @@ class StandInCosts:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     hop: tuple[float, ...]  # hop[s]: stage s -> s+1 (and the gradient back)
+    # payload_bytes[s]: what boundary s's first payload carries on the wall clock (empty: headers only)
+    payload_bytes: tuple[int, ...] = ()
     shards: tuple["ShardCosts", ...] = ()  # the plan's split layers
-
-    def zero(self) -> "StandInCosts":
-        """The same plan with every duration and transfer 0 (the warm-up step)."""
-        z = lambda xs: tuple(0.0 for _ in xs)  # noqa: E731
-        return StandInCosts(fwd=z(self.fwd), bwd=z(self.bwd), wgrad=z(self.wgrad), hop=z(self.hop),
-                            shards=tuple(replace(c, fwd=0.0, bwd=0.0, wgrad=0.0,
-                                                 link_ms=tuple(z(r) for r in c.link_ms),
-                                                 stats_ms=tuple(z(r) for r in c.stats_ms)) for c in self.shards))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,7 +80,8 @@ class SleepStages:
     the host dispatches ahead (asynchronous kernels and NCCL): each action ends at
     max(device free, input arrival) + cost, so host overhead hides behind the previous
     action unless it exceeds it, and then the lateness shows. clock='wall' charges every
-    host delay: each action sleeps its full cost from the moment the host reaches it.
+    host delay: each action sleeps its full cost from the moment the host reaches it, and
+    boundaries carry payloads of the modelled size that really travel (no stamped arrival).
     """
 
     def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device",
@@ -112,9 +113,15 @@ class SleepStages:
         """Start the device clock at the shared start instant."""
         self.device.start(t0)
 
+    def _numel(self, boundary: int) -> int:
+        """Elements of the boundary's first payload: the header, or on the wall clock the cut's modelled bytes."""
+        sized = self.clock == "wall" and boundary < len(self.costs.payload_bytes)
+        return wall_numel(self.costs.payload_bytes[boundary], _HEADER) if sized else _HEADER
+
     def boundary_meta(self, stage: int) -> tuple[TensorMeta, ...]:
-        """One 5-number payload per output live across the boundary."""
-        return tuple(_PAYLOAD for _ in self.live[stage])
+        """One payload per output live across the boundary (the first of the wall clock's modelled size)."""
+        first = TensorMeta(shape=(self._numel(stage),), dtype=torch.float64)
+        return tuple(first if k == 0 else _PAYLOAD for k in range(len(self.live[stage])))
 
     def _expect(self, value, action: str, mb: int, stage: int, grad: bool) -> float:
         boundary = stage - 1 if grad else stage
@@ -124,14 +131,15 @@ class SleepStages:
                                 rank=self.rank, action=action)
         arrival = 0.0
         for payload, layer in zip(value, self.live[boundary]):
-            got = (int(payload[0]), int(payload[1]), int(payload[2]), int(payload[4]))
+            head = payload.detach()[:_HEADER].tolist()  # the header only: a wall-clock payload is much longer
+            got = (int(head[0]), int(head[1]), int(head[2]), int(head[4]))
             want = (mb, stage, int(grad), layer)
             if got != want:
                 raise ExecutorError(
                     f"rank {self.rank}: {action} received the {'gradient' if grad else 'activation'} of micro-batch "
                     f"{got[0]} from stage {got[1]} (direction {got[2]}, layer {got[3]}), expected micro-batch {mb} "
                     f"from stage {stage} (layer {layer})", rank=self.rank, action=action)
-            arrival = max(arrival, float(payload[3]))
+            arrival = max(arrival, float(head[3]))
         self.checked += 1
         return arrival + self.costs.hop[boundary] / 1000.0  # when the input lands on this device
 
@@ -141,8 +149,13 @@ class SleepStages:
 
     def _payload(self, mb: int, stage: int, grad: bool, sent: float) -> tuple[torch.Tensor, ...]:
         boundary = stage - 1 if grad else stage
-        return tuple(torch.tensor([mb, stage, float(grad), sent, layer], dtype=torch.float64)
-                     for layer in self.live[boundary])
+        out = []
+        for k, layer in enumerate(self.live[boundary]):
+            # empty, not zeros: only the header is read, and filling a wall-clock payload is not the model's work
+            t = torch.empty(self._numel(boundary) if k == 0 else _HEADER, dtype=torch.float64)
+            t[:_HEADER] = torch.tensor([mb, stage, float(grad), sent, layer], dtype=torch.float64)
+            out.append(t)
+        return tuple(out)
 
     def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
         """Check the incoming activation (stage 0 of a split embedding: the partials), sleep F."""
@@ -261,7 +274,11 @@ def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
 
 
 def standin_costs(stage_costs, stage_devices: Sequence[int], cluster) -> StandInCosts:
-    """Stand-in costs from simulator StageCosts; hops priced by the simulator's own `hop_times` (0 on one device)."""
-    hop = tuple(0.0 if h is None else h for h in hop_times(cluster, stage_devices, stage_costs.output)) + (0.0,)
+    """Stand-in costs from simulator StageCosts; hops priced by the simulator's own `hop_times` (0 on one device).
+
+    `payload_bytes`: the cut's bytes where the boundary crosses devices (0 where the tensor stays in memory)."""
+    hops = hop_times(cluster, stage_devices, stage_costs.output)
+    hop = tuple(0.0 if h is None else h for h in hops) + (0.0,)
+    sent = tuple(0 if h is None else int(n) for h, n in zip(hops, stage_costs.output)) + (0,)
     return StandInCosts(fwd=tuple(stage_costs.fwd), bwd=tuple(stage_costs.bwd), wgrad=tuple(stage_costs.wgrad),
-                        hop=hop)
+                        hop=hop, payload_bytes=sent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 
@@ -22,6 +23,21 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu {_cpu_model()} x{torch.get_num_threads()} threads"
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Memory a device offers a plan: a GPU's total memory, on the CPU the host memory available now."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # not Linux: the pages free now (what MemAvailable improves on)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _cpu_model() -> str:

@@ -7,6 +7,9 @@ the stock PipelineEngine, its DualPipeVEngine and OctoPipeEngine run side by sid
 model and a measured speedup compares engines, not stand-ins. Each layer's parameter is sized
 in proportion to the real layer's, so DeepSpeed's `parameters` partition splits the stand-in
 model where it would split the real one. Sleeping costs no CPU, so eight ranks fit on two cores.
+On the wall clock the activation is as wide as the model's bytes across a cut (`standin_width`):
+DeepSpeed's p2p moves it for real (every layer passes it on: which layer ends a stage is the
+engine's partition's to say).
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ import time
 
 import torch
 
-from ..executor.clock import DeviceClock
+from ..executor.clock import DeviceClock, wall_numel
 from .sleep_layer import DTYPE, SleepLayer
 
 WIDTH = 8  # the activation every stand-in layer passes on: [micro-batch, WIDTH] float64 (element 0: a time stamp)
+
+
+def standin_width(clock: str, model) -> int:
+    """The activation width: the stamp's WIDTH, or on the wall clock the model's largest layer output in float64."""
+    return wall_numel(max(layer.output_bytes for layer in model.layers), WIDTH) if clock == "wall" else WIDTH
 
 
 def standin_numel(layer, param_divisor: float) -> int:
@@ -44,13 +52,14 @@ def standin_loss(out, labels):
     return (out * labels).mean()
 
 
-def standin_batches(n: int, micro_batch_size: int = 1):
+def standin_batches(n: int, micro_batch_size: int = 1, width: int = WIDTH):
     """n micro-batches (input, labels) of the stand-in width (float64, as the time stamps need)."""
-    return [(torch.zeros(micro_batch_size, WIDTH, dtype=DTYPE), torch.ones(micro_batch_size, WIDTH, dtype=DTYPE))
+    return [(torch.zeros(micro_batch_size, width, dtype=DTYPE), torch.ones(micro_batch_size, width, dtype=DTYPE))
             for _ in range(n)]
 
 
-def timed_train_batches(engine, clock: DeviceClock, num_microbatches: int, steps: int) -> list[float]:
+def timed_train_batches(engine, clock: DeviceClock, num_microbatches: int, steps: int,
+                        width: int = WIDTH) -> list[float]:
     """Wall seconds of `steps` train_batch calls after one warm-up, every rank starting each at one instant.
 
     Boundaries carry device-clock times across ranks (the Megatron benchmark's rule), so all ranks start
@@ -65,6 +74,6 @@ def timed_train_batches(engine, clock: DeviceClock, num_microbatches: int, steps
         t0 = float(start[0])
         time.sleep(max(0.0, t0 - time.time()))
         clock.start(t0)
-        engine.train_batch(data_iter=iter(standin_batches(num_microbatches)))
+        engine.train_batch(data_iter=iter(standin_batches(num_microbatches, width=width)))
         spans.append(time.time() - t0)
     return spans[1:]

@@ -7,6 +7,8 @@ layer of the model graph becomes one `SleepLayer` (testing/sleep_layer.py: F, I 
 separate autograd paths, on the rank's DeviceClock), the same layer the DeepSpeed benchmark
 and the executor's timing rule use, so both benchmarks compare executors, not stand-ins.
 The first layer of a chunk waits for the transfer into it, the last charges the one out.
+On the wall clock the boundary is as large as the model's bytes across a cut
+(`boundary_shape`): Megatron's p2p moves it for real, and only a chunk's last layer makes it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..executor.clock import DeviceClock
+from ..executor.clock import DeviceClock, wall_numel
 from .sleep_layer import DTYPE, SleepLayer
 
 BOUNDARY_SHAPE = (1, 1, 4)  # (sequence, micro-batch, hidden) of every stand-in boundary: the stamp is element 0
+
+
+def boundary_shape(clock: str, model) -> tuple[int, int, int]:
+    """The (sequence, micro-batch, hidden) every boundary has: the stamp's 4 numbers, or on the wall clock the
+    model's largest layer output in float64 elements (Megatron sends one shape across every cut)."""
+    if clock != "wall":
+        return BOUNDARY_SHAPE
+    return (1, 1, wall_numel(max(layer.output_bytes for layer in model.layers), BOUNDARY_SHAPE[2]))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +42,7 @@ class StandInStage:
     hop_out_ms: float  # this stage -> the next one (its gradient comes back over the same link)
     first: bool
     last: bool
+    boundary: tuple[int, ...] = BOUNDARY_SHAPE  # the shape this chunk sends on (boundary_shape)
 
 
 def standin_chunk_class():
@@ -49,13 +60,16 @@ def standin_chunk_class():
             self.model_type = ModelType.encoder_or_decoder  # what get_model sets on every chunk
             self.input_tensor = None
             n = len(spec.layers)
+            # inner layers pass the small stamp shape on; the last one makes what is sent (the last stage's: loss)
+            out = lambda k: spec.boundary if k == max(n, 1) - 1 and not spec.last else BOUNDARY_SHAPE  # noqa: E731
             self.layers = nn.ModuleList(
                 SleepLayer(clock, f, i, w, hop_in_ms=spec.hop_in_ms if k == 0 else 0.0,
-                             hop_out_ms=spec.hop_out_ms if k == n - 1 else 0.0)
+                             hop_out_ms=spec.hop_out_ms if k == n - 1 else 0.0, out_shape=out(k))
                 for k, (f, i, w) in enumerate(spec.layers))
             # an empty stage still hands its input on (and its gradient back) through one free layer
             if not n:
-                self.layers.append(SleepLayer(clock, 0.0, 0.0, 0.0, spec.hop_in_ms, spec.hop_out_ms))
+                self.layers.append(SleepLayer(clock, 0.0, 0.0, 0.0, spec.hop_in_ms, spec.hop_out_ms,
+                                              out_shape=out(0)))
 
         share_embeddings_and_output_weights = False  # stand-ins tie no weights (what GPTModel answers untied)
 

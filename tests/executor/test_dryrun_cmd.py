@@ -99,3 +99,69 @@ def test_dryrun_of_a_plan_cutting_a_branch(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"messages checked: {2 * 3 * 3} " in out
+
+
+def _two_device_cluster(path) -> str:
+    from octopipe_plugin.formats import Cluster, Link, write_cluster
+
+    link = Link(bandwidth_gb_per_s=2.0, latency_us=100.0)  # the order of a gloo pair on one host
+    write_cluster(Cluster(num_devices=2, devices_per_node=2, memory_bytes=1 << 33, intra_node=link, inter_node=link,
+                          name="local2"), path)
+    return str(path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_wall_clock_dryrun_sends_the_models_bytes_and_checks_every_message(tmp_path, capsys):
+    model = _model()
+    plan = build_plan(model, "1f1b", 2, 3)
+    write_model(model, tmp_path / "m.json")
+    write_plan(plan, tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--target-s", "0.2",
+               "--clock", "wall", "--cluster", "h100x2", "--links", _two_device_cluster(tmp_path / "c.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "transfers: the model's bytes over gloo, predicted with links of" in out and "clock: wall" in out
+    assert f"messages checked: {2 * plan.num_microbatches * (plan.num_stages - 1)} " in out
+
+
+def test_wall_clock_payloads_carry_the_cut_bytes_and_wait_for_no_stamp(monkeypatch):
+    import octopipe_plugin.executor.clock as clock_mod
+
+    costs = StandInCosts(fwd=(1.0, 1.0), bwd=(1.0, 1.0), wgrad=(0.0, 0.0), hop=(5000.0, 0.0),
+                         payload_bytes=(1 << 20, 0))
+    wall = SleepStages(costs=costs, rank=1, clock="wall")
+    assert wall.boundary_meta(0)[0].shape == ((1 << 20) // 8,)  # the model's bytes, float64
+    assert SleepStages(costs=costs, rank=1).boundary_meta(0)[0].shape == (5,)  # device clock: the header only
+    sent = wall.forward(0, 0, None)
+    assert sent[0].numel() == (1 << 20) // 8
+    slept = []
+    monkeypatch.setattr(clock_mod.time, "sleep", slept.append)
+    wall.forward(1, 0, sent)  # a 5 s hop is priced in `hop`, but the wall clock waits only its own 1 ms F
+    assert slept and max(slept) <= 0.001 + 1e-9
+
+
+def test_wall_clock_refuses_payloads_the_host_cannot_hold_and_warns_without_a_cluster(tmp_path, capsys, monkeypatch):
+    import octopipe_plugin.profile.device as device_mod
+
+    model = _model()
+    write_model(model, tmp_path / "m.json")
+    write_plan(build_plan(model, "1f1b", 2, 3), tmp_path / "p.json")
+    monkeypatch.setattr(device_mod, "device_memory_bytes", lambda device: 4 << 20)  # a host with 4 MiB free
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--clock", "wall"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "MiB of payloads per step" in err and "shorter seq_len" in err
+    assert "prediction prices them free" in err
+
+
+def test_links_go_with_the_wall_clock_only(tmp_path, capsys):
+    model = _model()
+    write_model(model, tmp_path / "m.json")
+    write_plan(build_plan(model, "1f1b", 2, 3), tmp_path / "p.json")
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--links",
+               _two_device_cluster(tmp_path / "c.json")])
+    assert rc == 2 and "add --clock wall" in capsys.readouterr().err
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--clock", "wall", "--links",
+               "v100x2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --links v100x2: unknown GPU" in err

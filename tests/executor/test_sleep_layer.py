@@ -97,3 +97,30 @@ def test_oversleeping_is_taken_back_but_a_late_host_is_charged(monkeypatch):
     end = clock.work(1.0)
     assert end == pytest.approx(t0 + 0.105)
     assert clock.busy_s == pytest.approx(0.101)
+
+
+def test_wall_clock_waits_for_no_stamped_arrival_and_charges_the_host(monkeypatch):
+    # wall mode: the input is there when the host received it (the payload travelled); its cost runs from now
+    host = FakeHost(late=0.0)
+    monkeypatch.setattr(clock_module, "time", host)
+    clock = DeviceClock("wall")
+    clock.start(host.now)
+    t0 = host.now
+    end = clock.work(1.0, ready_at=t0 + 5.0)  # a stamp 5 s ahead, as the device clock would wait for
+    assert end == pytest.approx(t0 + 0.001)
+    host.now += 0.005  # a late host is charged in full: nothing hides it
+    assert clock.work(1.0) == pytest.approx(t0 + 0.007)
+
+
+def test_out_shape_sends_the_boundary_size_and_hands_back_the_input_shape():
+    # a Megatron chunk on the wall clock: inner layers small, the last makes the boundary of the model's bytes
+    clock = DeviceClock("off")
+    big = (1, 1, 1024)
+    x = torch.zeros(big, dtype=DTYPE, requires_grad=True)  # received: the boundary's size
+    inner = SleepLayer(clock, F, I, W, out_shape=BOUNDARY_SHAPE)
+    last = SleepLayer(clock, F, I, W, out_shape=big)
+    h = inner(x)
+    y = last(h)
+    assert h.shape == BOUNDARY_SHAPE and y.shape == big
+    y.sum().backward()
+    assert x.grad.shape == big and inner.weight.grad is not None and last.weight.grad is not None

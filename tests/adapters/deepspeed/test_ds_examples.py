@@ -33,3 +33,34 @@ def test_benchmark_partitions_and_plans(monkeypatch):
     assert [st.start for st in plans["stock"].stages] == parts[:-1]
     assert plans["octopipe"].num_microbatches == 8
     sys.modules.pop("benchmark", None)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)  # three engines' deepspeed.initialize on 2 ranks: minutes on a loaded 2-core machine
+def test_stand_in_benchmark_runs_every_engine_on_the_wall_clock(tmp_path):
+    # a tiny run (2 ranks, 4 micro-batches, 0.3 s steps) with activations of the model's bytes through DeepSpeed's
+    # p2p: the figures' format, not their values, is the check
+    import os
+    import re
+    import subprocess
+
+    from octopipe_plugin.cli import main
+    from octopipe_plugin.formats import Cluster, Link, write_cluster
+
+    assert main(["model", "gemma3", "--seq-len", "64", "-o", str(tmp_path / "m.json")]) == 0
+    link = Link(bandwidth_gb_per_s=2.0, latency_us=100.0)  # this host's links, as `octopipe cluster --measure` says
+    write_cluster(Cluster(num_devices=2, devices_per_node=2, memory_bytes=1 << 33, intra_node=link, inter_node=link,
+                          name="local2"), tmp_path / "l.json")
+    root = EXAMPLES.parents[1]
+    out = subprocess.run([sys.executable, str(EXAMPLES / "benchmark.py"), "--stand-in", "--model",
+                          str(tmp_path / "m.json"), "--cluster", "h100x2", "--links", str(tmp_path / "l.json"),
+                          "--microbatches", "4", "--tune-budget", "1", "--target-ms", "300", "--steps", "1",
+                          "--clock", "wall"], capture_output=True, text=True, timeout=880,
+                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(ln.startswith("model ") and "wall clock" in ln for ln in lines), out.stdout  # DeepSpeed logs too
+    for engine in ("PipelineEngine", "DualPipeVEngine", "OctoPipeEngine"):
+        assert any(re.match(rf"DeepSpeed {engine}|{engine}", ln) and re.search(r"\s[\d.]+\s+[\d.]+\s+[\d.]+$", ln)
+                   for ln in lines), out.stdout
+    assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
