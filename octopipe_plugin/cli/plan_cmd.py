@@ -8,7 +8,7 @@ from .. import limits as L
 from ..errors import OctoPipeError
 from ..formats import bind_plan, plan_to_dict, write_plan
 from ..tuner.compare import comparison_rows, format_table
-from ._options import (add_constraint_options, add_headroom_option, apply_headroom, check_writable, integer,
+from ._options import (add_constraint_options, add_headroom_option, add_overheads_option, apply_headroom, check_writable, integer,
                        keep_on_failure, load_cluster, load_model, number)
 from .plan_report import as_json, check_size, native_references, summary, tuned
 
@@ -36,6 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_headroom_option(p)
     add_constraint_options(p)
+    add_overheads_option(p)
     g = p.add_argument_group("from your launch", "plan for the model and batch a Megatron launch would run")
     g.add_argument("--megatron-args", metavar="'ARGS'|@FILE",
                    help="the launch's Megatron arguments (pretrain_gpt.py ...), inline or @file: parsed and "
