@@ -33,6 +33,14 @@ def add_parser(subparsers) -> None:
                    help="device: each stand-in ends at max(device free, input arrival) + cost, so host dispatch "
                         "overlaps the previous action as with asynchronous GPU kernels; wall: every action sleeps "
                         "its full cost from when the host reaches it (host overhead adds up)")
+    p.add_argument("--overheads", metavar="FILE",
+                   help="octopipe-overheads/1 file (`octopipe profile --overheads`) to check the scale against "
+                        "(default: this machine's measured figures from the profile cache, if any)")
+    p.add_argument("--host-share", type=number(0.0, 1.0, open_low=True), default=None, metavar="FRACTION",
+                   help="warn when the executor's host overhead per step exceeds this share of the scaled step "
+                        "(default 0.05)")
+    p.add_argument("--strict-host-share", action="store_true",
+                   help="refuse such a run instead of warning")
     p.set_defaults(run=run)
 
 
@@ -48,6 +56,7 @@ def run(args) -> int:
     _check_size(plan)
     for line in lines:
         warn(args, line)
+    _check_scale(args, model, plan, cluster)
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
                   timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
@@ -74,3 +83,31 @@ def _check_size(plan) -> None:
         raise OctoPipeError(f"the plan has {plan.num_stages} stages x {plan.num_microbatches} micro-batches = {size:,}"
                             f"; a dry run exchanges real messages for each and handles at most "
                             f"{L.MAX_DRYRUN_STAGE_MICROBATCHES:,}: check it with `octopipe simulate`")
+
+
+def _check_scale(args, model, plan, cluster) -> None:
+    """Warn (or refuse, --strict-host-share) when the scale lets the executor's host overhead decide the figures."""
+    from ..executor.dryrun import STANDIN_PAYLOAD_BYTES, zero_cost_cluster
+    from ..profile.overheads import machine_overheads
+    from ..simulator import simulate
+    from ..simulator.overheads import HOST_SHARE_LIMIT, host_share
+
+    ov = machine_overheads(args.overheads, measure=False)
+    if ov is None:
+        warn(args, "scale not checked against host overheads: none measured on this machine (run `octopipe "
+                   "profile --overheads` once, or pass --overheads FILE)")
+        return
+    if args.time_scale is not None:
+        base = simulate(model, cluster or zero_cost_cluster(plan.num_devices), plan, detail=False).step_time_ms
+        step = args.time_scale * base
+    else:
+        step = args.target_s * 1000.0
+    limit = args.host_share if args.host_share is not None else HOST_SHARE_LIMIT
+    got = host_share(plan, ov, step, [STANDIN_PAYLOAD_BYTES] * plan.num_stages, limit=limit)
+    if not got.too_high:
+        return
+    flag = "--target-s" if args.time_scale is None else "--target-s (instead of --time-scale)"
+    line = got.message(flag, scale_of=1e-3)
+    if args.strict_host_share:
+        raise OctoPipeError(f"dry run refused (--strict-host-share): {line}")
+    warn(args, line)

@@ -144,9 +144,14 @@ def _fit(sizes, ms) -> MessageCost:
     return MessageCost(fixed_ms=max(0.0, my - slope * mx), per_mb_ms=slope)
 
 
-def _key_fields(settings: OverheadSettings) -> dict:
-    return {"what": "executor-overheads", "device": device_name(torch.device("cpu")),
-            "backend": dist.get_backend(), "versions": library_versions(),
+def _rank_device() -> str:
+    """The device name the ranks run as: the CPU with one thread each (executor.launch.init_gloo sets it)."""
+    return device_name(torch.device("cpu")).rsplit(" x", 1)[0] + " x1 threads"
+
+
+def _key_fields(settings: OverheadSettings, backend: str = "gloo") -> dict:
+    return {"what": "executor-overheads", "device": _rank_device(),
+            "backend": backend, "versions": library_versions(),
             "settings": {"steps": settings.steps, "warmup": settings.warmup, "sizes": list(settings.sizes),
                          "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH}}
 
@@ -161,7 +166,7 @@ def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
     rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise ValueError(f"measure_overheads: needs a default group of 2 ranks, got {dist.get_world_size()}")
-    fields = _key_fields(s)
+    fields = _key_fields(s, dist.get_backend())
     key = cache_key(fields)
     cache = ProfileCache(s.cache_dir) if s.use_cache else None
     box = [cache.get(key) if cache is not None and rank == 0 else None]
@@ -229,3 +234,20 @@ def format_overheads(ov: Overheads) -> str:
         f"  per action:  {acts}",
         f"  per message: sender {1000 * ov.send.fixed_ms:.1f} + {1000 * ov.send.per_mb_ms:.1f}/MB, "
         f"receiver {1000 * ov.recv.fixed_ms:.1f} + {1000 * ov.recv.per_mb_ms:.1f}/MB"])
+
+
+def machine_overheads(path: str | None = None, *, measure: bool = True,
+                      settings: OverheadSettings | None = None) -> Overheads | None:
+    """The overheads to check a run against: the file at `path`, else this machine's from the profile cache,
+    else (when `measure`) measured now on 2 local ranks (about 15 s, then cached); None when none is at hand."""
+    from ..formats.overheads import overheads_from_dict, read_overheads
+
+    if path is not None:
+        return read_overheads(path)
+    s = settings or OverheadSettings()
+    if s.use_cache:
+        fields = _key_fields(s)
+        rec = ProfileCache(s.cache_dir).get(cache_key(fields))
+        if rec is not None:
+            return overheads_from_dict(rec, "profile cache")
+    return profile_overheads(s) if measure else None

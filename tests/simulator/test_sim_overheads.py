@@ -133,3 +133,16 @@ def test_tuner_job_prices_actions_like_the_simulator():
     assert dur[Kind.I][2] == pytest.approx(1.2)
     assert dur[Kind.W][0] == pytest.approx(1.07)
     assert kind_durations(make_job(m, cluster(2), 2, layout)[0]) == kind_durations(sc)
+
+
+def test_host_share_hand_computed():
+    from octopipe_plugin.simulator.overheads import host_share
+
+    m = model(2)
+    plan = build_plan(m, "gpipe", 2, 3)
+    # device 0: 3 x (F 0.1 + send 0.05) + 3 x (B 0.2 + recv 0.03) = 1.14 ms (no bytes: fixed costs only)
+    got = host_share(plan, OV, step_ms=10.0, limit=0.05)
+    assert got.host_ms == pytest.approx(1.14) and got.share == pytest.approx(0.114) and got.too_high
+    assert got.least_step_ms() == pytest.approx(22.8)
+    assert "--target-ms 22.8 or more" in got.message("--target-ms")
+    assert not host_share(plan, OV, step_ms=100.0).too_high
