@@ -44,6 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=8000.0,
                    help="stand-ins: the stock 1F1B engine's simulated step, scaled to this (default 8000)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per engine after one warm-up (default 2)")
+    p.add_argument("--overheads", metavar="FILE",
+                   help="octopipe-overheads/1 file the scale is checked against (default: this machine's, measured "
+                        "once by `octopipe profile --overheads` and cached)")
+    p.add_argument("--strict-host-share", action="store_true",
+                   help="refuse a --target-ms at which the executor's host overhead exceeds 5%% of a modelled step "
+                        "(default: warn)")
     return p.parse_args(argv)
 
 
@@ -111,6 +117,17 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, ou
     deepspeed.comm.barrier()
 
 
+def check_scale(args, runs) -> bool:
+    """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures."""
+    from octopipe_plugin.profile.overheads import machine_overheads
+    from octopipe_plugin.simulator.overheads import scale_warnings
+
+    lines = scale_warnings(runs, machine_overheads(args.overheads), "--target-ms", args.target_ms)
+    for line in lines:
+        print(f"{'error' if args.strict_host_share else 'warning'}: {line}", file=sys.stderr)
+    return bool(lines) and args.strict_host_share
+
+
 def main(argv=None) -> int:
     """Run the three engines and print the comparison."""
     args = parse_args(argv)
@@ -133,6 +150,8 @@ def main(argv=None) -> int:
     sim = {k: simulate(model, free, p, detail=False).step_time_ms for k, p in chosen.items()}
     linked = {k: simulate(model, cluster, p, detail=False).step_time_ms for k, p in chosen.items()}
     scale = args.target_ms / sim["stock"]
+    if check_scale(args, [(k, p, sim[k] * scale) for k, p in chosen.items()]):
+        return 2
     world = cluster.num_devices
     print(f"model {model.name} ({model.num_layers} layers), cluster {args.cluster} ({world} devices), "
           f"{args.microbatches} micro-batches; stand-in time scale {scale:.4g} (sleeping layers on {world} local "

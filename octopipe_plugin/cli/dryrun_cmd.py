@@ -90,7 +90,7 @@ def _check_scale(args, model, plan, cluster) -> None:
     from ..executor.dryrun import STANDIN_PAYLOAD_BYTES, zero_cost_cluster
     from ..profile.overheads import machine_overheads
     from ..simulator import simulate
-    from ..simulator.overheads import HOST_SHARE_LIMIT, host_share
+    from ..simulator.overheads import HOST_SHARE_LIMIT, scale_warnings
 
     ov = machine_overheads(args.overheads, measure=False)
     if ov is None:
@@ -103,11 +103,10 @@ def _check_scale(args, model, plan, cluster) -> None:
     else:
         step = args.target_s * 1000.0
     limit = args.host_share if args.host_share is not None else HOST_SHARE_LIMIT
-    got = host_share(plan, ov, step, [STANDIN_PAYLOAD_BYTES] * plan.num_stages, limit=limit)
-    if not got.too_high:
-        return
     flag = "--target-s" if args.time_scale is None else "--target-s (instead of --time-scale)"
-    line = got.message(flag, scale_of=1e-3)
-    if args.strict_host_share:
-        raise OctoPipeError(f"dry run refused (--strict-host-share): {line}")
-    warn(args, line)
+    lines = scale_warnings([("", plan, step)], ov, flag, step / 1000.0, limit,
+                           [STANDIN_PAYLOAD_BYTES] * plan.num_stages)
+    for line in lines:
+        if args.strict_host_share:
+            raise OctoPipeError(f"dry run refused (--strict-host-share): {line}")
+        warn(args, line)

@@ -4,11 +4,12 @@ Per action: each of the two ranks runs, at the same time (as both compute during
 a plan of its own on a one-rank group: 4 stages of one tiny linear layer on its device, 8
 micro-batches, once with fused backward (F, B) and once split (F, I, W). An action's cost is its
 runner call's median span less the same layer's profiled time (profile/measure.py: what the
-layer profile already charges), plus the median gap the executor spends between two actions.
+layer profile already charges), plus the gap the executor spends between two actions (the
+lower quartile of the gaps: a gap only grows when the host is kept from running).
 Per message: a forward-only plan of two pass-through stages, stage 0 on rank 0 and stage 1 on
 rank 1, whose last stage sleeps so every message has arrived before it is waited on. The
-sender's gap between actions less the local plan's gap is its cost per message, the
-receiver's likewise; both at a few sizes, fitted as fixed + per-MB (least squares, clipped at
+sender's gap between actions (lower quartile) less the local plan's gap is its cost per
+message, the receiver's likewise; both at a few sizes, fitted as fixed + per-MB (least squares, clipped at
 0). The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
 library versions and the settings.
 """
@@ -116,7 +117,7 @@ def _action_costs(rank: int, group, settings: OverheadSettings) -> tuple[dict[st
             for a, t0, t1 in tl:
                 spans[a.kind.value].append(t1 - t0)
             gaps += _gaps(tl)
-    gap_ms = 1000 * statistics.median(gaps)
+    gap_ms = 1000 * _low(gaps)
     costs = {k: max(0.0, 1000 * statistics.median(v) - layer_ms[k] + gap_ms) for k, v in spans.items()}
     return costs, gap_ms
 
@@ -132,7 +133,13 @@ def _message_gaps(rank: int, nbytes: int, settings: OverheadSettings) -> float:
                          load_input=lambda mb: payload, loss_fn=lambda out, mb: out)
     ex = PipelineExecutor(_pair_plan(), runner, options=ExecutorOptions(timeout_s=120))
     gaps = [g for tl in _timed_steps(ex, settings, None, forward_only=True) for g in _gaps(tl)]
-    return 1000 * statistics.median(gaps)
+    return 1000 * _low(gaps)
+
+
+def _low(samples: list[float]) -> float:
+    """The lower quartile: a gap only grows when the host is kept from running or waits for a message, so on a
+    loaded machine the low end is the executor's own cost and the median is not."""
+    return statistics.quantiles(samples, n=4, method="inclusive")[0] if len(samples) > 1 else samples[0]
 
 
 def _fit(sizes, ms) -> MessageCost:

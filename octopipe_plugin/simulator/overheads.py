@@ -97,3 +97,18 @@ def host_share(plan, overheads: Overheads, step_ms: float, output=None, limit: f
             per_device[d] = sum(extra[a.kind][a.stage] for a in row)
     worst = max(range(plan.num_devices), key=lambda d: per_device[d])
     return HostShare(host_ms=per_device[worst], device=worst, step_ms=step_ms, limit=limit)
+
+
+def scale_warnings(runs, overheads: Overheads, flag: str, target: float, limit: float = HOST_SHARE_LIMIT,
+                   output=None) -> list[str]:
+    """One line per run whose host share is too high at the chosen scale, each naming the `flag` value that would do.
+
+    `runs` are (label, plan, modelled step ms at the scale `target` of `flag` gives); the value
+    that would do scales `target` in proportion (the modelled steps grow with it).
+    """
+    lines = []
+    for label, plan, step_ms in runs:
+        got = host_share(plan, overheads, step_ms, output, limit)
+        if got.too_high:
+            lines.append((f"{label}: " if label else "") + got.message(flag, scale_of=target / step_ms))
+    return lines
