@@ -27,7 +27,7 @@ from torch import nn
 from ..actions import Action, Kind
 from ..executor import ExecutorOptions, PipelineExecutor, TensorMeta, TorchStages
 from ..formats import Plan, Stage
-from ..formats.overheads import MessageCost, Overheads
+from ..formats.overheads import MessageCost, Overheads, overheads_from_dict, overheads_to_dict, read_overheads
 from .cache import ProfileCache, cache_key
 from .device import device_name, library_versions
 from .measure import measure_layer
@@ -171,8 +171,9 @@ def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
     """
     s = settings or OverheadSettings()
     rank = dist.get_rank()
-    if dist.get_world_size() != 2:
-        raise ValueError(f"measure_overheads: needs a default group of 2 ranks, got {dist.get_world_size()}")
+    if dist.get_world_size() != 2 or dist.get_backend() != "gloo":
+        raise ValueError(f"measure_overheads: times the executor over a default gloo group of 2 CPU ranks, got "
+                         f"{dist.get_world_size()} ranks on {dist.get_backend()}")
     fields = _key_fields(s, dist.get_backend())
     key = cache_key(fields)
     cache = ProfileCache(s.cache_dir) if s.use_cache else None
@@ -182,8 +183,6 @@ def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
         box[0] = _measure(rank, s, fields)
         if cache is not None and rank == 0:
             cache.put(key, box[0], fields)
-    from ..formats.overheads import overheads_from_dict
-
     return overheads_from_dict(box[0], "profile cache")
 
 
@@ -195,17 +194,14 @@ def _measure(rank: int, s: OverheadSettings, fields: dict) -> dict:
     mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg}
     both = [None, None]
     dist.all_gather_object(both, mine)
-    action_us = {k: round(1000 * statistics.fmean(b["costs"][k] for b in both), 3) for k in costs}
-    send, recv = _fit(s.sizes, both[0]["msg"]), _fit(s.sizes, both[1]["msg"])
-    return {"format": "octopipe-overheads/1", "device": fields["device"], "backend": fields["backend"],
-            "action_us": action_us,
-            "send_us": {"fixed": round(1000 * send.fixed_ms, 3), "per_mb": round(1000 * send.per_mb_ms, 3)},
-            "recv_us": {"fixed": round(1000 * recv.fixed_ms, 3), "per_mb": round(1000 * recv.per_mb_ms, 3)},
-            "meta": {"method": "profile/overheads.py", "settings": fields["settings"],
-                     "gap_us": [round(1000 * b["gap_ms"], 3) for b in both],
-                     "message_points": {"bytes": list(s.sizes),
-                                        "send_us": [round(1000 * v, 3) for v in both[0]["msg"]],
-                                        "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]]}}}
+    action_ms = tuple((k, statistics.fmean(b["costs"][k] for b in both)) for k in sorted(costs))
+    meta = {"method": "profile/overheads.py", "settings": fields["settings"],
+            "gap_us": [round(1000 * b["gap_ms"], 3) for b in both],
+            "message_points": {"bytes": list(s.sizes), "send_us": [round(1000 * v, 3) for v in both[0]["msg"]],
+                               "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]]}}
+    ov = Overheads(action_ms=action_ms, send=_fit(s.sizes, both[0]["msg"]), recv=_fit(s.sizes, both[1]["msg"]),
+                   device=fields["device"], backend=fields["backend"], meta=meta)
+    return overheads_to_dict(ov)
 
 
 def _spawned(rank: int, world: int, port: int, settings: OverheadSettings, out: str) -> None:
@@ -225,7 +221,6 @@ def profile_overheads(settings: OverheadSettings | None = None) -> Overheads:
     import tempfile
 
     from ..executor.launch import spawn
-    from ..formats.overheads import read_overheads
 
     with tempfile.TemporaryDirectory(prefix="octopipe-overheads-") as tmp:
         path = os.path.join(tmp, "overheads.json")
@@ -247,8 +242,6 @@ def machine_overheads(path: str | None = None, *, measure: bool = True,
                       settings: OverheadSettings | None = None) -> Overheads | None:
     """The overheads to check a run against: the file at `path`, else this machine's from the profile cache,
     else (when `measure`) measured now on 2 local ranks (about 15 s, then cached); None when none is at hand."""
-    from ..formats.overheads import overheads_from_dict, read_overheads
-
     if path is not None:
         return read_overheads(path)
     s = settings or OverheadSettings()
