@@ -56,7 +56,9 @@ def run(args) -> int:
     _check_size(plan)
     for line in lines:
         warn(args, line)
-    _check_scale(args, model, plan, cluster)
+    if args.strict_host_share:  # refused before any process starts
+        for line in _scale_lines(args, model, plan, cluster):
+            raise OctoPipeError(f"dry run refused (--strict-host-share): {line}")
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
                   timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
@@ -70,6 +72,9 @@ def run(args) -> int:
     print(f"{'device':>6} {'idle predicted ms':>18} {'idle measured ms':>17}")
     for d, (p, m) in enumerate(zip(rep.predicted_idle_ms, rep.measured_idle_ms)):
         print(f"{d:>6} {p:18.1f} {m:17.1f}")
+    # after the figures they qualify (a refusal before the run stays the one line on stderr)
+    for line in _scale_lines(args, model, plan, cluster):
+        warn(args, line)
     return 0
 
 
@@ -85,8 +90,8 @@ def _check_size(plan) -> None:
                             f"{L.MAX_DRYRUN_STAGE_MICROBATCHES:,}: check it with `octopipe simulate`")
 
 
-def _check_scale(args, model, plan, cluster) -> None:
-    """Warn (or refuse, --strict-host-share) when the scale lets the executor's host overhead decide the figures."""
+def _scale_lines(args, model, plan, cluster) -> list[str]:
+    """Lines saying the scale lets the executor's host overhead decide the figures (none when it does not)."""
     from ..executor.dryrun import STANDIN_PAYLOAD_BYTES, zero_cost_cluster
     from ..profile.overheads import machine_overheads
     from ..simulator import simulate
@@ -94,9 +99,8 @@ def _check_scale(args, model, plan, cluster) -> None:
 
     ov = machine_overheads(args.overheads, measure=False)
     if ov is None:
-        warn(args, "scale not checked against host overheads: none measured on this machine (run `octopipe "
-                   "profile --overheads` once, or pass --overheads FILE)")
-        return
+        return ["scale not checked against host overheads: none measured on this machine (run `octopipe profile "
+                "--overheads` once, or pass --overheads FILE)"]
     if args.time_scale is not None:
         base = simulate(model, cluster or zero_cost_cluster(plan.num_devices), plan, detail=False).step_time_ms
         step = args.time_scale * base
@@ -104,9 +108,5 @@ def _check_scale(args, model, plan, cluster) -> None:
         step = args.target_s * 1000.0
     limit = args.host_share if args.host_share is not None else HOST_SHARE_LIMIT
     flag = "--target-s" if args.time_scale is None else "--target-s (instead of --time-scale)"
-    lines = scale_warnings([("", plan, step)], ov, flag, step / 1000.0, limit,
-                           [STANDIN_PAYLOAD_BYTES] * plan.num_stages)
-    for line in lines:
-        if args.strict_host_share:
-            raise OctoPipeError(f"dry run refused (--strict-host-share): {line}")
-        warn(args, line)
+    return scale_warnings([("", plan, step)], ov, flag, step / 1000.0, limit,
+                          [STANDIN_PAYLOAD_BYTES] * plan.num_stages)
