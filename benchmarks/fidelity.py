@@ -12,8 +12,12 @@ shared machine drifts); the link between the two local ranks is measured by a gl
 (1F1B, interleaved 1F1B with two stages per device, ZB-V, and the tuner's plan for the profiled
 model) runs through the executor on 2 local processes, one thread each (this machine has 2
 cores), and its median step time is printed next to the simulator's prediction from the profiled
-costs, with the ranking of the plans by each. Last line:
-`worst deviation X.X% over N plans, ranking kept: yes|no`.
+costs, with the ranking of the plans by each. The executor's own host costs per action kind and per
+message are measured too (octopipe_plugin/profile/overheads.py, as `octopipe profile --overheads`
+does), and every plan gets a second, overhead-aware prediction (the simulator charging them; the
+tuner plans with them). `ranking kept` means: every pair of plans predicted more than 3% apart is
+measured in the same order. Last lines, one per prediction:
+`plain: worst deviation X.X% over N plans, ranking kept: yes|no` and the same for `overhead-aware`.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ from octopipe_plugin.formats.model import model_from_dict, model_to_dict  # noqa
 from octopipe_plugin.profile import ProfileSettings  # noqa: E402
 from octopipe_plugin.profile.arch_profile import profile_arch  # noqa: E402
 from octopipe_plugin.profile.device import device_name  # noqa: E402
+from octopipe_plugin.profile.overheads import OverheadSettings, format_overheads, measure_overheads  # noqa: E402
 from octopipe_plugin.profile.torch_layers import builders, token_input  # noqa: E402
+from octopipe_plugin.formats.overheads import overheads_from_dict, overheads_to_dict  # noqa: E402
 from octopipe_plugin.schedules.registry import build_plan  # noqa: E402
-from octopipe_plugin.simulator import simulate  # noqa: E402
+from octopipe_plugin.simulator import SimOptions, simulate  # noqa: E402
 from octopipe_plugin.tuner.search import tune  # noqa: E402
 
 DEVICES = 2  # no more processes than cores
+APART = 0.03  # plans predicted further apart than this must be measured in the same order ("ranking kept")
 COMMON = dict(hidden=256, ffn=704, heads=8, kv_heads=2, head_dim=0, seq_len=256, micro_batch_size=1, tp=1, dp=1,
               num_layers=8, vocab=4096, dtype_bytes=4)
 MODELS = {
@@ -100,14 +107,17 @@ def measure_link(rank: int, nbytes: int) -> Link:
     return Link(bandwidth_gb_per_s=1.0 / per_byte / 1e9, latency_us=rtt_small / 2 * 1e6)
 
 
-def plans_for(model, cluster: Cluster, m: int, tune_s: float) -> list[tuple[str, object]]:
-    """1F1B, interleaved 1F1B (2 stages per device), ZB-V on the balanced split, 1F1B on Megatron's, the tuned plan."""
+def plans_for(model, cluster: Cluster, m: int, tune_s: float, options=None) -> list[tuple[str, object]]:
+    """1F1B, interleaved 1F1B (2 stages per device), ZB-V on the balanced split, 1F1B on Megatron's, the tuned plan.
+
+    The tuner plans with `options` (the measured overheads), as `octopipe plan --overheads` does.
+    """
     out = [("1f1b", build_plan(model, "1f1b", DEVICES, m, split="balanced")),
            ("interleaved-1f1b", build_plan(model, "interleaved-1f1b", DEVICES, m, stages_per_device=2,
                                            split="balanced")),
            ("zb-v", build_plan(model, "zb-v", DEVICES, m, split="balanced")),
            ("1f1b megatron-split", build_plan(model, "1f1b", DEVICES, m, split="megatron"))]
-    tuned = tune(model, cluster, m, time_budget_s=tune_s, seed=0)
+    tuned = tune(model, cluster, m, time_budget_s=tune_s, seed=0, options=options)
     out.append((f"tuned ({tuned.source})", tuned.plan))
     return out
 
@@ -142,12 +152,12 @@ def _profile_both(label: str, args) -> object:
     return _mean_model([model_from_dict(d) for d in gathered])
 
 
-def _profile_and_plan(rank: int, label: str, cluster: Cluster, args) -> tuple[object, list]:
+def _profile_and_plan(rank: int, label: str, cluster: Cluster, args, options) -> tuple[object, list]:
     """Both ranks profile the model; rank 0 tunes and builds the plans; all ranks get them."""
     model = _profile_both(label, args)
     box = [None]
     if rank == 0:
-        plans = plans_for(model, cluster, args.microbatches, args.tune_s)
+        plans = plans_for(model, cluster, args.microbatches, args.tune_s, options)
         box[0] = (model_to_dict(model), [(name, plan_to_dict(p)) for name, p in plans])
     dist.broadcast_object_list(box, src=0)  # rank 1 waits here while rank 0 tunes
     doc, plans = box[0]
@@ -159,9 +169,13 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     link = measure_link(rank, COMMON["seq_len"] * COMMON["hidden"] * 4)
     cluster = Cluster(num_devices=DEVICES, devices_per_node=DEVICES, memory_bytes=16 << 30, intra_node=link,
                       inter_node=link, name="local-gloo")
-    report = {"link": [link.latency_us, link.bandwidth_gb_per_s], "models": []}
+    # the executor's own costs, measured on these two ranks as `octopipe profile --overheads` does
+    overheads = measure_overheads(OverheadSettings(use_cache=args.cache))
+    aware = SimOptions(overheads=overheads)
+    report = {"link": [link.latency_us, link.bandwidth_gb_per_s], "overheads": overheads_to_dict(overheads),
+              "models": []}
     for label in [m for m in args.models.split(",") if m]:
-        model, plans = _profile_and_plan(rank, label, cluster, args)
+        model, plans = _profile_and_plan(rank, label, cluster, args, aware)
         arch = arch_of(label)
         layers = build_layers(arch)
         runs = []
@@ -188,7 +202,8 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             "model": model_to_dict(model),
             "rows": [{"plan": name, "stages": plan.num_stages, "steps_ms": ts,
                       "measured_ms": statistics.median(ts),
-                      "predicted_ms": simulate(model, cluster, plan, detail=False).step_time_ms}
+                      "predicted_ms": simulate(model, cluster, plan, detail=False).step_time_ms,
+                      "aware_ms": simulate(model, cluster, plan, aware, detail=False).step_time_ms}
                      for (name, plan), ts in zip(plans, times)]})
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as fh:
@@ -199,6 +214,16 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 def ranking(rows: list[dict], key: str) -> list[str]:
     """Plan labels, fastest first."""
     return [r["plan"] for r in sorted(rows, key=lambda r: r[key])]
+
+
+def order_broken(rows: list[dict], key: str, apart: float = APART) -> list[tuple[str, str]]:
+    """Pairs (predicted faster, predicted slower) more than `apart` apart by `key` that were measured the other way."""
+    out = []
+    for a in rows:
+        for b in rows:
+            if a[key] * (1 + apart) < b[key] and a["measured_ms"] > b["measured_ms"]:
+                out.append((a["plan"], b["plan"]))
+    return out
 
 
 def main() -> None:
@@ -226,7 +251,8 @@ def main() -> None:
           f"{load0[0]:.2f} before, {load1[0]:.2f} after ({time.time() - t0:.0f} s)")
     lat, bw = report["link"]
     print(f"link (gloo ping-pong): latency {lat:.0f} us, bandwidth {bw:.2f} GB/s")
-    worst, n, kept = 0.0, 0, True
+    print(format_overheads(overheads_from_dict(report["overheads"])))
+    worst, n, kept = {"predicted_ms": 0.0, "aware_ms": 0.0}, 0, {"predicted_ms": True, "aware_ms": True}
     for entry in report["models"]:
         model, rows = model_from_dict(entry["model"]), entry["rows"]
         kinds = {}
@@ -234,19 +260,28 @@ def main() -> None:
             kinds.setdefault(l.kind, l)
         desc = ", ".join(f"{k} {l.fwd_ms:.1f}/{l.bwd_ms:.1f}/{l.wgrad_ms:.1f}" for k, l in kinds.items())
         print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W ms: {desc}")
-        print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'measured ms':>13}{'deviation':>11}{'step spread':>13}")
+        print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'aware ms':>10}{'measured ms':>13}{'deviation':>11}"
+              f"{'aware dev':>11}{'step spread':>13}")
         for r in rows:
-            dev = (r["measured_ms"] - r["predicted_ms"]) / r["predicted_ms"]
-            worst, n = max(worst, abs(dev)), n + 1
+            devs = {key: (r["measured_ms"] - r[key]) / r[key] for key in worst}
+            worst = {key: max(worst[key], abs(devs[key])) for key in worst}
+            n += 1
             spread = (max(r["steps_ms"]) - min(r["steps_ms"])) / r["measured_ms"]
-            print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['measured_ms']:>13.1f}"
-                  f"{100 * dev:>+10.1f}%{100 * spread:>12.1f}%")
-        by_meas, by_pred = ranking(rows, "measured_ms"), ranking(rows, "predicted_ms")
-        same = by_meas == by_pred
-        kept = kept and same
-        print(f"  ranking by measured : {' < '.join(by_meas)}")
-        print(f"  ranking by predicted: {' < '.join(by_pred)}  ({'same' if same else 'differs'})")
-    print(f"\nworst deviation {100 * worst:.1f}% over {n} plans, ranking kept: {'yes' if kept else 'no'}")
+            print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['aware_ms']:>10.1f}"
+                  f"{r['measured_ms']:>13.1f}{100 * devs['predicted_ms']:>+10.1f}%{100 * devs['aware_ms']:>+10.1f}%"
+                  f"{100 * spread:>12.1f}%")
+        print(f"  ranking by measured      : {' < '.join(ranking(rows, 'measured_ms'))}")
+        for key, label in (("predicted_ms", "predicted"), ("aware_ms", "overhead-aware")):
+            broken = order_broken(rows, key)
+            kept[key] = kept[key] and not broken
+            said = "kept" if not broken else "broken: " + ", ".join(f"{a} < {b}" for a, b in broken)
+            print(f"  ranking by {label:<14}: {' < '.join(ranking(rows, key))}  (pairs > {100 * APART:.0f}% apart "
+                  f"{said})")
+    load = os.getloadavg()
+    print(f"\nload average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)")
+    for key, label in (("predicted_ms", "plain"), ("aware_ms", "overhead-aware")):
+        print(f"{label}: worst deviation {100 * worst[key]:.1f}% over {n} plans, ranking kept: "
+              f"{'yes' if kept[key] else 'no'}")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,12 @@ def parse_args(argv=None):
                         "host delays count and boundaries of the model's bytes really travel (executor/clock.py)")
     p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
                                    "pricing the transfers in the prediction (default: --cluster's)")
+    p.add_argument("--overheads", metavar="FILE",
+                   help="octopipe-overheads/1 file the scale is checked against (default: this machine's, measured "
+                        "once by `octopipe profile --overheads` and cached)")
+    p.add_argument("--strict-host-share", action="store_true",
+                   help="refuse a --target-ms at which the executor's host overhead exceeds 5%% of a modelled step "
+                        "(default: warn)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout in seconds")
     return p.parse_args(argv)
 
@@ -248,6 +254,17 @@ def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     return step, device_clock
 
 
+def check_scale(args, runs) -> bool:
+    """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures."""
+    from octopipe_plugin.profile.overheads import machine_overheads
+    from octopipe_plugin.simulator.overheads import scale_warnings
+
+    lines = scale_warnings(runs, machine_overheads(args.overheads), "--target-ms", args.target_ms)
+    for line in lines:
+        print(f"{'error' if args.strict_host_share else 'warning'}: {line}", file=sys.stderr)
+    return bool(lines) and args.strict_host_share
+
+
 def main(argv=None) -> int:
     """Plan both schedules, run them on stand-ins, print measured and simulated figures."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -272,6 +289,8 @@ def main(argv=None) -> int:
     runs = [Run(label=label, plan_doc=plan_to_dict(plan), stages=stand_in_stages(model, plan, scale, fast, shape))
             for label, plan in (("megatron", base), ("octopipe", ours))]
     sim = {"megatron": simulated_ms(model, base, scale, fast), "octopipe": simulated_ms(model, ours, scale, fast)}
+    if check_scale(args, [("megatron", base, sim["megatron"]), ("octopipe", ours, sim["octopipe"])]):
+        return 2
     print(f"model {model.name}: {model.num_layers} layers, cluster {args.cluster}, {args.microbatches} micro-batches, "
           f"costs x{scale:.3g} (stand-ins, {args.clock} clock), load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(f"megatron: interleaved 1F1B, {base.num_stages // base.num_devices} virtual stages per rank, even split")

@@ -196,6 +196,23 @@ def keep_on_failure(write, path: str, plan=None) -> list[str]:
     return [msg]
 
 
+def add_overheads_option(p) -> None:
+    """--overheads: the executor's measured host costs (`octopipe profile --overheads`), charged by the simulator."""
+    p.add_argument("--overheads", metavar="FILE",
+                   help="octopipe-overheads/1 file of the executor's host cost per action kind and per message "
+                        "(written by `octopipe profile --overheads`); plans are simulated and tuned paying them")
+
+
+def load_overheads(args):
+    """The --overheads file's Overheads, or None when the option is unset."""
+    path = getattr(args, "overheads", None)
+    if path is None:
+        return None
+    from ..formats.overheads import read_overheads
+
+    return read_overheads(path)
+
+
 def add_headroom_option(p) -> None:
     """--memory-headroom: memory left free on every device (headroom.py says why the default)."""
     from ..headroom import DEFAULT, HELP

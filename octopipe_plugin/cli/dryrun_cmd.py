@@ -38,6 +38,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--links", help="with --clock wall: cluster file whose links price the payloads that travel "
                                    "(this host's: `octopipe cluster --measure --ranks N -o local.json`); the plan "
                                    "keeps --cluster's devices and memory (default: --cluster's links)")
+    p.add_argument("--overheads", metavar="FILE",
+                   help="octopipe-overheads/1 file (`octopipe profile --overheads`) to check the scale against "
+                        "(default: this machine's measured figures from the profile cache, if any)")
+    p.add_argument("--host-share", type=number(0.0, 1.0, open_low=True), default=None, metavar="FRACTION",
+                   help="warn when the executor's host overhead per step exceeds this share of the scaled step "
+                        "(default 0.05)")
+    p.add_argument("--strict-host-share", action="store_true",
+                   help="refuse such a run instead of warning")
     p.set_defaults(run=run)
 
 
@@ -58,6 +66,9 @@ def run(args) -> int:
         raise OctoPipeError(f"--links {args.links}: only the wall clock sends real payloads; add --clock wall")
     if args.clock == "wall":
         _check_wall_payloads(args, model, plan, cluster or links)
+    if args.strict_host_share:  # refused before any process starts
+        for line in _scale_lines(args, model, plan, cluster):
+            raise OctoPipeError(f"dry run refused (--strict-host-share): {line}")
     rep = dry_run(model, plan, cluster, time_scale=args.time_scale, target_ms=args.target_s * 1000.0,
                   timeout_s=args.timeout, clock=args.clock, max_step_ms=L.MAX_DRYRUN_STEP_S * 1000.0, links=links)
     print(f"plan {args.plan}: {plan.num_devices} devices, {plan.num_stages} stages, {plan.num_microbatches} micro-batches")
@@ -76,6 +87,9 @@ def run(args) -> int:
     print(f"{'device':>6} {'idle predicted ms':>18} {'idle measured ms':>17}")
     for d, (p, m) in enumerate(zip(rep.predicted_idle_ms, rep.measured_idle_ms)):
         print(f"{d:>6} {p:18.1f} {m:17.1f}")
+    # after the figures they qualify (a refusal before the run stays the one line on stderr)
+    for line in _scale_lines(args, model, plan, cluster):
+        warn(args, line)
     return 0
 
 
@@ -119,3 +133,25 @@ def _check_wall_payloads(args, model, plan, cluster) -> None:
         raise OctoPipeError(f"--clock wall sends the model's bytes across every cut: {total / 2**20:,.0f} MiB of "
                             f"payloads per step, more than half the {free / 2**20:,.0f} MiB this host has free; use a "
                             f"model with smaller activations (e.g. a shorter seq_len) or fewer micro-batches")
+
+
+def _scale_lines(args, model, plan, cluster) -> list[str]:
+    """Lines saying the scale lets the executor's host overhead decide the figures (none when it does not)."""
+    from ..executor.dryrun import STANDIN_PAYLOAD_BYTES, zero_cost_cluster
+    from ..profile.overheads import machine_overheads
+    from ..simulator import simulate
+    from ..simulator.overheads import HOST_SHARE_LIMIT, scale_warnings
+
+    ov = machine_overheads(args.overheads, measure=False)
+    if ov is None:
+        return ["scale not checked against host overheads: none measured on this machine (run `octopipe profile "
+                "--overheads` once, or pass --overheads FILE)"]
+    if args.time_scale is not None:
+        base = simulate(model, cluster or zero_cost_cluster(plan.num_devices), plan, detail=False).step_time_ms
+        step = args.time_scale * base
+    else:
+        step = args.target_s * 1000.0
+    limit = args.host_share if args.host_share is not None else HOST_SHARE_LIMIT
+    flag = "--target-s" if args.time_scale is None else "--target-s (instead of --time-scale)"
+    return scale_warnings([("", plan, step)], ov, flag, step / 1000.0, limit,
+                          [STANDIN_PAYLOAD_BYTES] * plan.num_stages)

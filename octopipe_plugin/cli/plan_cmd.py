@@ -8,7 +8,7 @@ from .. import limits as L
 from ..errors import OctoPipeError
 from ..formats import bind_plan, plan_to_dict, write_plan
 from ..tuner.compare import comparison_rows, format_table
-from ._options import (add_constraint_options, add_headroom_option, apply_headroom, check_writable, integer,
+from ._options import (add_constraint_options, add_headroom_option, add_overheads_option, apply_headroom, check_writable, integer,
                        keep_on_failure, load_cluster, load_model, number)
 from .plan_report import as_json, check_size, native_references, summary, tuned
 from .plan_split import add_split_option, with_splits
@@ -37,6 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_headroom_option(p)
     add_constraint_options(p)
+    add_overheads_option(p)
     add_split_option(p)
     g = p.add_argument_group("from your launch", "plan for the model and batch a Megatron launch would run")
     g.add_argument("--megatron-args", metavar="'ARGS'|@FILE",

@@ -19,7 +19,7 @@ from ..tuner import tune
 from ..tuner.compare import baseline_ms, per_device
 from ..tuner.native import WHAT, native_best
 from ._guard import WallClockGuard
-from ._options import constraints_of
+from ._options import constraints_of, load_overheads
 
 SPLIT_S_PER_UNIT = 1e-6  # measured: balanced_split of 1100 layers into 1000 stages, 8.7 s on 2 busy cores
 SHOWN = 24  # stages or devices listed one by one in the summary; larger plans are abridged
@@ -58,7 +58,7 @@ def tuned(args, model, cluster, num_microbatches: int, constraints=None):
     try:
         with _progress_bar(not args.no_progress) as bar, guard:
             result = tune(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,
-                          iterations=args.iterations, progress=bar,
+                          iterations=args.iterations, progress=bar, options=_sim_options(args),
                           constraints=constraints if constraints is not None else constraints_of(args))
     except KeyboardInterrupt:  # the tuner re-raises when it has no plan in hand yet
         if not guard.fired:
@@ -69,6 +69,14 @@ def tuned(args, model, cluster, num_microbatches: int, constraints=None):
     if guard.fired:
         result = replace(result, stopped_by="the time budget (wall-clock guard)")
     return result
+
+
+def _sim_options(args):
+    """The simulator options plans are tuned and judged by: the measured overheads when --overheads is given."""
+    from ..simulator import SimOptions
+
+    ov = load_overheads(args)
+    return None if ov is None else SimOptions(overheads=ov)
 
 
 def native_references(result, model, cluster) -> dict:

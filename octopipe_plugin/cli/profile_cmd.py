@@ -26,7 +26,11 @@ def add_parser(subparsers) -> None:
                     "executor's split backward on this device (median of --repeats after --warmup), measure its "
                     "saved activations and state, and write an octopipe-model/1 file that plans and simulates like "
                     "any other. Results are cached on disk: a second run measures nothing.")
-    p.add_argument("name", help="zoo name or .json/.yaml architecture file")
+    p.add_argument("name", nargs="?", help="zoo name or .json/.yaml architecture file (not with --overheads)")
+    p.add_argument("--overheads", action="store_true",
+                   help="measure the executor's own host cost per action kind (F, B, I, W) and per message (by size, "
+                        "gloo) on 2 local ranks with tiny stages, and write an octopipe-overheads/1 file (-o) that "
+                        "`simulate --overheads` and `plan --overheads` charge; cached like the layer profiles")
     p.add_argument("--impl", choices=("torch", "megatron"), default="torch",
                    help="layers to measure: plain torch reference layers, or Megatron-core's (local spec)")
     p.add_argument("--megatron-spec", choices=("auto", "local", "te"), default="auto",
@@ -79,6 +83,11 @@ def run(args) -> int:
     from .model_cmd import format_table
 
     check_writable(args.output, "-o")
+    if args.overheads:
+        return _run_overheads(args)
+    if args.name is None:
+        raise OctoPipeError("profile: give a zoo name or architecture file to profile, or --overheads to measure the "
+                            "executor's own costs")
     for flag in ("seq_len", "micro_batch_size", "tp", "dp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -132,4 +141,24 @@ def run(args) -> int:
         print(f"analytic kinds: {', '.join(info['analytic_kinds'])} (x {info['analytic_scale']:.3g})")
     for kind, why in info["failed_kinds"].items():
         print(f"  {kind}: {why}")
+    return 0
+
+
+def _run_overheads(args) -> int:
+    """`profile --overheads`: measure (or read from the cache) the executor's overheads, write and print them."""
+    from ..formats.overheads import overheads_to_dict, write_overheads
+    from ..profile.overheads import OverheadSettings, format_overheads, profile_overheads
+
+    if args.name is not None:
+        raise OctoPipeError(f"profile --overheads measures the executor, not a model: drop {args.name!r}")
+    settings = OverheadSettings(steps=max(1, args.repeats // 2), warmup=args.warmup, cache_dir=args.cache_dir,
+                                use_cache=not args.no_cache)
+    ov = profile_overheads(settings)
+    if args.output:
+        write_output(lambda: write_overheads(ov, args.output), args.output)
+        log.info("wrote %s", args.output)
+    if args.json:
+        print(json.dumps(overheads_to_dict(ov), indent=1))
+        return 0
+    print(format_overheads(ov))
     return 0

@@ -12,8 +12,8 @@ from ..formats.fingerprint import describe_devices, idle_devices
 from ..schedules.registry import SCHEDULES, build_plan, get_schedule
 from ..simulator import SimOptions, SimResult, simulate
 from ..headroom import fit_word
-from ._options import (add_headroom_option, apply_headroom, check_writable, integer, keep_on_failure, load_cluster,
-                       load_model, number, warn)
+from ._options import (add_headroom_option, add_overheads_option, apply_headroom, check_writable, integer, keep_on_failure, load_cluster,
+                       load_model, load_overheads, number, warn)
 
 _GIB = 2**30
 
@@ -42,6 +42,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-overlap", action="store_true", help="devices cannot compute while sending/receiving")
     p.add_argument("--launch-us", type=number(0.0, L.MAX_LAUNCH_US, unit="us"), default=0.0, metavar="X",
                    help=f"fixed cost per message in microseconds (0..{L.MAX_LAUNCH_US:g})")
+    add_overheads_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--save-plan", metavar="F", help="write the simulated plan (with `predicted`) here")
     p.add_argument("--trace", metavar="F", help="write a Chrome/Perfetto JSON trace here")
@@ -118,7 +119,8 @@ def run(args) -> int:
     cluster = apply_headroom(args, load_cluster(args.cluster))
     model, costs = load_model(args, cluster)
     plan, cluster = _plan(args, model, cluster)
-    opts = SimOptions(contention=args.contention, overlap=not args.no_overlap, launch_ms=args.launch_us / 1000.0)
+    opts = SimOptions(contention=args.contention, overlap=not args.no_overlap, launch_ms=args.launch_us / 1000.0,
+                      overheads=load_overheads(args))
     res = simulate(model, cluster, plan, opts)
     report = _report(model, cluster, plan, res)
     report["costs"] = costs.as_dict()

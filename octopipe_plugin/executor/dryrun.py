@@ -33,6 +33,10 @@ from .launch import init_gloo, spawn
 from .standin import SleepStages, StandInCosts, stage_live_outputs, standin_costs, standin_shards
 
 
+# bytes one stand-in message carries (standin.py's 5 float64 numbers per live output): what the host really sends
+STANDIN_PAYLOAD_BYTES = 40
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DryRunReport:
     """Measured against predicted step time, per-device idle time, and how many messages were checked."""

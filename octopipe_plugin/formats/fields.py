@@ -75,6 +75,7 @@ def is_document_path(name: str) -> bool:
 _GOES_TO = {  # where each document family is given on the command line
     "octopipe-model": "to --model", "octopipe-arch": "to --model", "octopipe-cluster": "to --cluster",
     "octopipe-plan": "as the plan (`simulate --plan FILE`, `dryrun FILE`)",
+    "octopipe-overheads": "to --overheads",
 }
 
 

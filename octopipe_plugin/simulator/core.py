@@ -11,17 +11,22 @@ Switches (all off = docs/formats.md exactly):
 - overlap=False: a device cannot compute while it moves data. The sender is busy for the
   transfer right after the producing action; the receiver is busy for the transfer time right
   before the consuming action, which cannot start before the data has arrived.
-- launch_ms: a fixed cost added to every cross-device message.
+- launch_ms: a fixed cost added to every cross-device message (in flight).
+- overheads: the executor's measured host costs per action kind and per message on the sender and
+  the receiver (formats/overheads.py), charged on the devices' timelines by simulator/overheads.py;
+  its `launch_ms` and the option's are one figure (the option's is folded into it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError
 from ..actions import CODE, KINDS, RULES, Action, Flow, senders
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes, peak_live
+from .overheads import overhead_ms
+from ..formats.overheads import Overheads
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
 
@@ -32,6 +37,21 @@ class SimOptions:
     contention: bool = False  # one transfer at a time per (src, dst) link direction
     overlap: bool = True  # False: each device spends every send and receive on its own timeline
     launch_ms: float = 0.0  # fixed cost added to every cross-device message
+    # measured host costs (formats/overheads.py); None charges none. launch_ms is folded in: after
+    # construction `launch_ms == overheads.launch_ms` whenever overheads is set
+    overheads: Overheads | None = None
+
+    def __post_init__(self):
+        ov = self.overheads
+        if ov is None or self.launch_ms == ov.launch_ms:
+            return
+        if ov.launch_ms and self.launch_ms:
+            raise ValueError(f"SimOptions: launch_ms={self.launch_ms} and overheads.launch_ms={ov.launch_ms}: give "
+                             f"the per-message launch cost once")
+        if self.launch_ms:
+            object.__setattr__(self, "overheads", replace(ov, launch_ms=self.launch_ms))
+        else:
+            object.__setattr__(self, "launch_ms", ov.launch_ms)
 
 
 # The kind table compiled for the hot loop, by kind code (actions.CODE).
@@ -47,7 +67,7 @@ _RECV = tuple(_IN_SLOT[RULES[k].receives] for k in KINDS)
 _TRACK = tuple(any(r.after is k for r in RULES.values()) for k in KINDS)
 
 
-def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop):
+def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop, extra=None):
     """Each device's actions as two parallel lists: stage * m + mb, and what the table says of its (kind, stage).
 
     The second is one shared tuple per (kind, stage): (kind code, duration, after, input slot,
@@ -55,7 +75,7 @@ def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop):
     Also each device's activation changes in its own order (for the peak). A schedule kept
     as (stage, kind code, micro-batch) integer arrays (`schedule.encoded`) is read as such.
     """
-    dur = kind_durations(sc)
+    dur = kind_durations(sc, extra)
     change = activation_changes(sc.activation)
     ns = len(dev_of)
     pre = {}
@@ -105,7 +125,8 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]
     hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms)
-    idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop)
+    extra = overhead_ms(opts.overheads, dev_of, sc.output)
+    idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop, extra)
     run = _Run(nd, len(dev_of) * nm, nm, opts, detail)
     # the action objects are read only to record transfers (detail); an encoded schedule stays encoded
     encoded = getattr(plan.schedule, "encoded", None) is not None

@@ -26,16 +26,19 @@ class StageCosts:
         return out
 
 
-def kind_durations(costs) -> dict[Kind, tuple[float, ...]]:
+def kind_durations(costs, extra: dict | None = None) -> dict[Kind, tuple[float, ...]]:
     """Per kind, each stage's action time: the table's cost fields summed (B = bwd + wgrad, I = bwd...).
 
-    `costs` is anything with per-stage `fwd`, `bwd` and `wgrad` tuples (StageCosts, the tuner's Job).
+    `costs` is anything with per-stage `fwd`, `bwd` and `wgrad` tuples (StageCosts, the tuner's Job);
+    `extra` (simulator/overheads.py `overhead_ms`) adds each kind's host overhead per stage.
     """
     out = {}
     for kind, rule in RULES.items():
         fields = [getattr(costs, name) for name in rule.cost]
         if rule.side is not None:  # a shard kind costs its share of the split layer (simulator/split.py), not the stage
             fields = [tuple(0.0 for _ in fields[0])]
+        if extra is not None and rule.side is None:
+            fields = fields + [extra[kind]]
         out[kind] = tuple(sum(vals) for vals in zip(*fields))
     return out
 

@@ -20,6 +20,7 @@ from ..actions import RULES, Action, Kind
 from ..errors import DeadlockError, PlanError
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, owner_stage, side_of
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
+from .overheads import overhead_ms
 from .memory import activation_changes
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
@@ -134,12 +135,12 @@ def check_split_options(options) -> None:
 class SplitGraph:
     """Each device's actions with their (producer key, delay) lists, durations and memory changes."""
 
-    def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float):
+    def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float, extra=None):
         self.plan, self.cluster, self.launch = plan, cluster, launch_ms
         self.dev_of = [st.device for st in plan.stages]
         self.ns = len(self.dev_of)
         self.hop = hop_times(cluster, self.dev_of, sc.output, launch_ms)
-        self.dur = kind_durations(sc)
+        self.dur = kind_durations(sc, extra)  # extra: the stage actions' host overheads (simulator/overheads.py)
         self.change = activation_changes(sc.activation)
         self.by_side = {c.side: c for c in splits}
 
@@ -214,7 +215,8 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         check_model_splits(model, plan.splits)
     splits = split_costs(model, plan)
     sc = costs if costs is not None else stage_costs(without_split_layers(model, plan.splits), plan.stages)
-    g = SplitGraph(cluster, plan, sc, splits, options.launch_ms)
+    g = SplitGraph(cluster, plan, sc, splits, options.launch_ms,
+                   overhead_ms(options.overheads, [st.device for st in plan.stages], sc.output))
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
     done: dict = {}

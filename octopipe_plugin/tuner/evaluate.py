@@ -88,7 +88,7 @@ class Evaluator:
         """(Job, StageCosts, static bytes) of a layout, cached."""
         got = self._jobs.get(layout)
         if got is None:
-            got = make_job(self.model, self.cluster, self.m, layout, self.options.launch_ms)
+            got = make_job(self.model, self.cluster, self.m, layout, self.options.launch_ms, self.options.overheads)
             self._jobs[layout] = got
         return got
 

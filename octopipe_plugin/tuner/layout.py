@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..formats import Stage
 from ..simulator import StageCosts, stage_costs
 from ..simulator.costs import hop_times
+from ..simulator.overheads import overhead_ms
 from .listsched import Job
 
 
@@ -38,10 +39,11 @@ class Layout:
 
 
 def make_job(model, cluster, num_microbatches: int, layout: Layout,
-             launch_ms: float = 0.0) -> tuple[Job, StageCosts, list[int]]:
+             launch_ms: float = 0.0, overheads=None) -> tuple[Job, StageCosts, list[int]]:
     """The list scheduler's view of a layout, its stage costs and each device's static bytes.
 
-    Transfers are priced by the simulator's own `hop_times`, so plans are made with the costs they are judged by.
+    Transfers are priced by the simulator's own `hop_times` and host overheads by its `overhead_ms`,
+    so plans are made with the costs they are judged by.
     """
     stages = layout.stages()
     sc = stage_costs(model, stages)
@@ -51,7 +53,8 @@ def make_job(model, cluster, num_microbatches: int, layout: Layout,
     hop = hop_times(cluster, devs, sc.output, launch_ms)
     cap = tuple(float(cluster.usable_memory_bytes - static[d]) for d in range(nd))
     job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
-              wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap)
+              wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap,
+              extra=overhead_ms(overheads, devs, sc.output))
     return job, sc, static
 
 

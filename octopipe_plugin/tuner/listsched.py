@@ -79,6 +79,7 @@ class Job:
     activation: tuple[int, ...]
     hop: tuple[float | None, ...]  # transfer time over the boundary s -> s+1 (None on one device): hop_times
     act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
+    extra: dict | None = None  # per kind, each stage's host overhead (simulator/overheads.py); None: none
 
 
 # Below this many actions the Python scheduler takes milliseconds; above it the compiled one pays for its load.
@@ -113,7 +114,7 @@ def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
     """The compiled scheduler's rows as an EncodedSchedule."""
     f64, i64 = np.float64, np.int64
     kinds = KINDS  # row i of each table is kind code i
-    dur, change = kind_durations(job), activation_changes(job.activation)
+    dur, change = kind_durations(job, job.extra), activation_changes(job.activation)
     send = [0 if RULES[k].sends is None else RULES[k].sends.step for k in kinds]
     split_code = {Split.FUSED: kernel.FUSED, Split.SPLIT: kernel.SPLIT, Split.AUTO: kernel.AUTO}
     hop = np.array([0.0 if h is None else h for h in job.hop], f64)
@@ -141,7 +142,7 @@ class _Scheduler:
         self.stages_of = [[s for s in range(ns) if job.devices[s] == d] for d in range(nd)]
         self.low = [st[0] if st else -1 for st in self.stages_of]
         # what each kind costs and does to live memory, from the kind table
-        self.dur = kind_durations(job)
+        self.dur = kind_durations(job, job.extra)
         self.change = activation_changes(job.activation)
         self.f_grow = self.change[Kind.F]  # what admitting a forward adds (read in the candidate loop)
         self.w_dur = self.dur[Kind.W]  # what filling a gap with a deferred W costs

@@ -90,3 +90,20 @@ def test_deepspeed_example_builds_its_partition(tmp_path):
     for rank in range(2):
         lo, hi = parts[rank], parts[rank + 1]
         assert re.search(rf"^rank {rank} built layers {lo}\.\.{hi - 1} \({hi - lo}:", out.stdout, re.M), out.stdout
+
+
+@pytest.mark.parametrize("script,extra", [
+    ("examples/megatron/benchmark.py", ["--model", "llama2-7b", "--tune-seconds", "1"]),
+    ("examples/deepspeed/benchmark.py", ["--model", "llama2-7b", "--tune-budget", "1"]),
+])
+def test_stand_in_benchmarks_refuse_a_target_where_host_overhead_decides(tmp_path, script, extra):
+    # 1 ms of host time per F (the file's figures) against a 50 ms step: refused before any process
+    # starts, naming the --target-ms that would do (the one check the dry run uses: simulator/overheads.py)
+    ov = tmp_path / "ov.json"
+    ov.write_text(json.dumps({"format": "octopipe-overheads/1", "action_us": {"F": 1000.0},
+                              "send_us": {"fixed": 0.0}, "recv_us": {"fixed": 0.0}}))
+    out = run(script, "--stand-in", "--cluster", "h100x2", "--microbatches", "4", "--target-ms", "50",
+              "--overheads", str(ov), "--strict-host-share", *extra)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert re.search(r"error: \w+: the executor's host overhead, [\d.]+ ms per step .* use --target-ms [\d.]+ or "
+                     r"more", out.stderr), out.stderr[-2000:]

@@ -165,3 +165,21 @@ def test_links_go_with_the_wall_clock_only(tmp_path, capsys):
                "v100x2"])
     err = capsys.readouterr().err
     assert rc == 2 and "error: --links v100x2: unknown GPU" in err
+
+
+def test_dryrun_refuses_a_scale_where_host_overhead_decides(tmp_path, capsys):
+    # F costs 1 ms of host time per action (the file's figures): 3 micro-batches x 4 actions per device
+    # are far more than 5% of a 10 ms step; the refusal names the target that would do, before any process
+    import json
+
+    model = _model()
+    write_model(model, tmp_path / "m.json")
+    write_plan(build_plan(model, "zb-v", 2, 3), tmp_path / "p.json")
+    (tmp_path / "ov.json").write_text(json.dumps({
+        "format": "octopipe-overheads/1", "action_us": {"F": 1000.0, "B": 0.0, "I": 0.0, "W": 0.0},
+        "send_us": {"fixed": 0.0}, "recv_us": {"fixed": 0.0}}))
+    rc = main(["dryrun", str(tmp_path / "p.json"), "--model", str(tmp_path / "m.json"), "--target-s", "0.01",
+               "--overheads", str(tmp_path / "ov.json"), "--strict-host-share"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--strict-host-share" in err and "6.0 ms per step" in err and "use --target-s 0.12 or more" in err
