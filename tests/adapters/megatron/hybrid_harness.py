@@ -18,8 +18,29 @@ import torch.distributed as dist
 
 import megatron_harness as H
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "megatron"))  # as launch.py puts it
-import train_hybrid  # noqa: E402 - the example's model definition is the one the tests build
+
+
+def _import_example():
+    """examples/megatron/train_hybrid.py, with its folder on sys.path only while it imports (as launch.py puts it).
+
+    Its sibling `train_gpt` must not stay in sys.modules: examples/deepspeed has a `train_gpt` too, which tests
+    later in the same process import by that name."""
+    folder = str(Path(__file__).resolve().parents[3] / "examples" / "megatron")
+    before = {name: sys.modules.get(name) for name in ("train_gpt", "train_hybrid")}
+    sys.path.insert(0, folder)
+    try:
+        import train_hybrid as module
+    finally:
+        sys.path.remove(folder)
+        for name, old in before.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    return module
+
+
+train_hybrid = _import_example()  # the example's model definition is the one the tests build
 
 
 @dataclass(frozen=True, kw_only=True)
