@@ -19,6 +19,8 @@ Exactly one of `plan` and `tune` is given. Every refusal names the field
 
 from __future__ import annotations
 
+import atexit
+import sys
 from dataclasses import dataclass
 
 from ...errors import FormatError, OctoPipeError
@@ -194,6 +196,29 @@ class BlockRefused(OctoPipeError, SystemExit):
     def __init__(self, message: str):
         super().__init__(message)
         self.code = message
+        _release_group_at_exit()
+
+
+_RELEASE_REGISTERED = []
+
+
+def _release_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit, once, if a refusal may end the process.
+
+    A refusal leaves the process by SystemExit with the gloo group (and DeepSpeed's shared-memory
+    communicator) alive; torn down by the interpreter instead, a still-joinable C++ thread ended the
+    process by std::terminate (exit status -6 instead of the refusal's 1, now and then)."""
+    if _RELEASE_REGISTERED:
+        return
+    _RELEASE_REGISTERED.append(True)
+
+    def release() -> None:
+        # never import torch here: at exit an import may not register its own exit hooks (and no group exists)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(release)
 
 
 def refused(exc: BaseException) -> BlockRefused:
