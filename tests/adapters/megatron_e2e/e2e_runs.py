@@ -40,13 +40,14 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
-def launch(log: Path, *args: str, nproc: int = 2, script: Path = TRAIN_GPT, env: dict | None = None) -> dict:
+def launch(log: Path, *args: str, nproc: int = 2, script: Path = TRAIN_GPT, env: dict | None = None,
+           timeout: float = 900) -> dict:
     """One cpu_run.py launch; its logged losses {"train": {it: loss}, "valid": {it: loss}, "log": text}."""
     env = dict(os.environ, **(env or {}),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(ROOT / "examples/megatron/cpu_run.py"), "--nproc", str(nproc), str(script), *args]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
     text = log.read_text()
     extra = " ".join(a for a in args if a.startswith("--pipeline") or a.startswith("--octopipe") or a == "--load")
     assert proc.returncode == 0, f"launch failed ({proc.returncode}): {extra}\n{text[-4000:]}"

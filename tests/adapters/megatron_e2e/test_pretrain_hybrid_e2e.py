@@ -15,22 +15,19 @@ iteration 3. Megatron's own logged losses are the oracle:
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from e2e_runs import RESUME, ROOT, launch, loss_table
 from octopipe_plugin.formats import write_plan
 from octopipe_plugin.testing.plans import make_plan, sample_schedule
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
-ROOT = Path(__file__).resolve().parents[3]
 M = 4
 PATTERN = "*-*-*-"  # graph layers: embedding, the 6 pattern layers, LM head
 BOUNDS = [(0, 2), (2, 4), (4, 5), (5, 8)]
@@ -49,10 +46,6 @@ ARGS = ["--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size"
         "--use-cpu-initialization",
         # the oracle: no dropout draws (the schedules run forwards in different orders)
         "--hidden-dropout", "0", "--attention-dropout", "0"]
-RESUME = ["--ckpt-step", "3", "--no-load-rng"]  # the shimmed CUDA RNG state saved on CPU is empty
-
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
-VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 # the line the plugin logs for each HybridModel chunk it builds under a plan (Megatron's own has segment_index)
 CHUNK = re.compile(r"octopipe: HybridModel: pp_rank=(\d+), vp_stage=(\d+), plan stage (\d+) of \d+, layers '([^']*)'")
 
@@ -66,17 +59,11 @@ def _plan(devices, seed, path):
 
 
 def _launch(log: Path, pattern: str, *extra: str) -> dict:
-    """One cpu_run.py launch of train_hybrid.py; its logged losses {"train": {it: loss}, "valid": {it: loss}}."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(ROOT / "examples/megatron/cpu_run.py"), "--nproc", "2",
-           str(ROOT / "examples/megatron/train_hybrid.py"), "--hybrid-layer-pattern", pattern, *ARGS, *extra]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)
-    text = log.read_text()
-    assert proc.returncode == 0, f"launch failed ({proc.returncode}): {' '.join(extra)}\n{text[-4000:]}"
-    return {"train": {int(i): float(v) for i, v in LINE.findall(text)},
-            "valid": {int(i): float(v) for i, v in VALID.findall(text)},
-            "chunks": {(int(r), int(v)): (int(s), seg) for r, v, s, seg in CHUNK.findall(text)}}
+    """One cpu_run.py launch of train_hybrid.py: its logged losses and the chunks the plugin built."""
+    out = launch(log, "--hybrid-layer-pattern", pattern, *ARGS, *extra,
+                 script=ROOT / "examples/megatron/train_hybrid.py", timeout=600)
+    out["chunks"] = {(int(r), int(v)): (int(s), seg) for r, v, s, seg in CHUNK.findall(out["log"])}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +81,6 @@ def runs(tmp_path_factory):
     shutil.rmtree(d / "ck_megatron", ignore_errors=True)
     print(loss_table(out))
     return out
-
-
-def loss_table(out: dict) -> str:
-    """The logged losses side by side (what the report shows)."""
-    names = list(out)
-    rows = ["iteration " + " ".join(f"{n:>17}" for n in names)]
-    for kind in ("train", "valid"):
-        for it in range(1, 7):
-            vals = [out[n][kind].get(it) for n in names]
-            if any(v is not None for v in vals):
-                rows.append(f"{kind} {it:>3}  " + " ".join(f"{v:17.6E}" if v is not None else " " * 17 for v in vals))
-    return "\n".join(rows)
 
 
 @pytest.mark.timeout(1500)
