@@ -204,6 +204,23 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
     for s in shards:
         lo, hi = s.head_rows
         torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
+    # the embedding's shard, cut the same way: its lookup summed over the slices, each slice's rows' gradient
+    emb_plan = _plan(embedding=True)
+    tokens = t.reshape(2, TOKENS // 2)
+    lo, hi = shard_rows(emb_plan, "input", V, 0)
+    mid = (lo + hi) // 2
+    mine = (lo, mid) if rank == 0 else (mid, hi)
+    head = shard_rows(emb_plan, "output", V, 0)  # (the plan splits its head too: unused here)
+    emb = VocabShards(plan=emb_plan, rank=0, vocab_size=V, embedding_weight=nn.Parameter(w[mine[0]:mine[1]].clone()),
+                      embedding_rows=mine, head_weight=nn.Parameter(w[head[0]:head[1]].clone()),
+                      tokens=lambda mb: tokens, tp=tp, grad_sink="direct")
+    part = emb.embedding_forward(0, 0)
+    held = (tokens >= lo) & (tokens < hi)
+    torch.testing.assert_close(part, torch.where(held[..., None], w[tokens.clamp(0)], torch.zeros(())), rtol=0, atol=0)
+    g = torch.randn(2, TOKENS // 2, H, generator=torch.Generator().manual_seed(3), dtype=DT)
+    emb.embedding_backward(0, 0, g)
+    want = torch.zeros_like(w).index_add_(0, tokens.reshape(-1), g.reshape(-1, H))
+    torch.testing.assert_close(emb.embedding_weight.grad, want[mine[0]:mine[1]], rtol=1e-12, atol=1e-15)
     dist.destroy_process_group()
 
 
