@@ -205,7 +205,10 @@ class VocabShards:
             rows = torch.nonzero(mine)[:, 0]
             dz[rows, t[rows] - lo] -= 1.0
             dz *= coef[:, None]
-            partial = dz.to(w.dtype) @ w.detach()
+            # in the weight's dtype from here, as the unsplit head's linear gets its logits' gradient (Megatron's
+            # cross-entropy computes in float32, autograd casts back): half the kept bytes under bf16
+            dz = dz.to(w.dtype)
+            partial = dz @ w.detach()
             if self.tp is not None:
                 self.tp.all_reduce(partial, "sum")  # every tensor-parallel slice's part of the input gradient
             partial = partial.reshape(saved["shape"])
@@ -217,7 +220,7 @@ class VocabShards:
         saved = self._head.pop(mb)
         w = self.head_weight
         with torch.no_grad():
-            dw = saved["dz"].to(w.dtype).t() @ saved["x"].to(w.dtype)
+            dw = saved["dz"].t() @ saved["x"].to(w.dtype)
         self._sink(w, dw)
 
     # ----- embedding shard

@@ -230,3 +230,31 @@ def test_tensor_parallel_slices_of_a_shard_reduce_statistics_then_shards_and_all
     from octopipe_plugin.executor.launch import spawn
 
     spawn(_tp_worker, 2)
+
+
+def test_bf16_shards_compute_statistics_in_float32_and_give_gradients_in_the_weight_dtype():
+    plan = _plan()
+    x, w, t = _data(4)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    coef = loss_coefficients(lambda l: l.mean(), TOKENS, torch.float32, "cpu")
+    shards = []
+    for r in (0, 1):
+        lo, hi = shard_rows(plan, "output", V, r)
+        shards.append(VocabShards(plan=plan, rank=r, vocab_size=V, head_weight=nn.Parameter(wb[lo:hi].clone()),
+                                  hidden_meta=TensorMeta(shape=tuple(x.shape), dtype=torch.bfloat16)))
+    assert shards[0].split_meta("stats").dtype == torch.float32
+    stats = [s.head_forward(1, 0, HeadInput(xb, t, coef)) for s in shards]
+    assert stats[0].dtype == torch.float32
+    out = [s.head_backward_input(1, 0, [stats[1 - i]]) for i, s in enumerate(shards)]
+    for s in shards:
+        s.head_backward_weight(1, 0)
+    # the unsplit bf16 head: logits in bf16, cross-entropy in float32 (as Megatron's and DeepSpeed's loss do)
+    xr, wr = xb.clone().requires_grad_(True), wb.clone().requires_grad_(True)
+    ref = F.cross_entropy((xr.reshape(-1, H) @ wr.t()).float(), t)
+    ref.backward()
+    assert out[0][0].dtype == torch.bfloat16 and shards[0].head_weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out[0][1].loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close((out[0][0].float() + out[1][0].float()), xr.grad.float(), rtol=2e-2, atol=2e-3)
+    for s in shards:
+        lo, hi = s.head_rows
+        torch.testing.assert_close(s.head_weight.grad.float(), wr.grad[lo:hi].float(), rtol=2e-2, atol=2e-3)
