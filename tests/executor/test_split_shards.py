@@ -204,6 +204,28 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
     for s in shards:
         lo, hi = s.head_rows
         torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
+    # sequence parallelism: each rank hands over its block of the tokens, gets its block of the input gradient
+    sp = TensorParallel.over(dist.group.WORLD, sequence_parallel=True)
+    blk = slice(rank * TOKENS // 2, (rank + 1) * TOKENS // 2)
+    shards = []
+    for r in (0, 1):
+        lo, hi = shard_rows(plan, "output", V, r)
+        mid = (lo + hi) // 2
+        mine = (lo, mid) if rank == 0 else (mid, hi)
+        shards.append(VocabShards(plan=plan, rank=r, vocab_size=V, head_weight=nn.Parameter(w[mine[0]:mine[1]].clone()),
+                                  head_rows=mine, tp=sp, grad_sink="direct"))
+    rows = x.reshape(-1, H)
+    stats = [s.head_forward(1, 0, HeadInput(rows[blk], t[blk], coef[blk])) for s in shards]
+    assert stats[0].shape == (TOKENS // 2, 3)  # the statistics messages carry the rank's block
+    out = [s.head_backward_input(1, 0, [stats[1 - i]]) for i, s in enumerate(shards)]
+    for s in shards:
+        s.head_backward_weight(1, 0)
+    for partial, rep in out:
+        torch.testing.assert_close(rep.loss, loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[0][0] + out[1][0], dx.reshape(-1, H)[blk], rtol=1e-12, atol=1e-15)
+    for s in shards:
+        lo, hi = s.head_rows
+        torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
     # the embedding's shard, cut the same way: its lookup summed over the slices, each slice's rows' gradient
     emb_plan = _plan(embedding=True)
     tokens = t.reshape(2, TOKENS // 2)
@@ -227,6 +249,7 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_tensor_parallel_slices_of_a_shard_reduce_statistics_then_shards_and_all_reduce_the_partial():
+    """Also under sequence parallelism (each rank a block of the tokens), and the embedding's shard."""
     from octopipe_plugin.executor.launch import spawn
 
     spawn(_tp_worker, 2)
