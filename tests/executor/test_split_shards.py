@@ -281,3 +281,23 @@ def test_bf16_shards_compute_statistics_in_float32_and_give_gradients_in_the_wei
     for s in shards:
         lo, hi = s.head_rows
         torch.testing.assert_close(s.head_weight.grad.float(), wr.grad[lo:hi].float(), rtol=2e-2, atol=2e-3)
+
+
+def test_an_evaluation_of_a_split_plan_refuses_shards_without_forward_only_in_one_line():
+    from octopipe_plugin.executor import RunnerInterfaceError, TorchStages, check_runner
+    from octopipe_plugin.executor.interface import check_evaluation
+
+    class OldShards(VocabShards):
+        def head_forward(self, stage, mb, hidden):  # a stand-in written before evaluation steps existed
+            return super().head_forward(stage, mb, hidden)
+
+    plan = _plan()
+    runner = TorchStages(modules={}, num_stages=2, num_microbatches=1, shards=_shards(plan, _data()[1], 0))
+    binding = check_runner(runner, {Kind.F, Kind.B, Kind.H, Kind.J, Kind.K})
+    check_evaluation(runner, binding, {Kind.F, Kind.H, Kind.J})  # VocabShards takes it
+    rows = shard_rows(plan, "output", V, 0)
+    runner.shards = OldShards(plan=plan, rank=0, vocab_size=V,
+                              head_weight=nn.Parameter(_data()[1][rows[0]:rows[1]].clone()))
+    with pytest.raises(RunnerInterfaceError, match=r"OldShards.head_forward\(\) lacks the keyword forward_only=") as e:
+        check_evaluation(runner, binding, {Kind.F, Kind.H, Kind.J})
+    assert "\n" not in str(e.value)
