@@ -4,7 +4,7 @@ Under a plan that splits the LM head (formats/splits.py), each shard rank of the
 [lo, hi) of Megatron's `output_layer.weight` (global padded vocabulary x hidden). The vocabulary is
 cut first as Megatron cuts it over tensor parallelism (VocabUtility: V/tp rows per TP rank), then
 each TP slice by the plan's shares (`row_range`), so TP rank t of shard device d holds global rows
-t*V/tp + row_range(split, V/tp, d) (`shard_rows`).
+t*V/tp + row_range(split, V/tp, d) (`head_rows`).
 
 Initial values. Megatron draws output_layer.weight inside ColumnParallelLinear: with
 `use_cpu_initialization` from the default torch generator (the whole [V, h] master weight, then
@@ -31,10 +31,10 @@ import torch
 
 from octopipe_plugin.formats.splits import SplitLayer, row_range
 
-__all__ = ["HeadShard", "build_head_shard", "shard_rows"]
+__all__ = ["HeadShard", "build_head_shard", "head_rows"]
 
 
-def shard_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
+def head_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
                tp_size: int = 1) -> tuple[int, int] | None:
     """Global rows [lo, hi) of the padded vocabulary that pipeline rank `device` holds at TP rank `tp_rank`
     (None when the device holds no shard)."""
@@ -170,7 +170,7 @@ def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, voca
         mine = None
     else:
         return None
-    rows = shard_rows(split, vocab_size, device, tp_rank, tp_size)
+    rows = head_rows(split, vocab_size, device, tp_rank, tp_size)
     shard = HeadShard(config, vocab_size=vocab_size, hidden_size=hidden_size, rows=rows, tp_rank=tp_rank,
                       tp_size=tp_size, key=key, weight=mine)
     if mine is None:

@@ -1,0 +1,267 @@
+"""Spawned workers: Megatron GPT chunks with the LM head split into HeadShards, their initial rows and checkpoints.
+
+The chunks are built the way SHARD_API.md says the Megatron adapter builds a split plan's ranks (until its
+builder lands): every rank builds its chunks by `chunk_specs` as for the plan without splits, the owner's
+Megatron-built `output_layer.weight` is handed out by `build_head_shard`, and each shard rank's HeadShard is
+attached as `output_layer` (the owner's replaces Megatron's ColumnParallelLinear; a shard-only rank's goes
+into its last chunk) before DDP. Training steps feed every layout the same gradients, element by element
+of the global tensors (a split plan's forward/backward runs in the adapter's runtime, not here), through
+Megatron's DDP buffers, finalize_model_grads and distributed Adam with gradient clipping (the norm counts
+each head row once only if the shards are tensor-parallel-unique and nowhere duplicated).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "megatron"))
+sys.path.insert(0, HERE)
+
+import megatron_ckpt_scenarios as S  # noqa: E402
+import megatron_harness as H  # noqa: E402
+
+HEAD = "output_layer.weight"
+
+
+def split_plan(spec, bounds, devices, head_devices, shares, seed: int = 0) -> dict:
+    """A complete plan document: stages on `devices`, the LM head split over `head_devices` (shard actions placed
+    by the tuner's inserter, the plan validated by the format's reader)."""
+    import random
+    from dataclasses import replace
+
+    from octopipe_plugin.executor.dryrun import zero_cost_cluster
+    from octopipe_plugin.formats import plan_from_dict, plan_to_dict
+    from octopipe_plugin.formats.splits import SplitLayer
+    from octopipe_plugin.testing.plans import make_plan, sample_schedule
+    from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
+
+    graph = spec.graph()
+    nd = max(devices) + 1
+    plan = make_plan(stage_devices=devices, bounds=bounds, num_devices=nd, num_microbatches=S.M,
+                     schedule=sample_schedule(devices, nd, S.M, random.Random(seed)), model="tiny-gpt")
+    split = SplitLayer(layer=graph.num_layers - 1, devices=tuple(head_devices), shares=tuple(shares))
+    cluster = replace(zero_cost_cluster(nd), memory_bytes=1 << 40)
+    full = insert_shards(graph, cluster, replace(plan, splits=(split,)), ShardPolicy())
+    assert full is not None, "could not place the shard actions"
+    doc = plan_to_dict(full)
+    plan_from_dict(doc)  # validated: stages, schedule with every H/J/K, splits
+    return doc
+
+
+def build(spec, layout: dict, megatron_init: bool = False):
+    """(chunks before DDP, config, head split or None) of one layout: a split plan or Megatron's own layout string;
+    `megatron_init`: keep Megatron's own initial values (seeded as megatron.training seeds each pipeline rank)."""
+    from megatron.core import parallel_state as ps
+
+    from octopipe_plugin.adapters.megatron import chunk_specs, mapped_layout
+    from octopipe_plugin.adapters.megatron.vocab_shards import build_head_shard
+    from octopipe_plugin.formats import plan_from_dict
+
+    pp = layout["pp"]
+    make = _megatron_chunk if megatron_init else H.build_chunk
+    if layout.get("plan"):
+        plan = plan_from_dict(layout["plan"])
+        H.init_parallel(pp, len(plan.stages_of(0)))
+        graph = spec.graph()
+        config = H.make_config(spec, pp, layout=mapped_layout(plan, graph))
+        rank = ps.get_pipeline_model_parallel_rank()
+        _seed_rank(rank, megatron_init)
+        many = len(plan.stages_of(rank)) > 1
+        chunks = [make(spec, config, c.pre_process, c.post_process, c.vp_stage if many else None)
+                  for c in chunk_specs(plan, graph, rank)]
+        split = plan.splits[0] if plan.splits and layout.get("split", True) else None
+        if split is not None:
+            _attach_shards(chunks, plan, split, rank, config, spec, build_head_shard)
+        return chunks, config, split
+    text = layout["layout"]
+    vp = len(text.split("|")) // pp
+    H.init_parallel(pp, vp)
+    config = H.make_config(spec, pp, layout=text)
+    _seed_rank(ps.get_pipeline_model_parallel_rank(), megatron_init)
+    chunks = []
+    for v in range(vp):
+        vs = v if vp > 1 else None
+        chunks.append(make(spec, config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
+                           ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs), vs))
+    return chunks, config, None
+
+
+def _seed_rank(pp_rank: int, megatron_init: bool) -> None:
+    """megatron.training's _set_random_seed: seed + 100 x pipeline rank, torch's and the model-parallel RNGs."""
+    if megatron_init:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(1234 + 100 * pp_rank)
+        model_parallel_cuda_manual_seed(1234 + 100 * pp_rank)
+
+
+def _megatron_chunk(spec, config, pre_process, post_process, vp_stage):
+    """One GPTModel chunk with Megatron's own initialisation (the harness's build_chunk without its reseeding)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab,
+                    max_sequence_length=spec.seq, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
+                    vp_stage=vp_stage)
+
+
+def _attach_shards(chunks, plan, split, rank, config, spec, build_head_shard) -> None:
+    """The owner's head handed out as HeadShards, each attached as its chunk's `output_layer`."""
+    last = plan.num_stages - 1
+    owner = plan.stages[last].device
+    mine = plan.stages_of(rank)
+    at = mine.index(last) if rank == owner else len(mine) - 1
+    weight = chunks[at].output_layer.weight if rank == owner else None
+    shard = build_head_shard(config, split=split, device=rank, owner=owner, vocab_size=spec.vocab,
+                             hidden_size=spec.hidden, owner_weight=weight)
+    if rank == owner:
+        del chunks[at].output_layer  # Megatron's ColumnParallelLinear goes; the shard (if any) takes its name
+    if shard is not None:
+        chunks[at].output_layer = shard
+
+
+def setup(spec, layout: dict):
+    """(DDP chunks, distributed Adam, head split) of one layout, parameters seeded by global name."""
+    from megatron.core.distributed import finalize_model_grads
+
+    chunks, config, split = build(spec, layout)
+    chunks = H.wrap_ddp(chunks, config)
+    opt = H.make_optimizer(chunks)
+    config.finalize_model_grads_func = finalize_model_grads
+    return chunks, opt, split
+
+
+def _pieces(chunks) -> dict:
+    """{global name: [(row offset, tensor-like getter input)]} of this rank's parameters (HeadShard rows placed)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from octopipe_plugin.adapters.megatron.vocab_shards import HeadShard
+
+    out = []
+    for c in chunks:
+        inner = c.module if isinstance(c, DistributedDataParallel) else c
+        shard = getattr(inner, "output_layer", None)
+        for name, p in H.global_names(inner).items():
+            lo = shard.rows[0] if isinstance(shard, HeadShard) and p is shard.weight else None
+            out.append((name, lo, p))
+    return out
+
+
+def _full_shape(spec, name: str, p) -> tuple:
+    return (spec.vocab, spec.hidden) if name == HEAD else tuple(p.shape)
+
+
+def gathered(spec, chunks, value) -> dict[str, torch.Tensor]:
+    """{global name: the whole global tensor} of `value(param)` over the pipeline (head rows assembled, every
+    row required exactly once)."""
+    mine = [(name, lo, value(p).detach().double().clone()) for name, lo, p in _pieces(chunks)]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out, seen = {}, {}
+    for part in parts:
+        for name, lo, t in part:
+            if lo is None:
+                out.setdefault(name, t)
+                continue
+            full = out.setdefault(name, torch.full((spec.vocab, spec.hidden), float("nan"), dtype=torch.float64))
+            assert not (seen.setdefault(name, torch.zeros(spec.vocab, dtype=torch.int))[lo:lo + len(t)] > 0).any()
+            seen[name][lo:lo + len(t)] += 1
+            full[lo:lo + len(t)] = t
+    for name, cnt in seen.items():
+        assert bool((cnt == 1).all()), f"{name}: rows held {cnt.tolist()} times"
+    return out
+
+
+def adam_state(spec, opt, chunks) -> dict:
+    """{'exp_avg': {name: tensor}, 'exp_avg_sq': ..., 'param': fp32 main params, 'steps': [...]} by global name
+    (data-parallel size 1: each rank's distributed optimizer holds its parameters' whole state)."""
+    subs = getattr(opt, "chained_optimizers", [opt])
+
+    def state_of(p):
+        for sub in subs:
+            if p in sub.model_param_group_index_map:
+                return sub._get_main_param_and_optimizer_states(p)
+        raise AssertionError("parameter not in the optimizer")
+
+    out = {k: gathered(spec, chunks, lambda p, k=k: state_of(p)[k].view(p.shape)) for k in ("exp_avg", "exp_avg_sq", "param")}
+    steps = sorted({float(g["step"]) for sub in subs for g in sub.optimizer.param_groups if "step" in g}
+                   | {float(s["step"]) for sub in subs for s in sub.optimizer.state.values() if "step" in s})
+    all_steps = [None] * dist.get_world_size()
+    dist.all_gather_object(all_steps, steps)
+    out["steps"] = sorted({s for part in all_steps for s in part})
+    return out
+
+
+def global_grad(spec, name: str, shape: tuple, step: int) -> torch.Tensor:
+    """The gradient every layout feeds for global tensor `name` at `step` (float64, split-independent)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}@{step}".encode()))
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def step_with(spec, chunks, opt, steps) -> None:
+    """Optimizer steps on the fed gradients: main_grad of every (shard) parameter, Megatron's finalize, Adam."""
+    from megatron.core.distributed import finalize_model_grads
+
+    for step in steps:
+        for c in chunks:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        for name, lo, p in _pieces(chunks):
+            g = global_grad(spec, name, _full_shape(spec, name, p), step)
+            p.main_grad.copy_(g if lo is None else g[lo:lo + p.shape[0]])
+        finalize_model_grads(chunks)
+        ok, _, _ = opt.step()
+        assert ok, "optimizer step skipped"
+
+
+def run_case(spec, case: dict, root: str) -> dict:
+    """Two steps under `first`; and one step under `first`, save, load under `second`, one step."""
+    chunks, opt, _ = setup(spec, case["first"])
+    step_with(spec, chunks, opt, range(2))
+    straight = gathered(spec, chunks, lambda p: p)
+    chunks, opt, _ = setup(spec, case["first"])
+    step_with(spec, chunks, opt, range(1))
+    saved_w, saved_adam = gathered(spec, chunks, lambda p: p), adam_state(spec, opt, chunks)
+    path = os.path.join(root, case["name"].replace(" ", "_").replace(">", ""))
+    S.save(chunks, opt, path)
+    chunks, opt, _ = setup(spec, case["second"])
+    S.load(chunks, opt, path)
+    loaded_w, loaded_adam = gathered(spec, chunks, lambda p: p), adam_state(spec, opt, chunks)
+    step_with(spec, chunks, opt, range(1, 2))
+    return {"saved_w": saved_w, "loaded_w": loaded_w, "saved_adam": saved_adam, "loaded_adam": loaded_adam,
+            "straight": straight, "resumed": gathered(spec, chunks, lambda p: p)}
+
+
+def init_case(spec, case: dict) -> dict:
+    """Megatron's own initial values of a plan built whole (the unsplit run) and with its head split."""
+    whole, _, _ = build(spec, {**case["split"], "split": False}, megatron_init=True)
+    want = gathered(spec, whole, lambda p: p)
+    parts, _, _ = build(spec, case["split"], megatron_init=True)
+    return {"whole": want, "split": gathered(spec, parts, lambda p: p)}
+
+
+def worker(rank: int, world: int, port: int, spec, cases: list[dict], root: str, out_path: str) -> None:
+    """Spawn target: every case in turn ('init' cases: initial values, others: checkpoints); rank 0 saves results."""
+    H.init_process(rank, world, port)
+    logging.disable(logging.INFO)
+    results = {}
+    for case in cases:
+        try:
+            results[case["name"]] = init_case(spec, case) if case.get("init") else run_case(spec, case, root)
+        except Exception:
+            results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
+            torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
+            raise
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,92 @@
+"""HeadShard (adapters/megatron/vocab_shards.py): a split plan's LM-head rows start as Megatron's, and checkpoint.
+
+Initial values: Megatron's own initialisation (seeded per pipeline rank as megatron.training seeds it) of a
+plan built whole, against the same plan with its head split: the shards' rows put together are the whole
+run's output_layer.weight, every other parameter unchanged (the shard ranks drew nothing).
+
+Checkpoints: torch_dist checkpoints (model chunks and distributed Adam, fully reshardable, as
+megatron.training writes them) saved under one layout load under another: split plan -> Megatron's own
+layout (unsplit output_layer), Megatron -> split plan, split plan -> another split plan (other owner, shard
+order, shares and placement). The oracle is the same run without a checkpoint: weights and Adam's step
+and moments identical at load, and after one more step the same weights.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from octopipe_plugin.executor.launch import spawn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "megatron"))
+sys.path.insert(0, HERE)
+
+import megatron_harness as H  # noqa: E402
+import megatron_head_shard_scenarios as HS  # noqa: E402
+
+pytestmark = [pytest.mark.framework, pytest.mark.distributed]
+
+SPEC = H.TinyGPT(num_layers=4)  # graph layers: 0 embedding, 1..4 decoder layers, 5 LM head
+# owner rank 1 (last stage), shards in order (1, 0): rank 1 rows [0, 40), rank 0 rows [40, 64)
+SPLIT_A = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 3), (3, 6)], [0, 1], (1, 0), (0.625, 0.375), seed=1)}
+# V-shape, owner rank 0: rank 0 rows [0, 19), rank 1 rows [19, 64)
+SPLIT_B = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 2), (2, 3), (3, 4), (4, 6)], [0, 1, 1, 0], (0, 1), (0.3, 0.7),
+                                          seed=2)}
+MEGATRON = {"pp": 2, "layout": "Ett|ttL"}
+CASES = [
+    {"name": "split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    {"name": "megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
+    {"name": "split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
+]
+INIT = [{"name": "init A", "init": True, "split": SPLIT_A}, {"name": "init B", "init": True, "split": SPLIT_B}]
+
+
+def _run(tmp_path, cases):
+    out = tmp_path / "results.pt"
+    spawn(HS.worker, 2, SPEC, cases, str(tmp_path / "ckpt"), str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.timeout(300)
+def test_head_shards_start_from_megatrons_own_output_layer(tmp_path):
+    results = _run(tmp_path, INIT)
+    for case in INIT:
+        r = results[case["name"]]
+        assert "error" not in r, r.get("error")
+        assert set(r["split"]) == set(r["whole"]), case["name"]
+        assert r["whole"][HS.HEAD].std() > 0  # Megatron's init_method drew it (not a zero-filled copy)
+        for name, w in r["whole"].items():
+            assert torch.equal(r["split"][name], w), (case["name"], name)
+
+
+@pytest.mark.timeout(420)
+def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(tmp_path):
+    results = _run(tmp_path, CASES)
+    for case in CASES:
+        r = results[case["name"]]
+        assert "error" not in r, r.get("error")
+        assert set(r["loaded_w"]) == set(r["saved_w"]), case["name"]
+        for name, w in r["saved_w"].items():  # every weight (the head's rows included) arrives where the other keeps it
+            assert torch.equal(r["loaded_w"][name], w), (case["name"], name)
+        assert r["loaded_adam"]["steps"] == r["saved_adam"]["steps"] == [1.0], case["name"]
+        for key in ("exp_avg", "exp_avg_sq", "param"):  # Adam's moments and fp32 main weights, element by element
+            for name, t in r["saved_adam"][key].items():
+                assert torch.equal(r["loaded_adam"][key][name], t), (case["name"], key, name)
+        # one more step on the same gradients: the same weights (the clipping norm sums in another order)
+        for name, w in r["straight"].items():
+            torch.testing.assert_close(r["resumed"][name], w, rtol=1e-6, atol=1e-7, msg=f"{case['name']}: {name}")
+
+
+def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
+    from octopipe_plugin.adapters.megatron.vocab_shards import head_rows
+    from octopipe_plugin.formats.splits import SplitLayer
+
+    split = SplitLayer(layer=5, devices=(3, 0, 2), shares=(0.5, 0.2, 0.3))
+    rows = {(t, d): head_rows(split, 256, d, t, 2) for t in range(2) for d in range(4)}
+    assert rows[(0, 3)] == (0, 64) and rows[(0, 0)] == (64, 90) and rows[(0, 2)] == (90, 128)
+    assert rows[(1, 3)] == (128, 192) and rows[(1, 2)] == (218, 256)
+    assert rows[(0, 1)] is None and rows[(1, 1)] is None  # device 1 holds no shard
+    with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
+        head_rows(split, 256, 3, 0, 3)
