@@ -69,7 +69,7 @@ def build(spec, layout: dict, megatron_init: bool = False):
     make = _megatron_chunk if megatron_init else H.build_chunk
     if layout.get("plan"):
         plan = plan_from_dict(layout["plan"])
-        H.init_parallel(pp, len(plan.stages_of(0)))
+        init_parallel(spec, pp, len(plan.stages_of(0)))
         graph = spec.graph()
         config = H.make_config(spec, pp, layout=mapped_layout(plan, graph))
         rank = ps.get_pipeline_model_parallel_rank()
@@ -83,7 +83,7 @@ def build(spec, layout: dict, megatron_init: bool = False):
         return chunks, config, split
     text = layout["layout"]
     vp = len(text.split("|")) // pp
-    H.init_parallel(pp, vp)
+    init_parallel(spec, pp, vp)
     config = H.make_config(spec, pp, layout=text)
     _seed_rank(ps.get_pipeline_model_parallel_rank(), megatron_init)
     chunks = []
@@ -92,6 +92,32 @@ def build(spec, layout: dict, megatron_init: bool = False):
         chunks.append(make(spec, config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
                            ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs), vs))
     return chunks, config, None
+
+
+def tp_size(spec) -> int:
+    """The spec's --tensor-model-parallel-size (1 unless its extra arguments set it)."""
+    args = list(spec.args)
+    return int(args[args.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in args else 1
+
+
+def shim_device_arch() -> None:
+    """CUDA shim for TP > 1: validate_args asks the GPU's architecture (to require CUDA_DEVICE_MAX_CONNECTIONS=1
+    before Blackwell, a CUDA stream setting); here it answers Hopper's (9) and the variable is set as required."""
+    import megatron.training.arguments as arguments
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    arguments.get_device_arch_version = lambda: 9
+
+
+def init_parallel(spec, pp: int, vp: int) -> None:
+    """The harness's init_parallel with the spec's tensor-parallel size."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size(spec), pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None)
+    model_parallel_cuda_manual_seed(1234)
 
 
 def _seed_rank(pp_rank: int, megatron_init: bool) -> None:
@@ -140,30 +166,42 @@ def setup(spec, layout: dict):
     return chunks, opt, split
 
 
-def _pieces(chunks) -> dict:
-    """{global name: [(row offset, tensor-like getter input)]} of this rank's parameters (HeadShard rows placed)."""
+def _pieces(chunks) -> list:
+    """[(name, global row offset of a head piece or None, parameter)] of this rank: head pieces (a HeadShard, or
+    Megatron's output_layer: its TP slice) by their rows of the global head, other parameters by global name
+    (and TP rank for a TP-split one: its TP slices are the same under every pipeline layout)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel
 
     from octopipe_plugin.adapters.megatron.vocab_shards import HeadShard
 
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     out = []
     for c in chunks:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
-        shard = getattr(inner, "output_layer", None)
+        head = getattr(inner, "output_layer", None)
         for name, p in H.global_names(inner).items():
-            lo = shard.rows[0] if isinstance(shard, HeadShard) and p is shard.weight else None
-            out.append((name, lo, p))
+            if name == HEAD:
+                out.append((name, head.rows[0] if isinstance(head, HeadShard) else tp_rank * p.shape[0], p))
+            else:
+                split_tp = tp > 1 and getattr(p, "tensor_model_parallel", False)  # replicated over TP: one value
+                out.append((f"{name}@tp{tp_rank}" if split_tp else name, None, p))
     return out
 
 
 def _full_shape(spec, name: str, p) -> tuple:
+    """The global tensor a piece belongs to: the whole head, or the parameter (TP slice) itself."""
     return (spec.vocab, spec.hidden) if name == HEAD else tuple(p.shape)
 
 
 def gathered(spec, chunks, value) -> dict[str, torch.Tensor]:
     """{global name: the whole global tensor} of `value(param)` over the pipeline (head rows assembled, every
     row required exactly once)."""
-    mine = [(name, lo, value(p).detach().double().clone()) for name, lo, p in _pieces(chunks)]
+    from megatron.core import parallel_state as ps
+
+    # one data-parallel replica speaks (the others hold the same parameters)
+    mine = [(name, lo, value(p).detach().double().clone()) for name, lo, p in _pieces(chunks)
+            ] if ps.get_data_parallel_rank() == 0 else []
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     out, seen = {}, {}
@@ -253,6 +291,8 @@ def worker(rank: int, world: int, port: int, spec, cases: list[dict], root: str,
     """Spawn target: every case in turn ('init' cases: initial values, others: checkpoints); rank 0 saves results."""
     H.init_process(rank, world, port)
     logging.disable(logging.INFO)
+    if tp_size(spec) > 1:
+        shim_device_arch()
     results = {}
     for case in cases:
         try:

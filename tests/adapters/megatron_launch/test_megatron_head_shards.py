@@ -43,40 +43,64 @@ CASES = [
 INIT = [{"name": "init A", "init": True, "split": SPLIT_A}, {"name": "init B", "init": True, "split": SPLIT_B}]
 
 
-def _run(tmp_path, cases):
+# tensor parallelism 2 x pipeline 2 (4 ranks): each TP slice of the vocabulary cut by the shares
+SPEC_TP = H.TinyGPT(num_layers=4, args=("--tensor-model-parallel-size", "2"))
+TP_CASES = [
+    {"name": "tp2 init", "init": True, "split": SPLIT_A},
+    {"name": "tp2 split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    {"name": "tp2 megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},
+]
+
+
+def _run(tmp_path, cases, spec=SPEC, world=2):
     out = tmp_path / "results.pt"
-    spawn(HS.worker, 2, SPEC, cases, str(tmp_path / "ckpt"), str(out))
+    spawn(HS.worker, world, spec, cases, str(tmp_path / "ckpt"), str(out))
     return torch.load(out, weights_only=False)
+
+
+def _check_init(r, name):
+    assert "error" not in r, r.get("error")
+    assert set(r["split"]) == set(r["whole"]), name
+    assert r["whole"][HS.HEAD].std() > 0  # Megatron's init_method drew it (not a zero-filled copy)
+    for key, w in r["whole"].items():
+        assert torch.equal(r["split"][key], w), (name, key)
+
+
+def _check_round_trip(r, name):
+    assert "error" not in r, r.get("error")
+    assert set(r["loaded_w"]) == set(r["saved_w"]), name
+    for key, w in r["saved_w"].items():  # every weight (the head's rows included) arrives where the other keeps it
+        assert torch.equal(r["loaded_w"][key], w), (name, key)
+    assert r["loaded_adam"]["steps"] == r["saved_adam"]["steps"] == [1.0], name
+    for part in ("exp_avg", "exp_avg_sq", "param"):  # Adam's moments and fp32 main weights, element by element
+        for key, t in r["saved_adam"][part].items():
+            assert torch.equal(r["loaded_adam"][part][key], t), (name, part, key)
+    # one more step on the same gradients: the same weights (the clipping norm sums in another order; a head
+    # row counted twice or missed in the norm changes every weight by the clip factor)
+    for key, w in r["straight"].items():
+        torch.testing.assert_close(r["resumed"][key], w, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
 
 
 @pytest.mark.timeout(300)
 def test_head_shards_start_from_megatrons_own_output_layer(tmp_path):
     results = _run(tmp_path, INIT)
     for case in INIT:
-        r = results[case["name"]]
-        assert "error" not in r, r.get("error")
-        assert set(r["split"]) == set(r["whole"]), case["name"]
-        assert r["whole"][HS.HEAD].std() > 0  # Megatron's init_method drew it (not a zero-filled copy)
-        for name, w in r["whole"].items():
-            assert torch.equal(r["split"][name], w), (case["name"], name)
+        _check_init(results[case["name"]], case["name"])
 
 
 @pytest.mark.timeout(420)
 def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(tmp_path):
     results = _run(tmp_path, CASES)
     for case in CASES:
-        r = results[case["name"]]
-        assert "error" not in r, r.get("error")
-        assert set(r["loaded_w"]) == set(r["saved_w"]), case["name"]
-        for name, w in r["saved_w"].items():  # every weight (the head's rows included) arrives where the other keeps it
-            assert torch.equal(r["loaded_w"][name], w), (case["name"], name)
-        assert r["loaded_adam"]["steps"] == r["saved_adam"]["steps"] == [1.0], case["name"]
-        for key in ("exp_avg", "exp_avg_sq", "param"):  # Adam's moments and fp32 main weights, element by element
-            for name, t in r["saved_adam"][key].items():
-                assert torch.equal(r["loaded_adam"][key][name], t), (case["name"], key, name)
-        # one more step on the same gradients: the same weights (the clipping norm sums in another order)
-        for name, w in r["straight"].items():
-            torch.testing.assert_close(r["resumed"][name], w, rtol=1e-6, atol=1e-7, msg=f"{case['name']}: {name}")
+        _check_round_trip(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(600)
+def test_head_shards_under_tensor_parallelism(tmp_path):
+    results = _run(tmp_path, TP_CASES, SPEC_TP, world=4)
+    for case in TP_CASES:
+        check = _check_init if case.get("init") else _check_round_trip
+        check(results[case["name"]], case["name"])
 
 
 def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
