@@ -305,3 +305,31 @@ def worker(rank: int, world: int, port: int, spec, cases: list[dict], root: str,
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save_rows_worker(rank: int, world: int, port: int, spec, rows: list, root: str, out_path: str) -> None:
+    """Spawn target: rank r saves a HeadShard of rows `rows[r]` (values: the row numbers) through dist_checkpointing;
+    each rank writes what the save said ('ok' or the exception's line) before leaving."""
+    from megatron.core import dist_checkpointing
+
+    from octopipe_plugin.adapters.megatron.vocab_shards import HeadShard
+
+    H.init_process(rank, world, port)
+    logging.disable(logging.WARNING)
+    init_parallel(spec, world, 1)
+    config = H.make_config(spec, world)
+    lo, hi = rows[rank]
+    shard = HeadShard(config, vocab_size=spec.vocab, hidden_size=spec.hidden, rows=(lo, hi),
+                      weight=torch.arange(lo, hi, dtype=torch.float32)[:, None].expand(-1, spec.hidden).clone())
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+    dist.barrier()
+    try:
+        dist_checkpointing.save(shard.sharded_state_dict("output_layer."), root)
+        said = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test reads what the save said
+        said = f"{type(exc).__name__}: {exc}"
+    torch.save(said, f"{out_path}.rank{rank}")
+    if said == "ok":
+        dist.barrier()
+        dist.destroy_process_group()

@@ -114,3 +114,20 @@ def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
     assert rows[(0, 1)] is None and rows[(1, 1)] is None  # device 1 holds no shard
     with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
         head_rows(split, 256, 3, 0, 3)
+
+
+@pytest.mark.timeout(300)
+def test_head_shards_that_overlap_or_leave_a_gap_are_refused_at_save(tmp_path):
+    """Irregular shards are checked by torch DCP's global plan (Megatron's own check skips uneven grids): rows that
+    cover the head once save; rows that overlap or miss some are refused, naming the key."""
+    said = {}
+    for name, rows in {"once": [(40, 64), (0, 40)], "overlap": [(0, 40), (30, 64)], "gap": [(0, 30), (40, 64)]}.items():
+        out = tmp_path / f"{name}.pt"
+        try:
+            spawn(HS.save_rows_worker, 2, SPEC, rows, str(tmp_path / name), str(out))
+        except Exception:  # noqa: BLE001 - a refused save ends the other rank's collectives too
+            pass
+        said[name] = torch.load(f"{out}.rank0", weights_only=False)
+    assert said["once"] == "ok"
+    assert "overlapping chunks" in said["overlap"] and "output_layer.weight" in said["overlap"], said["overlap"]
+    assert "invalid fill" in said["gap"] and "output_layer.weight" in said["gap"], said["gap"]
