@@ -18,7 +18,8 @@ weight, point to point inside the pipeline group. Shard ranks allocate without d
 own modules keep the values of the unsplit run too.
 
 Checkpoints. `HeadShard.sharded_state_dict` saves the rows as their slice of the ONE global tensor
-under Megatron's own key (`output_layer.weight`; another key, e.g. a tied embedding's, by `key=`),
+under Megatron's own key (`output_layer.weight`; rows of the word embedding under
+`embedding.word_embeddings.weight` by `key=`, `extra_state=False`, and `copy=True` for a tied copy),
 with irregular global offsets (axis_fragmentations=None: the uneven sharding dist-ckpt supports
 and leaves to torch DCP to check, strategies/torch.py). Megatron's distributed optimizer builds
 its model-space state from the same ShardedTensor, so Adam's moments travel the same way, and a
@@ -58,7 +59,7 @@ class HeadShard(torch.nn.Module):
 
     def __init__(self, config, *, vocab_size: int, hidden_size: int, rows: tuple[int, int],
                  tp_rank: int = 0, tp_size: int = 1, key: str | None = None, copy: bool = False,
-                 weight: torch.Tensor | None = None):
+                 extra_state: bool = True, weight: torch.Tensor | None = None):
         super().__init__()
         lo, hi = rows
         per_tp = vocab_size // tp_size if tp_size > 0 else 0
@@ -72,6 +73,9 @@ class HeadShard(torch.nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.key = key  # checkpoint key; None: the prefix Megatron's sharded_state_dict passes + "weight"
         self.copy = copy  # a non-main replica in checkpoints (e.g. a tied head's copy of embedding rows)
+        # ColumnParallelLinear saves an `_extra_state` object beside its weight, VocabParallelEmbedding none:
+        # False for rows of the word embedding, so either layout finds exactly the entries it asks for
+        self.extra_state = extra_state
         if weight is None:
             # ColumnParallelLinear's placement rule; torch.empty draws nothing (the rank's RNG stream stays put)
             where = (torch.device("cpu") if getattr(config, "use_cpu_initialization", True)
@@ -120,6 +124,8 @@ class HeadShard(torch.nn.Module):
                                (self.vocab_size, self.hidden_size), (lo, 0), axis_fragmentations=None,
                                replica_id=(int(self.copy), 0, dp_rank),
                                allow_shape_mismatch=True)  # LanguageModule's rule for the head: padded vocabulary
+        if not self.extra_state:
+            return {f"{prefix}weight": weight}
         first = lo == self.tp_rank * (self.vocab_size // self.tp_size)
         extra_key = key[:-len("weight")] + "_extra_state" if key.endswith("weight") else key + "._extra_state"
         extra = make_sharded_object_for_checkpoint(None, extra_key, (),

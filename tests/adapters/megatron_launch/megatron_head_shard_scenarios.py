@@ -179,6 +179,7 @@ def _pieces(chunks) -> list:
     out = []
     for c in chunks:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
+        inner = inner if hasattr(inner, "decoder") else getattr(inner, "module", inner)  # Float16Module
         head = getattr(inner, "output_layer", None)
         for name, p in H.global_names(inner).items():
             if name == HEAD:
@@ -271,12 +272,34 @@ def run_case(spec, case: dict, root: str) -> dict:
     saved_w, saved_adam = gathered(spec, chunks, lambda p: p), adam_state(spec, opt, chunks)
     path = os.path.join(root, case["name"].replace(" ", "_").replace(">", ""))
     S.save(chunks, opt, path)
+    embedding = embedding_rows(spec, case["embedding_rows"], path) if case.get("embedding_rows") else None
     chunks, opt, _ = setup(spec, case["second"])
     S.load(chunks, opt, path)
     loaded_w, loaded_adam = gathered(spec, chunks, lambda p: p), adam_state(spec, opt, chunks)
     step_with(spec, chunks, opt, range(1, 2))
     return {"saved_w": saved_w, "loaded_w": loaded_w, "saved_adam": saved_adam, "loaded_adam": loaded_adam,
-            "straight": straight, "resumed": gathered(spec, chunks, lambda p: p)}
+            "straight": straight, "resumed": gathered(spec, chunks, lambda p: p), "embedding": embedding}
+
+
+def embedding_rows(spec, rows: list, path: str) -> torch.Tensor:
+    """The word embedding as HeadShards under its own key (rank r: rows `rows[r]`) load from the checkpoint at
+    `path`; their rows put together."""
+    from megatron.core import dist_checkpointing
+
+    from octopipe_plugin.adapters.megatron.vocab_shards import HeadShard
+
+    config = H.make_config(spec, dist.get_world_size())
+    shard = HeadShard(config, vocab_size=spec.vocab, hidden_size=spec.hidden, rows=rows[dist.get_rank()],
+                      key="embedding.word_embeddings.weight", extra_state=False)
+    shard.weight.data.fill_(float("nan"))
+    loaded = dist_checkpointing.load({"rows": shard.sharded_state_dict("rows.")}, path)
+    shard.load_state_dict({k[len("rows."):]: v for k, v in loaded["rows"].items()})
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (shard.rows[0], shard.weight.detach().double().clone()))
+    full = torch.full((spec.vocab, spec.hidden), float("nan"), dtype=torch.float64)
+    for lo, t in parts:
+        full[lo:lo + len(t)] = t
+    return full
 
 
 def init_case(spec, case: dict) -> dict:

@@ -36,7 +36,9 @@ SPLIT_B = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 2), (2, 3), (3, 4), (4, 6)]
                                           seed=2)}
 MEGATRON = {"pp": 2, "layout": "Ett|ttL"}
 CASES = [
-    {"name": "split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    # and the word embedding's rows, as HeadShards under its key, load from the same checkpoint
+    {"name": "split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON,
+     "embedding_rows": [(0, 27), (27, 64)]},
     {"name": "megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
     {"name": "split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
 ]
@@ -49,6 +51,14 @@ TP_CASES = [
     {"name": "tp2 init", "init": True, "split": SPLIT_A},
     {"name": "tp2 split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
     {"name": "tp2 megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},
+]
+
+
+# bf16 (Megatron's Float16Module, fp32 main parameters in the distributed optimizer)
+SPEC_BF16 = H.TinyGPT(num_layers=4, bf16=True)
+BF16_CASES = [
+    {"name": "bf16 split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
+    {"name": "bf16 megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
 ]
 
 
@@ -75,6 +85,8 @@ def _check_round_trip(r, name):
     for part in ("exp_avg", "exp_avg_sq", "param"):  # Adam's moments and fp32 main weights, element by element
         for key, t in r["saved_adam"][part].items():
             assert torch.equal(r["loaded_adam"][part][key], t), (name, part, key)
+    if r.get("embedding") is not None:
+        assert torch.equal(r["embedding"], r["saved_w"]["embedding.word_embeddings.weight"]), name
     # one more step on the same gradients: the same weights (the clipping norm sums in another order; a head
     # row counted twice or missed in the norm changes every weight by the clip factor)
     for key, w in r["straight"].items():
@@ -101,6 +113,13 @@ def test_head_shards_under_tensor_parallelism(tmp_path):
     for case in TP_CASES:
         check = _check_init if case.get("init") else _check_round_trip
         check(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(420)
+def test_head_shard_checkpoints_in_bf16(tmp_path):
+    results = _run(tmp_path, BF16_CASES, SPEC_BF16)
+    for case in BF16_CASES:
+        _check_round_trip(results[case["name"]], case["name"])
 
 
 def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
