@@ -231,7 +231,8 @@ def adam_state(spec, opt, chunks) -> dict:
                 return sub._get_main_param_and_optimizer_states(p)
         raise AssertionError("parameter not in the optimizer")
 
-    out = {k: gathered(spec, chunks, lambda p, k=k: state_of(p)[k].view(p.shape)) for k in ("exp_avg", "exp_avg_sq", "param")}
+    out = {k: gathered(spec, chunks, lambda p, k=k: state_of(p)[k].view(p.shape))
+           for k in ("exp_avg", "exp_avg_sq", "param")}
     steps = sorted({float(g["step"]) for sub in subs for g in sub.optimizer.param_groups if "step" in g}
                    | {float(s["step"]) for sub in subs for s in sub.optimizer.state.values() if "step" in s})
     all_steps = [None] * dist.get_world_size()
