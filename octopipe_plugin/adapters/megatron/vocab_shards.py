@@ -139,13 +139,14 @@ class HeadShard(torch.nn.Module):
 
 def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, vocab_size: int, hidden_size: int,
                      owner_weight: torch.Tensor | None, pp_group=None, tp_rank: int | None = None,
-                     tp_size: int | None = None, key: str | None = None) -> HeadShard | None:
+                     tp_size: int | None = None, key: str | None = None, copy: bool = False,
+                     extra_state: bool = True) -> HeadShard | None:
     """This pipeline rank's HeadShard (None off the shard set), its rows copied from the owner's Megatron-built head.
 
     Collective over the owner and the split's devices of one pipeline group (the others return at once):
     `owner_weight` is, on the owner (pipeline rank `owner`), the output_layer.weight its chunk built as the
     unsplit run builds it (this TP rank's slice), and None elsewhere. Call it before Float16Module / DDP
-    wrapping; the owner then drops its own `output_layer`.
+    wrapping; the owner then drops its own `output_layer`. `key`, `copy`, `extra_state`: HeadShard's.
     """
     import torch.distributed as dist
 
@@ -178,7 +179,7 @@ def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, voca
         return None
     rows = head_rows(split, vocab_size, device, tp_rank, tp_size)
     shard = HeadShard(config, vocab_size=vocab_size, hidden_size=hidden_size, rows=rows, tp_rank=tp_rank,
-                      tp_size=tp_size, key=key, weight=mine)
+                      tp_size=tp_size, key=key, copy=copy, extra_state=extra_state, weight=mine)
     if mine is None:
         with torch.no_grad():
             dist.recv(shard.weight.data, src=ranks[owner], group=pp_group)

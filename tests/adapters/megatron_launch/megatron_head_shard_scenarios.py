@@ -205,34 +205,51 @@ def gathered(spec, chunks, value) -> dict[str, torch.Tensor]:
             ] if ps.get_data_parallel_rank() == 0 else []
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
+    return _assemble(spec, [item for part in parts for item in part])
+
+
+def _assemble(spec, items) -> dict[str, torch.Tensor]:
+    """{global name: tensor} of (name, head row offset or None, tensor) pieces, the head's rows put together."""
     out, seen = {}, {}
-    for part in parts:
-        for name, lo, t in part:
-            if lo is None:
-                out.setdefault(name, t)
-                continue
-            full = out.setdefault(name, torch.full((spec.vocab, spec.hidden), float("nan"), dtype=torch.float64))
-            assert not (seen.setdefault(name, torch.zeros(spec.vocab, dtype=torch.int))[lo:lo + len(t)] > 0).any()
-            seen[name][lo:lo + len(t)] += 1
-            full[lo:lo + len(t)] = t
+    for name, lo, t in items:
+        if lo is None:
+            out.setdefault(name, t)
+            continue
+        full = out.setdefault(name, torch.full((spec.vocab, spec.hidden), float("nan"), dtype=torch.float64))
+        seen.setdefault(name, torch.zeros(spec.vocab, dtype=torch.int))[lo:lo + len(t)] += 1
+        full[lo:lo + len(t)] = t
     for name, cnt in seen.items():
         assert bool((cnt == 1).all()), f"{name}: rows held {cnt.tolist()} times"
     return out
 
 
 def adam_state(spec, opt, chunks) -> dict:
-    """{'exp_avg': {name: tensor}, 'exp_avg_sq': ..., 'param': fp32 main params, 'steps': [...]} by global name
-    (data-parallel size 1: each rank's distributed optimizer holds its parameters' whole state)."""
+    """{'exp_avg': {name: tensor}, 'exp_avg_sq': ..., 'param': fp32 main params, 'steps': [...]} by global name:
+    each data-parallel rank's distributed optimizer holds its range of each parameter's state; the ranges of
+    all ranks put together (every element required)."""
     subs = getattr(opt, "chained_optimizers", [opt])
-
-    def state_of(p):
+    keys = ("exp_avg", "exp_avg_sq", "param")
+    mine = []
+    for name, lo, p in _pieces(chunks):
         for sub in subs:
             if p in sub.model_param_group_index_map:
-                return sub._get_main_param_and_optimizer_states(p)
-        raise AssertionError("parameter not in the optimizer")
-
-    out = {k: gathered(spec, chunks, lambda p, k=k: state_of(p)[k].view(p.shape))
-           for k in ("exp_avg", "exp_avg_sq", "param")}
+                state = sub._get_main_param_and_optimizer_states(p)
+                where = sub._get_model_param_range_map(p)["param"]
+                mine.append((name, lo, tuple(p.shape), where.start,
+                             {k: state[k].detach().double().reshape(-1).clone() for k in keys}))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    flat: dict = {}
+    for name, lo, shape, start, tensors in (item for part in parts for item in part):
+        numel = torch.Size(shape).numel()
+        for k, t in tensors.items():
+            full = flat.setdefault((k, name, lo, shape), torch.full((numel,), float("nan"), dtype=torch.float64))
+            full[start:start + len(t)] = t  # data-parallel replicas of a piece fill their own ranges
+    out = {k: _assemble(spec, [(name, lo, t.view(shape)) for (kk, name, lo, shape), t in flat.items() if kk == k])
+           for k in keys}
+    for k, d in out.items():
+        for name, t in d.items():
+            assert not t.isnan().any(), f"optimizer {k} of {name}: some elements held by no rank"
     steps = sorted({float(g["step"]) for sub in subs for g in sub.optimizer.param_groups if "step" in g}
                    | {float(s["step"]) for sub in subs for s in sub.optimizer.state.values() if "step" in s})
     all_steps = [None] * dist.get_world_size()

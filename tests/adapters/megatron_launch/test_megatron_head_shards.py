@@ -62,6 +62,13 @@ BF16_CASES = [
 ]
 
 
+# data parallelism 2 x pipeline 2 (4 ranks): the distributed optimizer shards each parameter's state over DP
+DP_CASES = [
+    {"name": "dp2 split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    {"name": "dp2 megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},
+]
+
+
 def _run(tmp_path, cases, spec=SPEC, world=2):
     out = tmp_path / "results.pt"
     spawn(HS.worker, world, spec, cases, str(tmp_path / "ckpt"), str(out))
@@ -113,6 +120,13 @@ def test_head_shards_under_tensor_parallelism(tmp_path):
     for case in TP_CASES:
         check = _check_init if case.get("init") else _check_round_trip
         check(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(600)
+def test_head_shard_checkpoints_under_data_parallelism(tmp_path):
+    results = _run(tmp_path, DP_CASES, world=4)
+    for case in DP_CASES:
+        _check_round_trip(results[case["name"]], case["name"])
 
 
 @pytest.mark.timeout(420)
