@@ -7,8 +7,10 @@ run's output_layer.weight, every other parameter unchanged (the shard ranks drew
 Checkpoints: torch_dist checkpoints (model chunks and distributed Adam, fully reshardable, as
 megatron.training writes them) saved under one layout load under another: split plan -> Megatron's own
 layout (unsplit output_layer), Megatron -> split plan, split plan -> another split plan (other owner, shard
-order, shares and placement). The oracle is the same run without a checkpoint: weights and Adam's step
-and moments identical at load, and after one more step the same weights.
+order, shares and placement), at PP=2, TP=2 x PP=2, DP=2 x PP=2 and in bf16; the word embedding's rows
+load as HeadShards under its own key. The oracle is the same run without a checkpoint: weights, fp32 main
+weights and Adam's step and moments identical at load, and after one more step the same weights.
+Shards that overlap or leave rows uncovered are refused at save.
 """
 
 import os
