@@ -182,8 +182,10 @@ def _pieces(chunks) -> list:
         inner = inner if hasattr(inner, "decoder") else getattr(inner, "module", inner)  # Float16Module
         head = getattr(inner, "output_layer", None)
         for name, p in H.global_names(inner).items():
-            if name == HEAD:
-                out.append((name, head.rows[0] if isinstance(head, HeadShard) else tp_rank * p.shape[0], p))
+            if isinstance(head, HeadShard) and p is head.weight:  # (the harness may name it with its rows)
+                out.append((HEAD, head.rows[0], p))
+            elif name == HEAD:  # Megatron's output_layer: its TP slice
+                out.append((name, tp_rank * p.shape[0], p))
             else:
                 split_tp = tp > 1 and getattr(p, "tensor_model_parallel", False)  # replicated over TP: one value
                 out.append((f"{name}@tp{tp_rank}" if split_tp else name, None, p))
