@@ -27,7 +27,7 @@ from octopipe_plugin.formats import plan_to_dict
 from octopipe_plugin.formats.splits import SplitLayer
 from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
-from test_megatron_schedule import _run, assert_same_training
+from test_megatron_schedule import _run
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 # the shards' math is the executor's VocabShards (SHARD_API.md, being built on branch w-shardcore)
@@ -109,9 +109,15 @@ def test_split_head_trains_as_the_unsplit_model(case, reference, splits):
     """Three steps under a split-head plan give the unsplit PP=1 run's losses and weights (the shards' rows
     put together are its output_layer.weight)."""
     spec = next(c for c in SPLITS if c["name"] == case)
-    got = dict(splits[case])
-    got["weights"] = joined(got["weights"])
-    assert_same_training(got, reference[spec["ref"]], case)
+    got, want = splits[case], reference[spec["ref"]]
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6, msg=f"{case}: losses")
+    weights = joined(got["weights"])
+    assert set(weights) == set(want["weights"]), sorted(set(weights) ^ set(want["weights"]))
+    for name, w in want["weights"].items():
+        # the shards sum the softmax in another order than Megatron's cross-entropy (float32, ~1e-7 relative in the
+        # gradients, checked before the optimizer below); Adam's first steps divide each element by its own
+        # magnitude, so an element whose gradient is near zero carries that rounding up to ~1% of an lr=1e-2 step
+        torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=2e-4, msg=f"{case}: weight {name}")
 
 
 @needs_vocab_shards
@@ -164,3 +170,25 @@ def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
         assert "splits[0]" in msg and words in msg and "\n" not in msg, msg
     with pytest.raises(OctoPipeError, match="runs shard actions and needs its shards"):
         check_split_plan(PP2, 1, None, _config(), False)
+
+
+def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
+    """At start-up, on every rank, before any model is built: a split head tied to the embedding (Megatron's
+    default), a HybridModel, MTP and tensor parallelism are refused in one line naming `splits`; the untied GPT
+    passes."""
+    from octopipe_plugin.adapters.megatron.startup import _refuse_splits
+
+    untied = dict(untie_embeddings_and_output_weights=True, mtp_num_layers=None, tensor_model_parallel_size=1,
+                  hybrid_layer_pattern=None, hybrid_override_pattern=None)
+    _refuse_splits(SimpleNamespace(**untied), PP2)
+    _refuse_splits(SimpleNamespace(**{**untied, "untie_embeddings_and_output_weights": False}),
+                   replace(PP2, splits=()))  # no split: nothing to refuse
+    cases = [({"untie_embeddings_and_output_weights": False}, "tied to the word embedding"),
+             ({"hybrid_layer_pattern": "M*M*M*M*"}, "HybridModel"),
+             ({"mtp_num_layers": 1}, "--mtp-num-layers 1"),
+             ({"tensor_model_parallel_size": 2}, "tensor parallelism (size 2)")]
+    for over, words in cases:
+        with pytest.raises(OctoPipeError) as err:
+            _refuse_splits(SimpleNamespace(**{**untied, **over}), PP2)
+        msg = str(err.value)
+        assert msg.startswith("--pipeline-schedule octopipe: plan splits") and words in msg and "\n" not in msg, msg
