@@ -46,6 +46,14 @@ def run_from_megatron(args) -> int:
     check_size(model, cluster, facts.num_microbatches, args.time_budget)
     cons, added = run_constraints(view.args, constraints_of(args))
     result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
+    split_rows, split_line = None, None
+    if args.splits == "auto":
+        from ..adapters.megatron.startup import split_refusal
+        from .plan_split import with_splits
+
+        result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
+                                                     constraints=cons,
+                                                     refusal=lambda p: split_refusal(view.args, p))
     plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
     model_file = model_path(output)
@@ -58,9 +66,10 @@ def run_from_megatron(args) -> int:
     add, drop = args_to_add(output, view.argv)
     costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
                   why="the launch's arguments, as Megatron's start-up costs them")
-    rows = comparison_rows(result, cluster)
+    rows = split_rows or comparison_rows(result, cluster)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          **({"split_layers": split_line} if split_line else {}),
                           "model_file": model_file,
                           "launch": {"pipeline_size": facts.pipeline_size, "data_parallel_size":
                                      facts.data_parallel_size, "num_microbatches": facts.num_microbatches,
@@ -74,6 +83,8 @@ def run_from_megatron(args) -> int:
                           "comparison": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
+        if split_line:
+            print("  " + split_line)
         print()
         print(launch_report(view, result, current, added, add, drop, output,
                             f"--model {model_file} --cluster {args.cluster}"))
@@ -111,9 +122,10 @@ def run_from_deepspeed(args) -> int:
     costs = Costs(gpu=model.meta.get("gpu"), source=str(model.meta.get("cost_model", "analytic")),
                   why="the layer list, as the DeepSpeed start-up costs it")
     block = {"plan": output}
-    rows = comparison_rows(result, cluster)
+    rows = split_rows or comparison_rows(result, cluster)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          **({"split_layers": split_line} if split_line else {}),
                           "model_file": model_file, "job": {"num_microbatches": m, "num_layers": model.num_layers,
                                                             "current": current},
                           "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,

@@ -20,22 +20,33 @@ the chunk's last gradient-producing action (the executor passes `last_backward=T
 from the lowered plan), so DDP's hooks start the reduction; with `grad_sync_func` that action
 still runs under no_sync and the sync is lifted and `grad_sync_func[c]` called right after
 it. `param_sync_func[c]` runs before the chunk's first forward.
+
+Split layers (docs/formats.md, "Split layers"): the shard actions (H, J, K; E, G) run in the
+`shards=` object (a VocabShards, or a stand-in). Under a split LM head the owner (the last
+stage) runs without Megatron's output layer and loss: its F hands on `(hidden, targets, coef)`
+(`split_head`), its backward starts from the shards' summed partial input gradients, and its
+J reports Megatron's loss through the forward step's `loss_func` (`head_loss`). A chunk holding
+a head shard's weight starts its gradient reduction after the step (its gradients arrive at K,
+which is no weight-gradient action of any stage).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from octopipe_plugin.actions import RULES, Kind
+from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.executor.data import MicroBatches
-from octopipe_plugin.executor.interface import TensorMeta
+from octopipe_plugin.executor.interface import LossOutput, TensorMeta
 from octopipe_plugin.executor.lowered import lowered_plan
 from octopipe_plugin.executor.stage_core import Forwarded, StageCore
 
+from . import split_head
 from .hooks import pipeline_view
 from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
 
@@ -150,11 +161,13 @@ class MegatronStages(StageCore):
     def __init__(self, *, plan, rank: int, model: Sequence[torch.nn.Module], forward_step_func: Callable,
                  data_iterator, config, num_microbatches: int, tensor_shape: tuple[int, ...],
                  forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
-                 phases: Sequence[Phase] | None = None):
+                 phases: Sequence[Phase] | None = None, shards=None):
         super().__init__(num_stages=plan.num_stages, num_microbatches=num_microbatches,
-                         grad_scale=config.grad_scale_func)
+                         grad_scale=config.grad_scale_func, shards=shards)
         self.plan = plan
         self.rank = rank
+        # from the plan (a stand-in shards object need not say): the owner's backward starts from the partials
+        self.head_split = check_split_plan(plan, rank, shards, config, collect_non_loss_data)
         self.stages = plan.stages_of(rank)
         if len(model) != len(self.stages):
             raise ValueError(f"pipeline rank {rank}: the plan places {len(self.stages)} stages "
@@ -180,8 +193,30 @@ class MegatronStages(StageCore):
         last_chunk = self.chunk_of[max(last, key=last.get)] if last else None
         from .embeddings import local_copy_chunks
 
-        hold = set() if forward_only else local_copy_chunks(self.model)
+        hold = set() if forward_only else local_copy_chunks(self.model) | self._shard_chunks()
         self.sync = GradSync(config, self.model, last_chunk, forward_only, hold)
+        owner = plan.num_stages - 1
+        self.capture = None
+        if self.head_split and owner in self.chunk_of:
+            self.capture = split_head.head_capture(self.model[self.chunk_of[owner]])
+        self.owner_loss: dict[int, split_head.OwnerLoss] = {}
+        self._viewing: Forwarded | None = None
+
+    def _shard_chunks(self) -> set[int]:
+        """Chunks holding a shard weight (their gradients arrive at K/G, outside any stage's last B/W: their
+        reduction starts after the step, with the same-rank tied copies')."""
+        weights = [w for w in (getattr(self.shards, "head_weight", None), getattr(self.shards, "embedding_weight", None))
+                   if w is not None]
+        return {c for c, chunk in enumerate(self.model) if any(p is w for p in chunk.parameters() for w in weights)}
+
+    def shard_weights(self) -> list[torch.nn.Parameter]:
+        """This rank's shard weights (a head and/or embedding shard), each once."""
+        out = []
+        for name in ("head_weight", "embedding_weight"):
+            w = getattr(self.shards, name, None)
+            if w is not None and all(w is not o for o in out):
+                out.append(w)
+        return out
 
     # -- StageRunner -------------------------------------------------------------------------------
 
@@ -198,6 +233,27 @@ class MegatronStages(StageCore):
         """
         return super().forward(stage, mb, inputs, batch=batch, forward_only=forward_only or self.forward_only)
 
+    # -- split layers: the shard actions run in `shards` (StageCore delegates them) ---------------------
+
+    def pending(self) -> int:
+        """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""
+        return super().pending() + len(self.owner_loss)
+
+    def head_loss(self, mb: int, losses: torch.Tensor, coef: torch.Tensor) -> LossOutput:
+        """The owner's J report: the shards' per-token losses through the forward step's loss_func and Megatron's
+        own scaling (forward_step_calc_loss), so the loss dict Megatron logs and the token count are the unsplit
+        run's."""
+        kept = self.owner_loss.pop(mb)
+        owner = self.num_stages - 1
+        c = self.chunk_of[owner]
+        store: list = []
+        per_token = split_head.per_token_losses(losses, kept.labels_shape)
+        out, num_tokens = split_head.calc_loss(self.model[c], per_token, kept.loss_func, self.config, c,
+                                               self.num_microbatches, self.cp_size, store)
+        self.num_tokens += num_tokens.to(self.num_tokens.device)
+        self.loss_data[mb] = store[0] if store else None
+        return LossOutput(loss=out.detach(), num_tokens=num_tokens, raw=self.loss_data[mb])
+
     # -- StageCore hooks ---------------------------------------------------------------------------
 
     def _stage_input(self, stage: int, mb: int, inputs, keep: bool):
@@ -210,25 +266,47 @@ class MegatronStages(StageCore):
         first = self.sync.before_forward(c)
         store: list = []
         last = stage == self.num_stages - 1
+        owner = last and self.head_split  # the split head's owner: its F hands on the head's input, no loss
+        step_func, loss_funcs = (_keeping_loss_func(self.forward_step_func) if owner
+                                 else (self.forward_step_func, None))
         with pipeline_view(self.plan, self.rank, running=stage):  # get_batch's rank-level question: this chunk
             out, num_tokens = schedules.forward_step(
-                self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
+                step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
                 store, self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
-                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
-        if last:
+                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last and not owner)
+        handed = out
+        if owner:
+            handed = self._head_input(c, mb, out, loss_funcs[0])
+        elif last:
             self.num_tokens += num_tokens
             self.loss_data[mb] = store[0] if store else None
         fwd = None
         if keep:
+            # the owner's output is not pseudo-freed: its own head shard keeps the same storage until its K
             if not last and self.config.deallocate_pipeline_outputs:
                 sent = out.detach()  # the storage, alive while the executor sends (or hands) it on
                 fwd = Forwarded(input=x, output=out, output_shape=out.shape)  # the shape I and W show autograd
                 schedules.deallocate_output_tensor(out, True)
                 return sent, fwd
             fwd = Forwarded(input=x, output=out)
+        if owner:
+            return handed, fwd
         if last and not torch.is_tensor(out):  # collect_non_loss_data: nothing flows on
             return torch.zeros([], device=self.device), fwd
         return out, fwd
+
+    def _head_input(self, c: int, mb: int, hidden: torch.Tensor, loss_func) -> tuple:
+        """The owner's hand-over (hidden, targets, coef): the labels its model kept, Megatron's loss rule's
+        per-token coefficients (split_head); keeps the loss_func for the micro-batch's report at J."""
+        labels = self.capture.take() if self.capture is not None else None
+        if labels is None:  # a chunk without Megatron's output_processor (a stand-in): its output as it is
+            return hidden, None, None
+        shape = tuple(labels.shape)
+        rule = split_head.loss_rule(self.model[c], loss_func, self.config, c, self.num_microbatches, self.cp_size,
+                                    shape)
+        self.owner_loss[mb] = split_head.OwnerLoss(loss_func=loss_func, labels_shape=shape)
+        # targets in the hidden states' row order ([seq, mbs]: compute_language_model_loss transposes the labels)
+        return self.head_input(hidden, labels.t(), rule)
 
     def _params(self, stage: int) -> list:
         return [p for p in self.model[self.chunk_of[stage]].parameters() if p.requires_grad]
@@ -238,17 +316,31 @@ class MegatronStages(StageCore):
         for a pseudo-freed output, gradients into main_grad via DDP's hooks)."""
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        dx = backward_step(fwd.input, fwd.output, grad_output, self.config)
+        whole = self.head_split and stage == self.num_stages - 1  # the owner kept its output whole (see _forward)
+        with _kept_whole(self.config) if whole else contextlib.nullcontext():
+            dx = backward_step(fwd.input, fwd.output, grad_output, self.config)
         return dx if want_dx and stage > 0 else None
 
     def _split_input(self, stage: int, outs: list, gs: list, ins: list):
         """I: the linears run their input GEMM only; the captured gradients are kept for W."""
         c = self.chunk_of[stage]
-        return input_pass(outs, gs, ins, self._params(stage), self.phases[c], self.te[c])
+        dins, work = input_pass(outs, gs, ins, self._params(stage), self.phases[c], self.te[c])
+        # a pseudo-freed output (shown whole by _autograd_view during I) must look whole again at W, where the
+        # graph is walked from it for parameters that join at no split linear (a bias added in the residual)
+        fwd = self._viewing
+        if fwd is not None and fwd.output_shape is not None:
+            return dins, _WeightWork(work=work, freed=((fwd.output, tuple(fwd.output_shape)),))
+        return dins, work
 
     def _split_weight(self, stage: int, work) -> None:
         """W: the weight gradients deferred by I, through AccumulateGrad (DDP's hooks fill main_grad)."""
-        weight_pass(work)
+        if not isinstance(work, _WeightWork):
+            weight_pass(work)
+            return
+        with contextlib.ExitStack() as views:
+            for out, shape in work.freed:
+                views.enter_context(_full_shape(out, shape))
+            weight_pass(work.work)
 
     @contextlib.contextmanager
     def _grad_action(self, stage: int, kind: Kind, last_backward: bool):
@@ -261,8 +353,69 @@ class MegatronStages(StageCore):
         yield
         self.sync.after_grad(c, last_backward)
 
+    @contextlib.contextmanager
     def _autograd_view(self, fwd: Forwarded):
-        return _full_shape(fwd.output, fwd.output_shape)
+        self._viewing = fwd  # I's _split_input records what W must show whole again
+        try:
+            with _full_shape(fwd.output, fwd.output_shape):
+                yield
+        finally:
+            self._viewing = None
+
+
+@contextlib.contextmanager
+def _kept_whole(config):
+    """backward_step for an output that was not pseudo-freed: autograd's own backward (custom_backward takes only
+    a one-element output)."""
+    saved, config.deallocate_pipeline_outputs = config.deallocate_pipeline_outputs, False
+    try:
+        yield
+    finally:
+        config.deallocate_pipeline_outputs = saved
+
+
+def _keeping_loss_func(forward_step_func):
+    """The forward step, and a list that receives each loss_func it returns (the split head's owner keeps it)."""
+    kept: list = []
+
+    def step(*args):
+        out, loss_func = forward_step_func(*args)
+        kept.clear()
+        kept.append(loss_func)
+        return out, loss_func
+
+    return step, kept
+
+
+def check_split_plan(plan, rank: int, shards, config, collect_non_loss_data: bool) -> bool:
+    """Refuse (one line naming the plan field) split plans this runner cannot run; whether the LM head is split."""
+    from octopipe_plugin.executor.interface import SHARD_METHODS
+
+    from .mapping import head_split, split_problem
+
+    if not plan.splits:
+        return False
+    if shards is None and any(a.kind in SHARD_METHODS for a in plan.schedule[rank]):
+        raise OctoPipeError(f"plan splits (layers {[sp.layer for sp in plan.splits]}): pipeline rank {rank} runs shard "
+                            f"actions and needs its shards (MegatronStages(shards=...), make_forward_backward_func("
+                            f"shards=...)); none given")
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
+                            tp_size=getattr(config, "tensor_model_parallel_size", 1) or 1)
+    if problem is not None:
+        raise OctoPipeError(problem)
+    head = head_split(plan) is not None
+    if head and collect_non_loss_data:
+        raise OctoPipeError("plan splits: collect_non_loss_data needs the whole logits on one rank; evaluate with an "
+                            "unsplit plan")
+    return head
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _WeightWork:
+    """I's work for W, and the pseudo-freed outputs (with their shapes) W's graph walk starts from."""
+
+    work: object
+    freed: tuple
 
 
 def model_device(model: Sequence[torch.nn.Module]) -> torch.device:
