@@ -55,10 +55,10 @@ def test_the_head_is_the_last_list_entry_an_untied_linear_without_bias():
         head_entry(_plan(4, layer=0), None)
 
 
-def _reference(loss_fn, logits, labels, scale):
-    """Per-token cross-entropies ℓ and d(scale(loss_fn))/d(logits) on whole logits."""
+def _reference(loss_fn, logits, labels):
+    """d(loss_fn)/d(logits) on whole logits, and the logits as [tokens, V] float64."""
     leaf = logits.detach().requires_grad_(True)
-    root = scale(loss_fn(leaf, labels))
+    root = loss_fn(leaf, labels)
     (g,) = torch.autograd.grad(root, leaf)
     z = logits.reshape(-1, V).double()
     return g.reshape(-1, V), z
@@ -80,19 +80,17 @@ def test_loss_terms_give_the_unsplit_gradient_and_loss(name):
     hidden = torch.randn(2, 6, HID, generator=gen)
     labels = torch.randint(0, V, (2, 6), generator=gen)
     logits = torch.randn(2, 6, V, generator=gen)
-    scale = lambda loss: loss / 4 * 8.0  # noqa: E731  (GAS 4, a loss scale of 8)
-    terms = head_terms(loss_fn, hidden, labels, vocab=V, scale=scale, check=True)
-    g, z = _reference(loss_fn, logits, labels, scale)
-    # what the shards compute from the terms: coef_t (softmax - onehot(target)), Σ raw_t ℓ_t
+    terms = head_terms(loss_fn, hidden, labels, vocab=V, check=True)
+    g, z = _reference(loss_fn, logits, labels)
+    # what the shards compute from the terms: c_t (softmax - onehot(target)), Σ c_t ℓ_t
     valid = terms.targets != IGNORE
     onehot = torch.zeros_like(z)
     onehot[valid, terms.targets[valid]] = 1.0
-    want = terms.coef.double()[:, None] * (torch.softmax(z, dim=1) - onehot)
+    want = terms.raw_coef.double()[:, None] * (torch.softmax(z, dim=1) - onehot)
     torch.testing.assert_close(g.double(), want, atol=1e-6, rtol=1e-5)
     per_token = torch.logsumexp(z, 1) - z.gather(1, terms.targets.clamp(min=0)[:, None])[:, 0]
     loss = float((terms.raw_coef.double() * per_token * valid).sum())
     assert loss == pytest.approx(float(loss_fn(logits, labels)), rel=1e-5)
-    torch.testing.assert_close(terms.coef, terms.raw_coef * 2.0)
 
 
 @pytest.mark.parametrize("loss_fn, why", [
@@ -106,4 +104,4 @@ def test_a_loss_that_is_no_weighted_cross_entropy_is_refused_by_name(loss_fn, wh
     hidden = torch.zeros(2, 3, HID)
     labels = torch.randint(0, V, (2, 3), generator=torch.Generator().manual_seed(0))
     with pytest.raises(OctoPipeError, match=f"loss_fn under a split LM head: .*{why}"):
-        head_terms(loss_fn, hidden, labels, vocab=V, scale=lambda x: x, check=True)
+        head_terms(loss_fn, hidden, labels, vocab=V, check=True)
