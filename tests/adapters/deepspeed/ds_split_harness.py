@@ -108,9 +108,11 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
                                load_optimizer_states=sc["load"].get("optimizer", True))
     dp_rank = engine.grid.data_parallel_id
     m = engine.micro_batches
-    report = {"engine": type(engine).__name__, "losses": []}
+    report = {"engine": type(engine).__name__, "losses": [], "eval": []}
     first = sc.get("first_step", 0)
     for step in range(first, first + sc.get("steps", H.STEPS)):
+        if sc.get("eval"):  # the forward-only plan of the split plan (F, H, J's loss) on the step's data
+            report["eval"].append(float(engine.eval_batch(H.CountingIter(H.batches(step, dp_rank, m)))))
         report["losses"].append(float(engine.train_batch(data_iter=H.CountingIter(H.batches(step, dp_rank, m)))))
     if sc.get("save") is not None:
         engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])

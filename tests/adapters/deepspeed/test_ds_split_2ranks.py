@@ -49,7 +49,7 @@ def _scenarios(tmp):
         dict(name="stock_resumes_split", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], **resume("split")),
         dict(name="split_resumes_unsplit", config=cfg(v), **resume("unsplit")),
         dict(name="split_resumes_other_split", config=cfg(v), **resume("split")),
-        dict(name="split_v", config=cfg(v)),
+        dict(name="split_v", config=cfg(v), eval=True),
         dict(name="split_v_scaled", config=cfg(v), grad_scale=1.01),
         dict(name="split_plain", config=cfg(flat), plain=True, pp=2),
         dict(name="stock_masked_sum", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], loss="masked_sum"),
@@ -94,6 +94,12 @@ def test_split_head_matches_deepspeeds_engine_on_the_unsplit_model(runs):
         assert all(str(S.HEAD) not in r["weights"] for r in ours), f"{name}: no rank built the whole head"
     rows = sorted(r["shard"][0] for r in _load(runs, "split_flat"))
     assert rows == [(0, 5), (5, H.VOCAB)]  # shares 0.3 / 0.7 of 16 rows
+
+
+@pytest.mark.timeout(60)
+def test_eval_batch_under_a_split_plan_equals_the_training_forward_loss(runs):
+    for rep in _load(runs, "split_v"):  # the same weights and data: eval before each step = that step's loss
+        assert rep["eval"] == pytest.approx(rep["losses"], rel=1e-6)
 
 
 @pytest.mark.timeout(60)
