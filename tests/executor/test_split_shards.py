@@ -204,12 +204,80 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
     for s in shards:
         lo, hi = s.head_rows
         torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
+    # sequence parallelism: each rank hands over its block of the tokens, gets its block of the input gradient
+    sp = TensorParallel.over(dist.group.WORLD, sequence_parallel=True)
+    blk = slice(rank * TOKENS // 2, (rank + 1) * TOKENS // 2)
+    shards = []
+    for r in (0, 1):
+        lo, hi = shard_rows(plan, "output", V, r)
+        mid = (lo + hi) // 2
+        mine = (lo, mid) if rank == 0 else (mid, hi)
+        shards.append(VocabShards(plan=plan, rank=r, vocab_size=V, head_weight=nn.Parameter(w[mine[0]:mine[1]].clone()),
+                                  head_rows=mine, tp=sp, grad_sink="direct"))
+    rows = x.reshape(-1, H)
+    stats = [s.head_forward(1, 0, HeadInput(rows[blk], t[blk], coef[blk])) for s in shards]
+    assert stats[0].shape == (TOKENS // 2, 3)  # the statistics messages carry the rank's block
+    out = [s.head_backward_input(1, 0, [stats[1 - i]]) for i, s in enumerate(shards)]
+    for s in shards:
+        s.head_backward_weight(1, 0)
+    for partial, rep in out:
+        torch.testing.assert_close(rep.loss, loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[0][0] + out[1][0], dx.reshape(-1, H)[blk], rtol=1e-12, atol=1e-15)
+    for s in shards:
+        lo, hi = s.head_rows
+        torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
+    # the embedding's shard, cut the same way: its lookup summed over the slices, each slice's rows' gradient
+    emb_plan = _plan(embedding=True)
+    tokens = t.reshape(2, TOKENS // 2)
+    lo, hi = shard_rows(emb_plan, "input", V, 0)
+    mid = (lo + hi) // 2
+    mine = (lo, mid) if rank == 0 else (mid, hi)
+    head = shard_rows(emb_plan, "output", V, 0)  # (the plan splits its head too: unused here)
+    emb = VocabShards(plan=emb_plan, rank=0, vocab_size=V, embedding_weight=nn.Parameter(w[mine[0]:mine[1]].clone()),
+                      embedding_rows=mine, head_weight=nn.Parameter(w[head[0]:head[1]].clone()),
+                      tokens=lambda mb: tokens, tp=tp, grad_sink="direct")
+    part = emb.embedding_forward(0, 0)
+    held = (tokens >= lo) & (tokens < hi)
+    torch.testing.assert_close(part, torch.where(held[..., None], w[tokens.clamp(0)], torch.zeros(())), rtol=0, atol=0)
+    g = torch.randn(2, TOKENS // 2, H, generator=torch.Generator().manual_seed(3), dtype=DT)
+    emb.embedding_backward(0, 0, g)
+    want = torch.zeros_like(w).index_add_(0, tokens.reshape(-1), g.reshape(-1, H))
+    torch.testing.assert_close(emb.embedding_weight.grad, want[mine[0]:mine[1]], rtol=1e-12, atol=1e-15)
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_tensor_parallel_slices_of_a_shard_reduce_statistics_then_shards_and_all_reduce_the_partial():
+    """Also under sequence parallelism (each rank a block of the tokens), and the embedding's shard."""
     from octopipe_plugin.executor.launch import spawn
 
     spawn(_tp_worker, 2)
+
+
+def test_bf16_shards_compute_statistics_in_float32_and_give_gradients_in_the_weight_dtype():
+    plan = _plan()
+    x, w, t = _data(4)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    coef = loss_coefficients(lambda l: l.mean(), TOKENS, torch.float32, "cpu")
+    shards = []
+    for r in (0, 1):
+        lo, hi = shard_rows(plan, "output", V, r)
+        shards.append(VocabShards(plan=plan, rank=r, vocab_size=V, head_weight=nn.Parameter(wb[lo:hi].clone()),
+                                  hidden_meta=TensorMeta(shape=tuple(x.shape), dtype=torch.bfloat16)))
+    assert shards[0].split_meta("stats").dtype == torch.float32
+    stats = [s.head_forward(1, 0, HeadInput(xb, t, coef)) for s in shards]
+    assert stats[0].dtype == torch.float32
+    out = [s.head_backward_input(1, 0, [stats[1 - i]]) for i, s in enumerate(shards)]
+    for s in shards:
+        s.head_backward_weight(1, 0)
+    # the unsplit bf16 head: logits in bf16, cross-entropy in float32 (as Megatron's and DeepSpeed's loss do)
+    xr, wr = xb.clone().requires_grad_(True), wb.clone().requires_grad_(True)
+    ref = F.cross_entropy((xr.reshape(-1, H) @ wr.t()).float(), t)
+    ref.backward()
+    assert out[0][0].dtype == torch.bfloat16 and shards[0].head_weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out[0][1].loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close((out[0][0].float() + out[1][0].float()), xr.grad.float(), rtol=2e-2, atol=2e-3)
+    for s in shards:
+        lo, hi = s.head_rows
+        torch.testing.assert_close(s.head_weight.grad.float(), wr.grad[lo:hi].float(), rtol=2e-2, atol=2e-3)
