@@ -95,6 +95,23 @@ def run_from_megatron(args) -> int:
     return 0
 
 
+def _deepspeed_splits(args, job, cluster, result):
+    """--splits auto for a DeepSpeed job: the split-aware tune, kept only where OctoPipeEngine runs its splits
+    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, the owner among its shards, no split
+    embedding); otherwise the plan without splits, with the reason."""
+    from ..adapters.deepspeed.config import parse_block
+    from ..adapters.deepspeed.head_split import split_problem
+    from .plan_split import with_splits
+
+    block = parse_block(job.config)
+    owners = block.layer_of_spec if block is not None else None
+    chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result)
+    problem = split_problem(chosen.plan, job.layers, owners) if chosen.plan.splits else None
+    if problem is None:
+        return chosen, rows, line
+    return result, None, f"{line}; not kept: {problem}"
+
+
 def run_from_deepspeed(args) -> int:
     """Plan from a DeepSpeed config and the function returning its PipelineModule's layer list."""
     from ..adapters.deepspeed.from_config import view_job
@@ -109,6 +126,9 @@ def run_from_deepspeed(args) -> int:
     model, m = job.model, job.num_microbatches
     check_size(model, cluster, m, args.time_budget)
     result = tuned(args, model, cluster, m)
+    split_rows, split_line = None, None
+    if args.splits == "auto":
+        result, split_rows, split_line = _deepspeed_splits(args, job, cluster, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
     model_file = model_path(output)
@@ -132,9 +152,12 @@ def run_from_deepspeed(args) -> int:
                                     "peak_bytes": list(result.peak)},
                           "memory_headroom_bytes": cluster.memory_headroom_bytes,
                           "usable_memory_bytes": cluster.usable_memory_bytes,
-                          "octopipe_block": block, "comparison": [r.as_dict() for r in rows]}, indent=1))
+                          "octopipe_block": block, "comparison": [r.as_dict() for r in rows],
+                          **({"split_layers": split_line} if split_line else {})}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
+        if split_line:
+            print("  " + split_line)
         print()
         lines = [f"Your job: {cluster.num_devices} pipeline ranks x {m} micro-batches per step "
                  f"(gradient_accumulation_steps), {model.num_layers} layers in the PipelineModule list",

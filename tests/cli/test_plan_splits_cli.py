@@ -66,14 +66,6 @@ def test_auto_json_names_the_split_and_keeps_the_unsplit_row(tmp_path, capsys):
     assert labels[:2] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
 
 
-def test_auto_with_a_deepspeed_launch_is_refused_in_one_line(tmp_path, capsys):
-    # Megatron launches take --splits auto (below); the DeepSpeed launch planning does not place shards yet
-    rc = main(["plan", "--cluster", "h100x8", "--no-progress", "--splits", "auto", "--deepspeed-config", "ds.json",
-               "--module", "m:f"])
-    err = capsys.readouterr().err
-    assert rc != 0 and "--splits auto: split plans are for --model and --megatron-args plans" in err
-
-
 # a 256k-vocabulary GPT whose LM head is the heaviest layer by far: a split pays
 BIG_VOCAB = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "2048",
              "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--vocab-size", "256000",

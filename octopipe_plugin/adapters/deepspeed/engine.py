@@ -30,6 +30,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from ...executor.engine import forward_plan
+from ...executor.vocab_shard import VocabShards
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
@@ -56,7 +57,7 @@ class OctoPipeEngine(PipelineEngine):
         block = self.module.octopipe_block
         # weight gradients reach p.grad through autograd's AccumulateGrad, so DeepSpeed's gradient hooks
         # (bf16 immediate_grad_update, ZeRO) fire once per parameter and action
-        self._runner = DeepSpeedStages(self, grad_sink="autograd")
+        self._runner = DeepSpeedStages(self, grad_sink="autograd", shards=self._head_shards())
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
         wants = block.overlap_dp_reduction if block is not None else True
@@ -71,6 +72,19 @@ class OctoPipeEngine(PipelineEngine):
             self._build_data_iter(self.training_data)  # first/last stage now mean the plan's
         log.info("octopipe: rank %d runs stages %s of %d", self.global_rank, self.module.local_stages,
                  self.plan.num_stages)
+
+    def _head_shards(self):
+        """The object running this rank's shard actions of a split plan (None without splits)."""
+        if not self.plan.splits:
+            return None
+        given = self.module.octopipe_shards
+        if given is not None:  # stand-ins (the benchmarks): the object, or a callable building it for this engine
+            return given if hasattr(given, "head_forward") else given(self)
+        head, shard = self.module.octopipe_head, self.module.head_shard()
+        # the head input's meta is learned per step (the shard ranks see no data); J reports through the runner
+        return VocabShards(plan=self.plan, rank=self.module.stage_id, vocab_size=head.vocab,
+                           head_weight=shard.weight if shard is not None else None,
+                           report=lambda mb, per_token, coef: self._runner.report(mb, per_token, coef))
 
     # ---- which rank plays which role -----------------------------------------------------------------
     def is_first_stage(self):
@@ -169,6 +183,10 @@ class OctoPipeEngine(PipelineEngine):
         """
         if m == self.plan.num_microbatches:
             return self._executor
+        if self.plan.splits:
+            raise OctoPipeError(f"eval_batch(num_micro_batches={m}) under a plan with split layers: an evaluation "
+                                f"runs the plan's own {self.plan.num_microbatches} micro-batches (its shard actions "
+                                "are placed for them); evaluate with num_micro_batches=None")
         if m not in self._forward_executors:
             rows = [[] for _ in range(self.plan.num_devices)]
             for mb in range(m):

@@ -14,6 +14,13 @@ gradient sink): this class only says where DeepSpeed differs.
 - bf16: the fp32 master gradients are updated after every action that produces weight
   gradients (B, W), as PipelineEngine's backward does; with `immediate_grad_update`
   DeepSpeed's own gradient hooks do it, fired by the autograd gradient sink.
+- Split LM head (`shards=`, SHARD_API.md): StageCore runs the shard actions (H, J, K) in the
+  `shards` object; the owner (the last stage, built without the head) hands on a `HeadInput`,
+  its targets and loss rule read from the module's `loss_fn` (`loss_terms.head_terms`) and scaled
+  as this runner's loss (GAS, fp16 loss scale) through `StageCore.head_input`; the shard weights'
+  gradients reach DeepSpeed's bf16 masters after every K (`_shard_grad`); the micro-batch's
+  unscaled loss (for `total_loss`) is reported by the owner's own shard (`report`). With stand-in
+  shards (no real head) the owner hands on (hidden, None, None).
 """
 
 from __future__ import annotations
@@ -23,13 +30,20 @@ from contextlib import contextmanager
 import torch
 
 from ...actions import RULES, Kind
+from ...errors import OctoPipeError
+from ...executor.interface import LossOutput
+from ...executor.stage_core import Forwarded
 from ...executor.torch_stage import TorchStages
+from .loss_terms import head_terms
 
 
 class DeepSpeedStages(TorchStages):
-    """StageRunner for the stages one rank holds of an OctoPipePipelineModule under an engine."""
+    """StageRunner for the stages one rank holds of an OctoPipePipelineModule under an engine.
 
-    def __init__(self, engine, *, grad_sink: str = "autograd"):
+    `shards`: the object running this rank's shard actions of a split plan (a VocabShards over
+    the module's head shard, or a stand-in); required when the plan splits a layer."""
+
+    def __init__(self, engine, *, grad_sink: str = "autograd", shards=None):
         self.engine = engine
         self.module = engine.module
         self.compute_loss = True
@@ -38,10 +52,16 @@ class DeepSpeedStages(TorchStages):
         self.keep_outputs = False  # eval_batch(return_logits=True): keep the last stage's outputs
         self.outputs: dict[int, object] = {}
         plan = self.module.octopipe_plan
+        if plan.splits and shards is None:
+            raise OctoPipeError(f"DeepSpeedStages: the plan splits layers {[sp.layer for sp in plan.splits]} "
+                                "but no shards= runs their shard actions (give a VocabShards or a stand-in)")
+        self._loss_checked = False  # loss_fn checked to be a weighted cross-entropy (at the owner's first F)
+        self._raw_coef: dict[int, torch.Tensor] = {}  # the owner's d(loss_fn)/d(per-token loss), per micro-batch
         super().__init__(modules={s: self.module for s in self.module.local_stages}, num_stages=plan.num_stages,
                          num_microbatches=plan.num_microbatches, metas=None, load_input=self.first_input,
                          loss_fn=self._loss, call=self._call,
-                         grad_scale=self._loss_scale if engine.fp16_enabled() else None, grad_sink=grad_sink)
+                         grad_scale=self._loss_scale if engine.fp16_enabled() else None, grad_sink=grad_sink,
+                         shards=shards)
 
     # ---- step state ----------------------------------------------------------------------------------
     def begin_step(self, num_microbatches: int, *, compute_loss: bool = True, keep_outputs: bool = False) -> None:
@@ -52,7 +72,10 @@ class DeepSpeedStages(TorchStages):
         self.outputs = {}
         self.losses = {}
         self.batches = []
+        self._raw_coef = {}
         self.state.clear()
+        if getattr(self.shards, "clear", None) is not None:  # a step abandoned left shard states
+            self.shards.clear()
 
     def batch(self, mb: int):
         """Micro-batch `mb` of this step, pulling from the engine's data iterator in order."""
@@ -89,6 +112,48 @@ class DeepSpeedStages(TorchStages):
         opt = self.engine.optimizer
         return root * float(getattr(opt, "loss_scale", None) or getattr(opt, "cur_scale", 1.0))
 
+    # ---- the owner of a split head: hands on the head's input with its loss terms --------------------------
+    def _forward(self, stage: int, mb: int, x, batch, keep: bool):
+        if not (self.head_split and stage == self.num_stages - 1):
+            return super()._forward(stage, mb, x, batch, keep)
+        if self.keep_outputs:
+            raise OctoPipeError("eval_batch(return_logits=True) under a plan that splits the LM head: no rank "
+                                "holds the whole logits (evaluate with return_logits=False, or an unsplit plan)")
+        hidden = self._module_output(stage, x, batch)
+        if self.module.octopipe_head is None:  # stand-in shards: no real head, no loss terms
+            return (hidden, None, None), Forwarded(input=x, output=hidden)
+        terms = head_terms(self.module.loss_fn, hidden, self._to_device(self.batch(mb)[1]),
+                           vocab=self.module.octopipe_head.vocab, check=not self._loss_checked)
+        self._loss_checked = True
+        self._raw_coef[mb] = terms.raw_coef
+
+        def rule(per_token: torch.Tensor) -> torch.Tensor:  # the backward's root, as TorchStages scales a loss
+            scaled = self.scale_loss((terms.raw_coef.to(per_token.dtype) * per_token).sum(), None)
+            return self.grad_scale(scaled) if self.grad_scale is not None else scaled
+
+        return self.head_input(hidden, terms.targets, rule), Forwarded(input=x, output=hidden)
+
+    def report(self, mb: int, per_token_losses: torch.Tensor, coef: torch.Tensor) -> LossOutput:
+        """The shards' loss report: the scaled loss Σ coef·loss; on the owner also the unscaled loss_fn value
+        (DeepSpeed's total_loss), from its own coefficients."""
+        scaled = (coef.to(per_token_losses.dtype) * per_token_losses).sum()
+        raw = self._raw_coef.pop(mb, None)
+        if raw is not None:
+            self.losses[mb] = (raw.to(per_token_losses.dtype) * per_token_losses).sum().detach()
+        return LossOutput(loss=scaled.detach(), raw=self.losses.get(mb))
+
+    @contextmanager
+    def _shard_grad(self, stage: int, kind: Kind, last_backward: bool):
+        """bf16 without immediate updates: one K's shard gradients added into the fp32 masters (as after a B or W);
+        with immediate updates DeepSpeed's own hooks do it (the shards' autograd sink fires them)."""
+        opt = self.engine.optimizer
+        bf16 = self.engine.using_bf16_optimizer and not opt.immediate_grad_update
+        if bf16:
+            opt.clear_lp_grads()
+        yield
+        if bf16:
+            opt.update_hp_grads(clear_lp_grads=False)
+
     # ---- every backward: the stage active; after B and W the master gradients up to date ----------------
     @contextmanager
     def _grad_action(self, stage: int, kind: Kind, last_backward: bool):
@@ -102,3 +167,4 @@ class DeepSpeedStages(TorchStages):
         yield
         if bf16:
             opt.update_hp_grads(clear_lp_grads=False)
+
