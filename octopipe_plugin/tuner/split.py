@@ -11,6 +11,7 @@ the search also picks which devices), then the other policies. The insertions of
 stop when their work units (`attempt_units`) pass INSERT_SHARE times the variant's budget.
 Every candidate is judged by the simulator with its communication; one whose messages cost
 more than its split saves simply loses to the plan without splits, which is kept.
+`constraints.owner_shard` (framework runners) keeps a shard on the owner's device in every one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from ..errors import OctoPipeError
+from ..formats.model import head_inputs
 from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
@@ -44,6 +46,8 @@ INSERT_UNITS_PER_ACTION_DEVICE = 12
 LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, on the best shares found
 INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
 REFINE_ROUNDS = 4  # share refinements from the simulated idle time, after the fixed share sets
+REBALANCE_ROUNDS = 3  # boundary re-balancings against the loads with the shards, each judged by the simulator
+MIN_SHARE = 0.002  # a device with less of the head's rows drops out of the split
 REFINE_STEP = 0.5  # how far each refinement moves the shares towards the room-proportional ones
 
 
@@ -79,11 +83,12 @@ class SplitTuneResult:
 
 
 def stats_bytes(model) -> int:
-    """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch)."""
+    """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch):
+    per token and per hidden state the head takes (1 + the MTP depths, `formats.model.head_inputs`)."""
     arch = (model.meta or {}).get("arch") or {}
     tokens = int(arch.get("seq_len", 0)) * int(arch.get("micro_batch_size", 1))
     if tokens > 0:
-        return STATS_BYTES_PER_TOKEN * tokens
+        return STATS_BYTES_PER_TOKEN * tokens * head_inputs(model)
     return max(1, link_bytes(model, model.num_layers - 1) // 64)  # unknown width: a generous guess from the input
 
 
@@ -116,7 +121,8 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
         for out in _split_candidates(model, cluster, num_microbatches, head, vbudget, seed, iterations, opts,
                                      constraints):
             label, res, plan = out
-            fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes
+            fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
+                constraints is None or constraints.allows_plan(plan))
             tried.append((label, None if res is None else res.step_time_ms, fits))
             if not fits:
                 continue
@@ -148,6 +154,9 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
     nd = cluster.num_devices
     lay = model.layers[head]
     emb = splittable_embedding(model)
+    owner_shard = constraints is not None and constraints.owner_shard
+    if owner_shard:  # the plans of the rest have no splits: the inner tunes need not know
+        constraints = replace(constraints, owner_shard=False)
     for stand_in, with_emb in VARIANTS:
         if with_emb and emb is None:
             continue
@@ -166,7 +175,8 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
             continue
         label = f"stand-in {stand_in:g}/D" + (" +embedding" if with_emb else "")
         units = float("inf") if iterations is not None else budget * WORK_RATE * INSERT_SHARE
-        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units)
+        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units,
+                               owner_shard)
 
 
 def splittable_embedding(model) -> int | None:
@@ -190,11 +200,11 @@ def _with_layer_scaled(model, index: int, factor: float):
     return replace(model, layers=tuple(layers))
 
 
-def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf")):
+def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf"), owner_shard=False):
     """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated.
 
     Attempts, most promising first, while their work (`attempt_units`) stays within `units`; the first
-    always runs.
+    always runs. `owner_shard`: the owner's device keeps a shard (at least MIN_SHARE) in every attempt.
     """
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
@@ -206,27 +216,29 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         first = plan.first_device
         node = tuple(d for d in range(nd) if cluster.same_node(d, first))
         extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
-    work = _device_work(without_split_layers(model, tuple(gone)), plan)
+    rest = without_split_layers(model, tuple(gone))
+    work = _device_work(rest, plan)
     stats = stats_bytes(model)
     head_ms = model.layers[head].total_ms
     balanced = _balance(work, head_ms)
     equal = [1.0 / nd] * nd
-    best = None  # (step, shares, policy, SimResult) of the fastest fitting insertion so far
+    best = None  # (step, shares, policy, SimResult, stages) of the fastest fitting insertion so far
     cost = attempt_units(plan, nd)
     spent = 0.0
 
     def affordable() -> bool:
         return spent == 0.0 or spent + cost <= units
 
-    def attempt(label, shares, pol):
+    def attempt(label, shares, pol, stages=plan.stages):
         nonlocal best, spent
         spent += cost
-        splits = extra + (_split_of(head, shares, stats),)
-        cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol, opts.launch_ms)
+        splits = extra + (_split_of(head, shares, stats, stages[-1].device if owner_shard else None),)
+        base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
+        cand = insert_shards(model, cluster, base, pol, opts.launch_ms)
         res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 best is None or res.step_time_ms < best[0]):
-            best = (res.step_time_ms, list(shares), pol, res)
+            best = (res.step_time_ms, list(shares), pol, res, stages)
         return f"{label0} {label} {pol.describe()}", res, cand
 
     # the policies on the work-balancing shares, then the other share sets under the best policy
@@ -253,6 +265,68 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
     for pol in POLICIES[LEAD_POLICIES:]:  # the other policies on the best shares, budget permitting
         if best is not None and affordable():
             yield attempt("best shares", best[1], pol)
+    # boundaries chosen with the split: the rest's layers re-balanced against each device's load with its
+    # shard share, then the shares placed again (work-balancing on the new boundaries, then towards the room)
+    for k in range(REBALANCE_ROUNDS):
+        if best is None or not affordable():
+            break
+        stages = _rebalanced(rest, best[4], best[1], head_ms, keep_first=emb is not None)
+        if stages is None:
+            break
+        before = best[0]
+        yield attempt(f"rebalance {k + 1}", _balance(_device_work(rest, replace(plan, stages=stages)), head_ms),
+                      best[2], stages)
+        if best[0] < before and best[4] is stages and affordable():
+            target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
+            yield attempt(f"rebalance {k + 1} room", [(a + b) / 2 for a, b in zip(best[1], target)], best[2], stages)
+        elif best[4] is not stages:
+            break
+
+
+def _rebalanced(rest, stages, shares, head_ms: float, keep_first: bool = False):
+    """Stage boundaries that lower the heaviest device's load (its stages' work in `rest` plus its share of the
+    head's `head_ms`), moving one layer at a time across a cut between stages of different devices; the
+    same devices and stage order (so the same schedule). None when no move lowers it.
+
+    The last stage keeps at least the head (its last layer), the first stage layer 0 when `keep_first`.
+    """
+    costs = [layer.total_ms for layer in rest.layers]
+    bounds = [st.start for st in stages] + [stages[-1].end]
+    dev = [st.device for st in stages]
+    nd = max(len(shares), max(dev) + 1)
+    extra = [shares[d] * head_ms if d < len(shares) else 0.0 for d in range(nd)]
+
+    def loads(b):
+        out = list(extra)
+        for s, d in enumerate(dev):
+            out[d] += sum(costs[b[s]:b[s + 1]])
+        return out
+
+    def key(b):
+        ld = sorted(loads(b), reverse=True)
+        return ld[:3]  # the heaviest device first, then the next ones (ties broken towards evening out)
+
+    cur = key(bounds)
+    moved = False
+    for _ in range(len(costs)):  # each round moves one layer; at most one pass of layers
+        best = None
+        for c in range(1, len(stages)):  # cut c sits between stages c-1 and c
+            if dev[c - 1] == dev[c]:
+                continue
+            for delta in (-1, 1):
+                b = list(bounds)
+                b[c] += delta
+                if not b[c - 1] <= b[c] <= b[c + 1] or (keep_first and b[1] < 1) or b[-2] > len(costs) - 1:
+                    continue
+                k = key(b)
+                if k < cur and (best is None or k < best[0]):
+                    best = (k, b)
+        if best is None:
+            break
+        cur, bounds, moved = best[0], best[1], True
+    if not moved:
+        return None
+    return tuple(replace(st, start=bounds[s], end=bounds[s + 1]) for s, st in enumerate(stages))
 
 
 def attempt_units(plan, num_devices: int) -> float:
@@ -307,9 +381,11 @@ def _balance(work: list[float], head: float) -> list[float]:
     return [x / s for x in raw] if s > 0 else [1.0 / len(work)] * len(work)
 
 
-def _split_of(head: int, shares, stats: int) -> SplitLayer:
-    """The split record over the devices with a share worth keeping (at least 0.2% of the rows)."""
-    keep = [(d, s) for d, s in enumerate(shares) if s >= 0.002]
+def _split_of(head: int, shares, stats: int, owner: int | None = None) -> SplitLayer:
+    """The split record over the devices with a share worth keeping (at least MIN_SHARE of the rows), and the
+    `owner` device (when given) with at least MIN_SHARE."""
+    keep = [(d, max(s, MIN_SHARE) if d == owner else s) for d, s in enumerate(shares)
+            if s >= MIN_SHARE or d == owner]
     tot = sum(s for _, s in keep)
     devices = tuple(d for d, _ in keep)
     return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)

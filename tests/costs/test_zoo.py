@@ -81,7 +81,8 @@ def test_deepseek_mini_dense_first_then_moe_then_mtp():
     k = by_kind(model)
     assert k["moe"][0].state_bytes > 3 * k["dense"][0].state_bytes  # experts: many parameters, few active
     assert k["moe"][0].total_ms > k["dense"][0].total_ms
-    assert k["mtp"][0].total_ms > k["lm_head"][0].total_ms + k["moe"][0].total_ms * 0.9
+    # the shared output head of the main model and the MTP depth both run in lm_head (DeepSeek-V3 Sec. 2.2)
+    assert k["lm_head"][0].total_ms > 5 * k["mtp"][0].total_ms > 5 * k["moe"][0].total_ms
 
 
 def test_nemotron_h_hybrid_pattern_mamba_differs_from_attention():
