@@ -222,4 +222,12 @@ def build_model(arch: Arch, gpu: GpuSpec | str = "H100", *, calibrated: bool = T
     fitted = [k for k in kinds if calibrated and kind_scale(gpu.name, k).samples]
     if fitted:
         meta["calibrated_kinds"] = fitted
-    return Model(name=arch.name, layers=layers, inputs=inputs, meta=meta)
+    return Model(name=arch.name, layers=layers, inputs=inputs, meta=meta, tied=tied_pair(arch, plan))
+
+
+def tied_pair(arch: Arch, plan) -> tuple[tuple[int, int], ...]:
+    """`Model.tied` of a layer plan ((name, kind) in order): the embedding and the LM head when `tie_embeddings`."""
+    kinds = [kind for _, kind in plan]
+    if not arch.tie_embeddings or "embedding" not in kinds or kinds[-1] != "lm_head":
+        return ()
+    return ((kinds.index("embedding"), len(kinds) - 1),)

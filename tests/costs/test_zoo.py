@@ -143,3 +143,10 @@ def test_overrides_change_costs_as_expected():
     assert sharded.state_bytes == pytest.approx(base.state_bytes * (6 + 12 / 8) / 18, rel=1e-6)
     meds = [statistics.median(x.total_ms for x in resolve_model("llama3-8b", gpu=g).layers) for g in ("A100", "B200")]
     assert meds[0] > meds[1]
+
+
+def test_tied_models_name_their_embedding_and_head_pair():
+    gemma = resolve_model("gemma3")
+    assert gemma.tied == ((0, gemma.num_layers - 1),)
+    assert resolve_model("llama3-8b").tied == () and resolve_model("deepseek-v3-mini").tied == ()
+    assert resolve_model("gemma3", tie_embeddings=False).tied == ()

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ...costs import Arch, get_gpu, layer_cost
-from ...costs.analytic import layer_output_bytes
+from ...costs.analytic import layer_output_bytes, tied_pair
 from ...costs.arch import check_arch
 from ...errors import OctoPipeError
 from ...formats.model import Layer, Model
@@ -86,6 +86,14 @@ def mtp_depths(src) -> int:
 
         return int(parse_hybrid_pattern(pattern).mtp_num_depths or 0)
     return int(_get(src, "mtp_num_layers", 0) or 0)
+
+
+def _tied(src) -> bool:
+    """Whether the run shares the embedding and output weights: the training arguments' default (pretrain_gpt's
+    `share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights`); a TransformerConfig
+    does not say, and GPTModel's own default is untied."""
+    untie = getattr(src, "untie_embeddings_and_output_weights", None)
+    return untie is not None and not untie
 
 
 def _gpt_decoder(src) -> list[LayerSpec]:
@@ -163,6 +171,7 @@ def arch_from_megatron(src, *, name: str = "megatron", vocab_size: int | None = 
         mamba_head_dim=int(_get(src, "mamba_head_dim", 64)), mamba_groups=int(_get(src, "mamba_num_groups", 8)),
         num_layers=int(_get(src, "num_layers", 0) or len(pattern.split("/")[0].replace("|", "")) or 1),
         mtp_depth=mtp_depths(src),  # the LM head's cost counts the shared output head of every depth
+        tie_embeddings=_tied(src),
     )
     arch = Arch(**{**fields, **dict(arch_overrides or {})})
     check_arch(arch, f"Megatron arguments of {name!r}")
@@ -193,7 +202,7 @@ def model_from_megatron(src, *, gpu: str = "H100", name: str = "megatron",
         layers.append(Layer(name=spec.name, kind=spec.kind, **costs))
     meta = {"cost_model": "analytic+measured" if measured else "analytic", "gpu": gpu_spec.name,
             "arch": dataclasses.asdict(arch), "source": "megatron"}
-    return Model(name=name, layers=tuple(layers), meta=meta)
+    return Model(name=name, layers=tuple(layers), meta=meta, tied=tied_pair(arch, [(s.name, s.kind) for s in specs]))
 
 
 def _analytic(arch: Arch, cost_kind: str, gpu) -> dict:
