@@ -47,6 +47,7 @@ LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, 
 INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
 REFINE_ROUNDS = 4  # share refinements from the simulated idle time, after the fixed share sets
 REBALANCE_ROUNDS = 3  # boundary re-balancings against the loads with the shards, each judged by the simulator
+MOVES_PER_ROUND = 2  # single-layer cut moves judged per round, the most uneven cuts first
 MIN_SHARE = 0.002  # a device with less of the head's rows drops out of the split
 REFINE_STEP = 0.5  # how far each refinement moves the shares towards the room-proportional ones
 
@@ -241,14 +242,46 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
             best = (res.step_time_ms, list(shares), pol, res, stages)
         return f"{label0} {label} {pol.describe()}", res, cand
 
-    # the policies on the work-balancing shares, then the other share sets under the best policy
-    for pol in POLICIES[:LEAD_POLICIES]:
-        if affordable():
-            yield attempt("balance work", balanced, pol)
-    pol = best[2] if best is not None else POLICIES[0]
-    for label, shares in (("equal", equal), ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
-        if affordable():
-            yield attempt(label, shares, pol)
+    def best_stages():
+        return plan.stages if best is None else best[4]
+
+    def best_balanced():
+        return _balance(_device_work(rest, replace(plan, stages=best_stages())), head_ms)
+
+    def boundaries():
+        """Boundaries chosen with the split (hill-climbing from the best insertion so far): each move keeps
+        every device's load (its stages' work plus its shard share) where the best put it, so the shares
+        follow the moved layers (`_follow`), and is judged by the simulator; a move that pays is kept and
+        the moves start again from it, with one share step towards the room on its boundaries."""
+        tried = {best_stages()}
+        for _ in range(REBALANCE_ROUNDS):
+            if best is None:
+                return
+            base, shares = best[4], best[1]
+            old = _device_work(rest, replace(plan, stages=base))
+            paid = False
+            for label, stages in _boundary_moves(rest, base, shares, head_ms, keep_first=emb is not None):
+                if stages in tried:
+                    continue
+                if not affordable():
+                    return
+                tried.add(stages)
+                before = best[0]
+                new = _device_work(rest, replace(plan, stages=stages))
+                yield attempt(label, _follow(shares, old, new, head_ms), best[2], stages)
+                if best[0] < before:
+                    paid = True
+                    break
+            if not paid:
+                return
+            if affordable():
+                target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
+                yield attempt("moved room", [(a + b) / 2 for a, b in zip(best[1], target)], best[2], best[4])
+
+    # the lead policy on the work-balancing shares, the shares moved towards each device's room, the
+    # boundaries chosen with the split, then the other share sets and policies (measured on the zoo at
+    # --budget 2, benchmarks/split_layers.py: the room steps pay most, the other policies seldom)
+    yield attempt("balance work", balanced, POLICIES[0])
     # shares proportional to bubble room: a device's room is its shard work plus its idle time in the
     # simulated step; move part of the way towards the room-proportional shares, keep what is faster,
     # and take smaller steps once a step did not pay
@@ -259,28 +292,55 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         before = best[0]
         target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
         shares = [(1 - step) * a + step * b for a, b in zip(best[1], target)]
-        yield attempt(f"room {k + 1}", shares, best[2])
+        yield attempt(f"room {k + 1}", shares, best[2], best[4])
         if best[0] >= before:
             step /= 2
-    for pol in POLICIES[LEAD_POLICIES:]:  # the other policies on the best shares, budget permitting
+    yield from boundaries()
+    if affordable():
+        yield attempt("half-balance", [(a + b) / 2 for a, b in zip(equal, best_balanced())], POLICIES[0], best_stages())
+    for pol in POLICIES[1:]:  # the other policies on the best shares, budget permitting
         if best is not None and affordable():
-            yield attempt("best shares", best[1], pol)
-    # boundaries chosen with the split: the rest's layers re-balanced against each device's load with its
-    # shard share, then the shares placed again (work-balancing on the new boundaries, then towards the room)
-    for k in range(REBALANCE_ROUNDS):
-        if best is None or not affordable():
-            break
-        stages = _rebalanced(rest, best[4], best[1], head_ms, keep_first=emb is not None)
-        if stages is None:
-            break
-        before = best[0]
-        yield attempt(f"rebalance {k + 1}", _balance(_device_work(rest, replace(plan, stages=stages)), head_ms),
-                      best[2], stages)
-        if best[0] < before and best[4] is stages and affordable():
-            target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
-            yield attempt(f"rebalance {k + 1} room", [(a + b) / 2 for a, b in zip(best[1], target)], best[2], stages)
-        elif best[4] is not stages:
-            break
+            yield attempt("best shares", best[1], pol, best[4])
+    if best is not None and affordable():
+        yield attempt("equal", equal, best[2], best[4])
+
+
+def _follow(shares, old_work, new_work, head_ms: float) -> list[float]:
+    """Shares after a boundary move that keep each device's load: a device that gained stage work gives up
+    as much head work, one that lost some takes it (none below 0; renormalised)."""
+    raw = [max(0.0, s + (o - n) / head_ms) for s, o, n in zip(shares, old_work, new_work)] if head_ms > 0 \
+        else list(shares)
+    tot = sum(raw)
+    return [x / tot for x in raw] if tot > 0 else list(shares)
+
+
+def _boundary_moves(rest, stages, shares, head_ms: float, keep_first: bool = False):
+    """(label, stages) of the boundary moves worth judging from `stages`, most promising first: the rest's
+    layers re-balanced against each device's load with its shard share (`_rebalanced`), then one layer
+    across each cut, off the device with the larger load (its stages plus its share) first."""
+    moved = _rebalanced(rest, stages, shares, head_ms, keep_first)
+    if moved is not None:
+        yield "rebalance", moved
+    n = len(rest.layers)
+    costs = [layer.total_ms for layer in rest.layers]
+    bounds = [st.start for st in stages] + [stages[-1].end]
+    load = [shares[d] * head_ms if d < len(shares) else 0.0 for d in range(len(shares))]
+    for s, st in enumerate(stages):
+        load[st.device] += sum(costs[bounds[s]:bounds[s + 1]])
+    moves = []
+    for c in range(1, len(stages)):
+        a, b = stages[c - 1].device, stages[c].device
+        if a == b:
+            continue
+        # the cut moves towards the lighter device's stage: -1 gives stage c-1's last layer to stage c
+        delta = -1 if load[a] > load[b] else 1
+        moves.append((-abs(load[a] - load[b]), c, delta))
+    for _, c, delta in sorted(moves)[:MOVES_PER_ROUND]:
+        nb = list(bounds)
+        nb[c] += delta
+        if not all(nb[i] <= nb[i + 1] for i in range(len(stages))) or (keep_first and nb[1] < 1) or nb[-2] > n - 1:
+            continue
+        yield f"cut {c} {delta:+d}", tuple(replace(st, start=nb[s], end=nb[s + 1]) for s, st in enumerate(stages))
 
 
 def _rebalanced(rest, stages, shares, head_ms: float, keep_first: bool = False):
