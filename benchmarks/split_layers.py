@@ -8,8 +8,9 @@ no-idle bound M * sum(work) / D, the gain (step without splits / step with), the
 (devices x shares), the fullest device's memory (peak, max over devices), and `floor`: the
 whole-layer floor over the same bound when the vocabulary layers are split (tuner/bounds.py:
 `packing_bound`, layers that stay whole land on D devices, and `fill_bound`, a whole layer runs
-all M micro-batches after the pipeline fill; deepseek-v3-mini's MTP block, a whole layer heavier
-than a device's share, keeps it far above 1).
+all M micro-batches after the pipeline fill; deepseek-v3-mini's MTP output head is the shared
+LM head's work, `costs/analytic.lm_head_block`, so only its MTP body, 4% of the work, stays whole:
+above a device's share at 32 devices only).
 
     PYTHONPATH=. python benchmarks/split_layers.py                 # 4 models x 8/16/32 devices x 2,4 per device
     PYTHONPATH=. python benchmarks/split_layers.py --budget 2 --devices 8 16
