@@ -73,6 +73,14 @@ class SplitTuneResult:
         """The chosen plan's split head, None when the plan has no split."""
         return next((sp for sp in self.plan.splits if sp.layer > 0), None)
 
+    @property
+    def source(self) -> str:
+        """The label of the attempt that made the chosen plan ('no split' when it has none)."""
+        if not self.plan.splits:
+            return "no split"
+        fits = [t for t in self.tried if t[1] is not None and t[2] and t[0] != "no split"]
+        return min(fits, key=lambda t: t[1])[0] if fits else "split"
+
     def describe(self) -> str:
         """'no split' or 'head over 16 devices (shares 0.031-0.073), embedding over 8'."""
         sp = self.split
