@@ -58,6 +58,21 @@ class Model:
         return len(self.layers)
 
 
+def head_inputs(model: Model) -> int:
+    """Hidden states the model's LM head takes: 1 + the `mtp` layers right before a last `lm_head` layer.
+
+    Multi-token prediction (DeepSeek-V3 Sec. 2.2) shares the main model's output head: each MTP
+    depth's hidden states go through the same weight, in the `lm_head` layer (docs/formats.md).
+    """
+    kinds = [layer.kind for layer in model.layers]
+    if len(kinds) < 2 or kinds[-1] != "lm_head":
+        return 1
+    depth = 0
+    while depth < len(kinds) - 1 and kinds[-2 - depth] == "mtp":
+        depth += 1
+    return 1 + depth
+
+
 def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     """Build a Model from a parsed `octopipe-model/1` document, refusing bad input."""
     check_format(data, src, "octopipe-model")
