@@ -49,7 +49,8 @@ from octopipe_plugin.profile.arch_profile import profile_arch  # noqa: E402
 from octopipe_plugin.profile.measure import _fused_backward  # noqa: E402
 from octopipe_plugin.profile.torch_layers import builders, hidden_input  # noqa: E402
 from octopipe_plugin.simulator import simulate  # noqa: E402
-from octopipe_plugin.simulator.costs import stage_costs  # noqa: E402
+from octopipe_plugin.actions import RULES, Flow, Kind  # noqa: E402
+from octopipe_plugin.simulator.costs import hop_times, stage_costs  # noqa: E402
 
 KINDS = ("F", "B", "I", "W")
 
@@ -83,31 +84,38 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _count_faults(runner, log: list) -> None:
-    """Wrap the runner's action methods (this instance only) so each call appends its page faults to `log`."""
+def _instrument(runner, log: list) -> None:
+    """Wrap the runner's action methods (this instance only): each call appends (page faults, thread CPU ms)."""
     for name in ("forward", "backward", "backward_input", "backward_weight"):
         orig = getattr(runner, name)
 
         @functools.wraps(orig)  # the executor reads the signature (whether it takes last_backward)
         def call(*a, _orig=orig, **kw):
-            f0 = _faults()
+            f0, c0 = _faults(), time.thread_time()
             try:
                 return _orig(*a, **kw)
             finally:
-                log.append(_faults() - f0)
+                log.append((_faults() - f0, 1000 * (time.thread_time() - c0)))
 
         setattr(runner, name, call)
 
 
+class _CpuClock:
+    """Stands in for the `time` module inside profile/timing.py: the profiler's Timer then reads this thread's
+    CPU time, so the profile and the executor's spans are both free of the shared machine's descheduling."""
+
+    perf_counter = staticmethod(time.thread_time)
+
+
 def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, list, int]]]:
-    """Per plan, per timed step: (step ms, [(stage, kind, ms, page faults)], step page faults) of this rank."""
+    """Per plan, per timed step: (step ms, [(stage, kind, ms, page faults, mb, start s, end s)], step page faults)."""
     arch = fid.arch_of(label)
     layers = fid.build_layers(arch)
     runs = []
     for _, plan in plans:
         runner = fid._runner(arch, layers, plan, rank)
         log: list[int] = []
-        _count_faults(runner, log)
+        _instrument(runner, log)
         runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900)), log))
     out: list[list] = [[] for _ in plans]
     for i in range(args.warmup + args.steps):
@@ -122,10 +130,95 @@ def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, lis
             dist.barrier()
             f1 = _faults()
             if i >= args.warmup:
-                acts = [(a.stage, a.kind.value, 1000 * (t1 - t0), n)
-                        for (a, t0, t1), n in zip(res.timeline, log, strict=True)]
+                acts = [(a.stage, a.kind.value, cpu if args.clock == "cpu" else 1000 * (t1 - t0), n, a.microbatch,
+                         t0, t1) for (a, t0, t1), (n, cpu) in zip(res.timeline, log, strict=True)]
                 out[k].append((1000 * (time.perf_counter() - t), acts, f1 - f0))
     return out
+
+
+def _waits(plan, timelines: list[list]) -> dict:
+    """What one step's cross-device messages really cost: per message the consumer waited for, its start less
+    the producer's end (the observed hop: transfer, wake-up, receive); and each rank's idle time between actions."""
+    ns = plan.num_stages
+    dev = [st.device for st in plan.stages]
+    ends = {}
+    for tl in timelines:
+        for s, kind, _, _, mb, t0, t1 in tl:
+            flow = Flow.ACT if kind == "F" else Flow.GRAD if kind in ("B", "I") else None
+            if flow is not None:
+                ends[(s, flow, mb)] = t1
+    hops, idle, lost = [], [], [0.0] * len(timelines)
+    for r, tl in enumerate(timelines):
+        idle.append(1000 * sum(b[5] - a[6] for a, b in zip(tl, tl[1:])))
+        for a, b in zip(tl, tl[1:]):
+            s, kind, mb, t0 = b[0], Kind(b[1]), b[4], b[5]
+            rule = RULES[kind]
+            if rule.receives is None:
+                continue
+            src = s - rule.receives.step
+            if not 0 <= src < ns or dev[src] == dev[s]:
+                continue
+            made = ends.get((src, rule.receives, mb))
+            if made is not None and made > a[6]:  # the consumer was idle when the message was produced
+                hops.append(1000 * (t0 - made))
+                lost[r] += 1000 * (t0 - made)
+    return {"blocked": len(hops), "hop_median_ms": statistics.median(hops) if hops else 0.0,
+            "hop_max_ms": max(hops) if hops else 0.0, "lost_ms": lost, "idle_ms": idle}
+
+
+def _reconstruct(plan, timelines: list[list], hop_ms: list) -> float:
+    """One step rebuilt from its own action spans under the simulator's rule (each device in its order, an
+    action starting when its input is there: the producer's end plus the modelled hop across devices).
+
+    Against the measured step it says how much the step lost outside the actions (waiting, host gaps); against
+    the prediction, how much the actions' spans differ from the profile's charges.
+    """
+    ns = plan.num_stages
+    dev = [st.device for st in plan.stages]
+    hops = hop_times_of(plan, hop_ms)
+    done: dict[tuple, float] = {}
+    clock = [0.0] * len(timelines)
+    pos = [0] * len(timelines)
+    total = sum(len(tl) for tl in timelines)
+    finished = 0
+    while finished < total:
+        moved = False
+        for r, tl in enumerate(timelines):
+            while pos[r] < len(tl):
+                s, kind, ms, _, mb, _, _ = tl[pos[r]]
+                rule = RULES[Kind(kind)]
+                ready = clock[r]
+                if rule.receives is not None:
+                    src = s - rule.receives.step
+                    if 0 <= src < ns:
+                        made = done.get((src, rule.receives, mb))
+                        if made is None:
+                            break
+                        ready = max(ready, made + (hops[min(s, src)] if dev[src] != dev[s] else 0.0))
+                clock[r] = ready + ms
+                if rule.sends is not None:
+                    done[(s, rule.sends, mb)] = clock[r]
+                pos[r] += 1
+                finished += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("reconstruct: the timelines deadlock (an action order the executor cannot have run)")
+    return max(clock)
+
+
+def hop_times_of(plan, hop_ms: list) -> list[float]:
+    """Per boundary s -> s+1 the modelled hop (ms; 0 where both stages share a device)."""
+    dev = [st.device for st in plan.stages]
+    it = iter(hop_ms)
+    return [next(it) if dev[s] != dev[s + 1] else 0.0 for s in range(plan.num_stages - 1)]
+
+
+def _median_of(values):
+    """The median of numbers, or the element-wise median of equal-length lists."""
+    values = list(values)
+    if isinstance(values[0], list):
+        return [statistics.median(col) for col in zip(*values)]
+    return statistics.median(values)
 
 
 def _replay_costs(model, plan, spans: dict) -> object:
@@ -151,13 +244,14 @@ def _report_model(label: str, model, fused: list[float], cluster, plans, per_ran
         faults: dict[tuple[int, str], list[int]] = {}
         busy, step_faults = [], []
         for r in per_rank:
-            busy.append(statistics.median(sum(ms for _, _, ms, _ in tl) for _, tl, _ in r[k]))
+            busy.append(statistics.median(sum(e[2] for e in tl) for _, tl, _ in r[k]))
             step_faults.append(statistics.median(f for _, _, f in r[k]))
             for _, tl, _ in r[k]:
-                for s, kind, ms, n in tl:
+                for s, kind, ms, n, *_ in tl:
                     spans.setdefault((s, kind), []).append(ms)
                     faults.setdefault((s, kind), []).append(n)
         med = {key: statistics.median(v) for key, v in spans.items()}
+        mean = {key: statistics.fmean(v) for key, v in spans.items()}  # the replay's: a step pays every span
         sc = stage_costs(model, plan.stages)
         prof_b = [sum(fused[st.start:st.end]) for st in plan.stages]
         rows = []
@@ -166,12 +260,19 @@ def _report_model(label: str, model, fused: list[float], cluster, plans, per_ran
             rows.append({"stage": s, "kind": kind, "n": len(spans[(s, kind)]), "charged_ms": charged,
                          "fused_ms": prof_b[s] if kind == "B" else None, "executor_ms": ms,
                          "faults": statistics.median(faults[(s, kind)])})
+        waits = [_waits(plan, [r[k][j][1] for r in per_rank]) for j in range(len(per_rank[0][k]))]
+        hop_ms = [h for h in hop_times(cluster, [st.device for st in plan.stages], stage_costs(model, plan.stages).output)
+                  if h is not None]
+        rebuilt = statistics.median(_reconstruct(plan, [r[k][j][1] for r in per_rank], hop_ms)
+                                    for j in range(len(per_rank[0][k])))
         sim = simulate(model, cluster, plan)
-        replay = simulate(model, cluster, plan, costs=_replay_costs(model, plan, med), detail=False)
+        replay = simulate(model, cluster, plan, costs=_replay_costs(model, plan, mean), detail=False)
         out["plans"].append({"plan": name, "stages": plan.num_stages, "measured_ms": statistics.median(steps),
                              "predicted_ms": sim.step_time_ms, "replay_ms": replay.step_time_ms,
                              "busy_ms": busy, "step_faults": step_faults,
-                             "predicted_busy_ms": list(sim.busy_ms), "rows": rows})
+                             "predicted_busy_ms": list(sim.busy_ms), "rows": rows,
+                             "hop_ms": hop_ms, "rebuilt_ms": rebuilt,
+                             "waits": {key: _median_of(w[key] for w in waits) for key in waits[0]}})
     return out
 
 
@@ -184,8 +285,16 @@ def print_model(m: dict) -> None:
         busy = ", ".join(f"{b:.0f}/{q:.0f}" for b, q in zip(p["busy_ms"], p["predicted_busy_ms"]))
         print(f"  {p['plan']} ({p['stages']} stages): measured {p['measured_ms']:.1f} ms, predicted "
               f"{p['predicted_ms']:.1f} ({100 * dev:+.1f}%), replayed with executor spans {p['replay_ms']:.1f} "
-              f"({100 * rdev:+.1f}%); busy measured/predicted per rank {busy} ms; page faults per step per rank "
+              f"({100 * rdev:+.1f}%), rebuilt step by step from its own spans {p['rebuilt_ms']:.1f} "
+              f"({100 * (p['measured_ms'] - p['rebuilt_ms']) / p['rebuilt_ms']:+.1f}%); busy measured/predicted per rank {busy} ms; page faults per step per rank "
               f"{', '.join(f'{f:.0f}' for f in p['step_faults'])}")
+        w = p["waits"]
+        idle_pred = ", ".join(f"{p['predicted_ms'] - b:.1f}" for b in p["predicted_busy_ms"])
+        print(f"    messages waited for per step {w['blocked']:.0f}: observed hop median {w['hop_median_ms']:.2f} ms, "
+              f"max {w['hop_max_ms']:.2f} (modelled {', '.join(f'{h:.2f}' for h in p['hop_ms'])}); time lost to them "
+              f"per rank {', '.join(f'{x:.1f}' for x in w['lost_ms'])} ms; idle between actions per rank "
+              f"{', '.join(f'{x:.1f}' for x in w['idle_ms'])} ms (predicted "
+              f"{idle_pred} from the simulator)")
         print(f"    {'stage':>5} {'kind':>4} {'n':>4} {'charged ms':>11} {'profile B':>10} {'executor ms':>12}"
               f" {'ratio':>7} {'faults':>7}")
         for r in p["rows"]:
@@ -221,10 +330,12 @@ def _deferral(args) -> dict:
 
     faults: dict[str, list[int]] = {}
 
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
     def t_of(fn, what: str = ""):
-        f0, t = _faults(), time.perf_counter()
+        f0, t = _faults(), clock()
         r = fn()
-        ms = 1000 * (time.perf_counter() - t)
+        ms = 1000 * (clock() - t)
         faults.setdefault(what, []).append(_faults() - f0)
         return r, ms
 
@@ -294,6 +405,10 @@ def print_deferral(per_rank: list[dict], k: int) -> None:
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     init_gloo(rank, world, port, timeout_s=900)
+    if args.clock == "cpu":
+        from octopipe_plugin.profile import timing
+
+        timing.time = _CpuClock  # this diagnostic's ranks only
     report = {"models": []}
     if not args.no_deferral:
         dist.barrier()
@@ -333,6 +448,9 @@ def main() -> None:
     ap.add_argument("--defer-repeats", type=int, default=10)
     ap.add_argument("--deferral-only", action="store_true")
     ap.add_argument("--no-deferral", action="store_true")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the profile and every action span in this thread's CPU time (a loaded machine's "
+                         "descheduling left out; the step itself stays wall clock)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks run with glibc's heap kept (no trim, fixed mmap threshold): tests the allocator")
     args = ap.parse_args()
@@ -345,7 +463,8 @@ def main() -> None:
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
     load1 = os.getloadavg()
-    print(f"action costs: {fid.DEVICES} local gloo ranks, one thread each{', heap kept' if args.keep_heap else ''}; load average {load0[0]:.2f} before, "
+    print(f"action costs: {fid.DEVICES} local gloo ranks, one thread each, spans in {args.clock} time"
+          f"{', heap kept' if args.keep_heap else ''}; load average {load0[0]:.2f} before, "
           f"{load1[0]:.2f} after ({time.time() - t0:.0f} s)")
     if "deferral" in report:
         print_deferral(report["deferral"], args.defer_k)
