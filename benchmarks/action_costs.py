@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import os
 import resource
@@ -84,18 +85,37 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+class _GcClock:
+    """Thread CPU ms spent in Python's garbage collector so far (gc.callbacks bracket every collection)."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, None
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase, info):
+        if phase == "start":
+            self._t0 = time.thread_time()
+        elif self._t0 is not None:
+            self.ms += 1000 * (time.thread_time() - self._t0)
+            self._t0 = None
+
+
+GC = _GcClock()
+
+
 def _instrument(runner, log: list) -> None:
-    """Wrap the runner's action methods (this instance only): each call appends (page faults, thread CPU ms)."""
+    """Wrap the runner's action methods (this instance only): each call appends (page faults, thread CPU ms,
+    of which ms in the garbage collector)."""
     for name in ("forward", "backward", "backward_input", "backward_weight"):
         orig = getattr(runner, name)
 
         @functools.wraps(orig)  # the executor reads the signature (whether it takes last_backward)
         def call(*a, _orig=orig, **kw):
-            f0, c0 = _faults(), time.thread_time()
+            f0, c0, g0 = _faults(), time.thread_time(), GC.ms
             try:
                 return _orig(*a, **kw)
             finally:
-                log.append((_faults() - f0, 1000 * (time.thread_time() - c0)))
+                log.append((_faults() - f0, 1000 * (time.thread_time() - c0), GC.ms - g0))
 
         setattr(runner, name, call)
 
@@ -131,7 +151,7 @@ def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, lis
             f1 = _faults()
             if i >= args.warmup:
                 acts = [(a.stage, a.kind.value, cpu if args.clock == "cpu" else 1000 * (t1 - t0), n, a.microbatch,
-                         t0, t1) for (a, t0, t1), (n, cpu) in zip(res.timeline, log, strict=True)]
+                         t0, t1, g, cpu) for (a, t0, t1), (n, cpu, g) in zip(res.timeline, log, strict=True)]
                 out[k].append((1000 * (time.perf_counter() - t), acts, f1 - f0))
     return out
 
@@ -143,7 +163,7 @@ def _waits(plan, timelines: list[list]) -> dict:
     dev = [st.device for st in plan.stages]
     ends = {}
     for tl in timelines:
-        for s, kind, _, _, mb, t0, t1 in tl:
+        for s, kind, _, _, mb, t0, t1, *_ in tl:
             flow = Flow.ACT if kind == "F" else Flow.GRAD if kind in ("B", "I") else None
             if flow is not None:
                 ends[(s, flow, mb)] = t1
@@ -185,7 +205,7 @@ def _reconstruct(plan, timelines: list[list], hop_ms: list) -> float:
         moved = False
         for r, tl in enumerate(timelines):
             while pos[r] < len(tl):
-                s, kind, ms, _, mb, _, _ = tl[pos[r]]
+                s, kind, ms, _, mb, *_ = tl[pos[r]]
                 rule = RULES[Kind(kind)]
                 ready = clock[r]
                 if rule.receives is not None:
@@ -242,13 +262,18 @@ def _report_model(label: str, model, fused: list[float], cluster, plans, per_ran
         steps = [statistics.median(r[k][j][0] for r in per_rank) for j in range(len(per_rank[0][k]))]
         spans: dict[tuple[int, str], list[float]] = {}
         faults: dict[tuple[int, str], list[int]] = {}
-        busy, step_faults = [], []
+        gc_ms: dict[tuple[int, str], list[float]] = {}
+        busy, step_faults, stretch = [], [], []
         for r in per_rank:
             busy.append(statistics.median(sum(e[2] for e in tl) for _, tl, _ in r[k]))
             step_faults.append(statistics.median(f for _, _, f in r[k]))
+            # wall span over CPU time of this rank's actions: > 1 where the thread was kept off its core mid-action
+            stretch.append(sum(1000 * (e[6] - e[5]) for _, tl, _ in r[k] for e in tl) /
+                           max(1e-9, sum(e[8] for _, tl, _ in r[k] for e in tl)))
             for _, tl, _ in r[k]:
-                for s, kind, ms, n, *_ in tl:
+                for s, kind, ms, n, _, _, _, g, _ in tl:
                     spans.setdefault((s, kind), []).append(ms)
+                    gc_ms.setdefault((s, kind), []).append(g)
                     faults.setdefault((s, kind), []).append(n)
         med = {key: statistics.median(v) for key, v in spans.items()}
         mean = {key: statistics.fmean(v) for key, v in spans.items()}  # the replay's: a step pays every span
@@ -259,7 +284,8 @@ def _report_model(label: str, model, fused: list[float], cluster, plans, per_ran
             charged = {"F": sc.fwd[s], "I": sc.bwd[s], "W": sc.wgrad[s], "B": sc.bwd[s] + sc.wgrad[s]}[kind]
             rows.append({"stage": s, "kind": kind, "n": len(spans[(s, kind)]), "charged_ms": charged,
                          "fused_ms": prof_b[s] if kind == "B" else None, "executor_ms": ms,
-                         "faults": statistics.median(faults[(s, kind)])})
+                         "faults": statistics.median(faults[(s, kind)]),
+                         "gc_ms": statistics.fmean(gc_ms[(s, kind)])})
         waits = [_waits(plan, [r[k][j][1] for r in per_rank]) for j in range(len(per_rank[0][k]))]
         hop_ms = [h for h in hop_times(cluster, [st.device for st in plan.stages], stage_costs(model, plan.stages).output)
                   if h is not None]
@@ -269,7 +295,7 @@ def _report_model(label: str, model, fused: list[float], cluster, plans, per_ran
         replay = simulate(model, cluster, plan, costs=_replay_costs(model, plan, mean), detail=False)
         out["plans"].append({"plan": name, "stages": plan.num_stages, "measured_ms": statistics.median(steps),
                              "predicted_ms": sim.step_time_ms, "replay_ms": replay.step_time_ms,
-                             "busy_ms": busy, "step_faults": step_faults,
+                             "busy_ms": busy, "step_faults": step_faults, "stretch": stretch,
                              "predicted_busy_ms": list(sim.busy_ms), "rows": rows,
                              "hop_ms": hop_ms, "rebuilt_ms": rebuilt,
                              "waits": {key: _median_of(w[key] for w in waits) for key in waits[0]}})
@@ -290,18 +316,19 @@ def print_model(m: dict) -> None:
               f"{', '.join(f'{f:.0f}' for f in p['step_faults'])}")
         w = p["waits"]
         idle_pred = ", ".join(f"{p['predicted_ms'] - b:.1f}" for b in p["predicted_busy_ms"])
+        print(f"    actions' wall span / CPU time per rank: {', '.join(f'{x:.3f}' for x in p['stretch'])}")
         print(f"    messages waited for per step {w['blocked']:.0f}: observed hop median {w['hop_median_ms']:.2f} ms, "
               f"max {w['hop_max_ms']:.2f} (modelled {', '.join(f'{h:.2f}' for h in p['hop_ms'])}); time lost to them "
               f"per rank {', '.join(f'{x:.1f}' for x in w['lost_ms'])} ms; idle between actions per rank "
               f"{', '.join(f'{x:.1f}' for x in w['idle_ms'])} ms (predicted "
               f"{idle_pred} from the simulator)")
         print(f"    {'stage':>5} {'kind':>4} {'n':>4} {'charged ms':>11} {'profile B':>10} {'executor ms':>12}"
-              f" {'ratio':>7} {'faults':>7}")
+              f" {'ratio':>7} {'faults':>7} {'gc ms':>6}")
         for r in p["rows"]:
             fb = f"{r['fused_ms']:.2f}" if r["fused_ms"] is not None else "-"
             ratio = r["executor_ms"] / r["charged_ms"] if r["charged_ms"] > 0 else float("nan")
             print(f"    {r['stage']:>5} {r['kind']:>4} {r['n']:>4} {r['charged_ms']:>11.2f} {fb:>10} "
-                  f"{r['executor_ms']:>12.2f} {ratio:>7.3f} {r['faults']:>7.0f}")
+                  f"{r['executor_ms']:>12.2f} {ratio:>7.3f} {r['faults']:>7.0f} {r['gc_ms']:>6.2f}")
         # per kind over the plan: executor total / charged total
         tot = {}
         for r in p["rows"]:

@@ -137,9 +137,16 @@ def _mean_model(models):
     """The ranks' profiles averaged layer by layer (both ranks profiled at once, as both compute in a step)."""
     first = models[0]
     layers = tuple(dataclasses.replace(
-        ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")})
+        ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")},
+        fused_ratio=_mean_ratio(ls))
         for ls in zip(*(m.layers for m in models)))
     return dataclasses.replace(first, layers=layers)
+
+
+def _mean_ratio(layers) -> float | None:
+    """The mean fused-B ratio of one layer's profiles (None where none measured it)."""
+    got = [l.fused_ratio for l in layers if l.fused_ratio is not None]
+    return statistics.fmean(got) if got else None
 
 
 def _profile_both(label: str, args) -> object:
