@@ -1,15 +1,23 @@
 """Where the fidelity gap comes from: every action's span inside the executor against the profile's figure.
 
 Usage: PYTHONPATH=. python benchmarks/action_costs.py [--models dense,moe,heavy-head] [--steps 4]
-       [--plans 1f1b,zb-v,...] [--deferral-only] [--no-deferral]
+       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--keep-heap] [--deferral-only] [--no-deferral]
+
+`--clock cpu` takes the profile and every action's span in the thread's CPU time: on a shared, loaded
+machine the wall clock mostly measures the OS scheduler, CPU time still compares an action with its
+profile (the step itself stays wall clock). `--keep-heap` runs the ranks with glibc's heap kept (no
+trim, fixed mmap threshold), to see what the CPU allocator's page faults cost (a GPU's caching
+allocator has none of them). Per action it also counts page faults and the garbage collector's time.
 
 Part 1 (the executor): the fidelity models and plans (benchmarks/fidelity.py) run on 2 local gloo
 ranks, one thread each, plans interleaved step by step. For every (plan, stage, kind) the median span
 of its actions in the executor's timeline (the runner call alone: receive waits are outside it) is
 printed beside what the simulator charges for it (the profile's layers summed; B = I + W) and, for B,
 the profile's own fused-backward figure. Per plan: the measured step, the simulator's prediction, the
-simulator replayed with the executor's own per-(stage, kind) spans (what is left between the two is
-waiting and transfers, not compute), and each rank's busy time measured and predicted.
+simulator replayed with the executor's own per-(stage, kind) mean spans, the step rebuilt from its own
+spans under the simulator's rule (what is left against the measured step is waiting and host gaps, not
+compute), each rank's busy time measured and predicted, the wall span / CPU time of its actions, and
+the messages a rank waited for: the observed hop (consumer start less producer end) against the model's.
 
 Part 2 (deferral, hypothesis b): on each rank at once, a stage of two decoder layers, timing I and
 W right after the forward (as the profiler does) against the same I and W run after k other
