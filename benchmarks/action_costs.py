@@ -55,8 +55,8 @@ from octopipe_plugin.formats import Cluster, plan_from_dict, plan_to_dict  # noq
 from octopipe_plugin.formats.model import model_from_dict, model_to_dict  # noqa: E402
 from octopipe_plugin.profile import ProfileSettings  # noqa: E402
 from octopipe_plugin.profile.arch_profile import profile_arch  # noqa: E402
-from octopipe_plugin.profile.measure import _fused_backward  # noqa: E402
-from octopipe_plugin.profile.torch_layers import builders, hidden_input  # noqa: E402
+from octopipe_plugin.profile.measure import _fused_backward, measure_layer  # noqa: E402
+from octopipe_plugin.profile.torch_layers import builders, hidden_input, token_input  # noqa: E402
 from octopipe_plugin.simulator import simulate  # noqa: E402
 from octopipe_plugin.actions import RULES, Flow, Kind  # noqa: E402
 from octopipe_plugin.simulator.costs import hop_times, stage_costs  # noqa: E402
@@ -146,7 +146,17 @@ def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, lis
         _instrument(runner, log)
         runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900)), log))
     out: list[list] = [[] for _ in plans]
+    staged: list[dict] = [{} for _ in plans]  # per plan: (stage, kind) -> the stage profiled whole, per round
     for i in range(args.warmup + args.steps):
+        if args.stage_profile and i >= args.warmup:
+            for k, (runner, _, _) in enumerate(runs):  # between rounds: the same load as the steps around them
+                for s, mod in runner.modules.items():
+                    x = (token_input(arch) if s == 0 else hidden_input(arch, torch.float32))(torch.device("cpu"))
+                    p = measure_layer(mod, x, torch.device("cpu"), warmup=1, repeats=2)
+                    for kind, t in (("F", p.fwd), ("I", p.bwd), ("W", p.wgrad), ("B", p.fused)):
+                        staged[k].setdefault(f"{s} {kind}", []).append(t.median_ms)
+                    for q in mod.parameters():
+                        q.grad = None
         for k, (runner, ex, log) in enumerate(runs):
             for p in (q for mod in runner.modules.values() for q in mod.parameters()):
                 p.grad = None
@@ -161,7 +171,7 @@ def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, lis
                 acts = [(a.stage, a.kind.value, cpu if args.clock == "cpu" else 1000 * (t1 - t0), n, a.microbatch,
                          t0, t1, g, cpu) for (a, t0, t1), (n, cpu, g) in zip(res.timeline, log, strict=True)]
                 out[k].append((1000 * (time.perf_counter() - t), acts, f1 - f0))
-    return out
+    return [(steps, {key: statistics.median(v) for key, v in st.items()}) for steps, st in zip(out, staged)]
 
 
 def _waits(plan, timelines: list[list]) -> dict:
@@ -263,9 +273,14 @@ def _replay_costs(model, plan, spans: dict) -> object:
     return dataclasses.replace(sc, fwd=tuple(fwd), bwd=tuple(bwd), wgrad=tuple(wgrad))
 
 
-def _report_model(label: str, model, fused: list[float], cluster, plans, per_rank) -> dict:
+def _report_model(label: str, model, fused: list[float], cluster, plans, gathered) -> dict:
     """Rank 0's summary of one model: the rows printed by `print_model`."""
     out = {"model": label, "plans": []}
+    per_rank = [[steps for steps, _ in r] for r in gathered]
+    staged = [{} for _ in plans]
+    for r in gathered:
+        for k, (_, st) in enumerate(r):
+            staged[k].update(st)
     for k, (name, plan) in enumerate(plans):
         steps = [statistics.median(r[k][j][0] for r in per_rank) for j in range(len(per_rank[0][k]))]
         spans: dict[tuple[int, str], list[float]] = {}
@@ -291,6 +306,7 @@ def _report_model(label: str, model, fused: list[float], cluster, plans, per_ran
         for (s, kind), ms in sorted(med.items()):
             charged = {"F": sc.fwd[s], "I": sc.bwd[s], "W": sc.wgrad[s], "B": sc.bwd[s] + sc.wgrad[s]}[kind]
             rows.append({"stage": s, "kind": kind, "n": len(spans[(s, kind)]), "charged_ms": charged,
+                         "staged_ms": staged[k].get(f"{s} {kind}"),
                          "fused_ms": prof_b[s] if kind == "B" else None, "executor_ms": ms,
                          "faults": statistics.median(faults[(s, kind)]),
                          "gc_ms": statistics.fmean(gc_ms[(s, kind)])})
@@ -331,12 +347,14 @@ def print_model(m: dict) -> None:
               f"{', '.join(f'{x:.1f}' for x in w['idle_ms'])} ms (predicted "
               f"{idle_pred} from the simulator)")
         print(f"    {'stage':>5} {'kind':>4} {'n':>4} {'charged ms':>11} {'profile B':>10} {'executor ms':>12}"
-              f" {'ratio':>7} {'faults':>7} {'gc ms':>6}")
+              f" {'ratio':>7} {'faults':>7} {'gc ms':>6} {'stage whole':>12} {'exec/whole':>11}")
         for r in p["rows"]:
             fb = f"{r['fused_ms']:.2f}" if r["fused_ms"] is not None else "-"
             ratio = r["executor_ms"] / r["charged_ms"] if r["charged_ms"] > 0 else float("nan")
             print(f"    {r['stage']:>5} {r['kind']:>4} {r['n']:>4} {r['charged_ms']:>11.2f} {fb:>10} "
-                  f"{r['executor_ms']:>12.2f} {ratio:>7.3f} {r['faults']:>7.0f} {r['gc_ms']:>6.2f}")
+                  f"{r['executor_ms']:>12.2f} {ratio:>7.3f} {r['faults']:>7.0f} {r['gc_ms']:>6.2f}"
+                  + (f" {r['staged_ms']:>12.2f} {r['executor_ms'] / r['staged_ms']:>11.3f}"
+                     if r.get("staged_ms") else ""))
         # per kind over the plan: executor total / charged total
         tot = {}
         for r in p["rows"]:
@@ -486,6 +504,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the profile and every action span in this thread's CPU time (a loaded machine's "
                          "descheduling left out; the step itself stays wall clock)")
+    ap.add_argument("--stage-profile", action="store_true",
+                    help="between rounds of steps, profile each plan's stages whole (same load as the steps): "
+                         "the executor's spans against the very stages measured alone")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks run with glibc's heap kept (no trim, fixed mmap threshold): tests the allocator")
     args = ap.parse_args()
