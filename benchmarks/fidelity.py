@@ -1,7 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10]
-       [--models dense,moe,heavy-head]
+       [--models dense,moe,heavy-head] [--keep-heap]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -250,14 +250,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="profiler repeats per distinct layer")
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
     ap.add_argument("--cache", action="store_true", help="reuse cached profiles (default: measure under today's load)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
+                         "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
     args = ap.parse_args()
+    if args.keep_heap:  # read by glibc when the spawned ranks start (benchmarks/action_costs.py: the same switch)
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
+                          MALLOC_TOP_PAD_=str(64 << 20))
     load0, t0 = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, DEVICES, args, tmp)
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
     load1 = os.getloadavg()
-    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each, {args.microbatches} micro-batches, median of "
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}, "
+          f"{args.microbatches} micro-batches, median of "
           f"{args.steps} steps after {args.warmup} (plans interleaved step by step); profile: both ranks at once, "
           f"median of {args.repeats} per distinct layer, mean of the profiles before and after the runs")
     torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
