@@ -84,3 +84,27 @@ def test_bad_ratio_is_refused_by_name(bad):
     doc["layers"][0]["fused_ratio"] = bad
     with pytest.raises(FormatError, match=r"layers\[0\]\.fused_ratio"):
         model_from_dict(doc, "m.json")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tuner_schedules_with_the_measured_b(compiled):
+    """docs/formats.md's 1F1B check, (m + p - 1)(F + B), with B at half its I + W: 11 * (1 + 1) = 22 ms."""
+    from octopipe_plugin.formats import Plan
+    from octopipe_plugin.tuner import Policy, Split, build_schedule, listsched_kernel
+
+    if compiled and not listsched_kernel.AVAILABLE:
+        pytest.skip("numba is not installed: no compiled scheduler")
+    m = Model(name="w", layers=tuple(
+        Layer(name=f"l{i}", kind="dense", fwd_ms=1.0, bwd_ms=1.5, wgrad_ms=0.5, state_bytes=0, activation_bytes=1,
+              output_bytes=0, fused_ratio=0.5) for i in range(4)))
+    cl = Cluster(num_devices=4, devices_per_node=4, memory_bytes=1 << 40,
+                 intra_node=Link(bandwidth_gb_per_s=1.0, latency_us=0.0),
+                 inter_node=Link(bandwidth_gb_per_s=1.0, latency_us=0.0))
+    layout = Layout(bounds=((0, 1), (1, 2), (2, 3), (3, 4)), devices=(0, 1, 2, 3))
+    job, _, _ = make_job(m, cl, 8, layout)
+    rows = build_schedule(job, Policy(depth=(4, 3, 2, 1), split=(Split.FUSED,) * 4, w_limit=(0,) * 4),
+                          compiled=compiled)
+    plan = Plan(model="w", num_devices=4, num_microbatches=8, stages=layout.stages(), schedule=rows)
+    assert simulate(m, cl, plan).step_time_ms == pytest.approx(22.0)
+    if compiled:
+        assert rows.clock[0] == pytest.approx(22.0)  # the compiled loop's own clock charges the same B
