@@ -146,6 +146,8 @@ def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, lis
         _instrument(runner, log)
         runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900)), log))
     out: list[list] = [[] for _ in plans]
+    if args.no_gc:  # the collector off during the steps (collected between rounds), as Megatron's --manual-gc runs
+        gc.disable()
     staged: list[dict] = [{} for _ in plans]  # per plan: (stage, kind) -> the stage profiled whole, per round
     for i in range(args.warmup + args.steps):
         if args.stage_profile and i >= args.warmup:
@@ -171,6 +173,9 @@ def _run_plans(rank: int, label: str, plans, args) -> list[list[tuple[float, lis
                 acts = [(a.stage, a.kind.value, cpu if args.clock == "cpu" else 1000 * (t1 - t0), n, a.microbatch,
                          t0, t1, g, cpu) for (a, t0, t1), (n, cpu, g) in zip(res.timeline, log, strict=True)]
                 out[k].append((1000 * (time.perf_counter() - t), acts, f1 - f0))
+        if args.no_gc:
+            gc.collect()
+    gc.enable()
     return [(steps, {key: statistics.median(v) for key, v in st.items()}) for steps, st in zip(out, staged)]
 
 
@@ -507,6 +512,8 @@ def main() -> None:
     ap.add_argument("--stage-profile", action="store_true",
                     help="between rounds of steps, profile each plan's stages whole (same load as the steps): "
                          "the executor's spans against the very stages measured alone")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="the ranks' garbage collector off during the steps (collected between rounds)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks run with glibc's heap kept (no trim, fixed mmap threshold): tests the allocator")
     args = ap.parse_args()
@@ -520,7 +527,7 @@ def main() -> None:
             report = json.load(fh)
     load1 = os.getloadavg()
     print(f"action costs: {fid.DEVICES} local gloo ranks, one thread each, spans in {args.clock} time"
-          f"{', heap kept' if args.keep_heap else ''}; load average {load0[0]:.2f} before, "
+          f"{', heap kept' if args.keep_heap else ''}{', collector off in steps' if args.no_gc else ''}; load average {load0[0]:.2f} before, "
           f"{load1[0]:.2f} after ({time.time() - t0:.0f} s)")
     if "deferral" in report:
         print_deferral(report["deferral"], args.defer_k)
