@@ -1,7 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10]
-       [--models dense,moe,heavy-head] [--keep-heap]
+       [--models dense,moe,heavy-head] [--keep-heap] [--no-gc]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -191,6 +192,8 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         for _, plan in plans:
             runner = _runner(arch, layers, plan, rank)
             runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900))))
+        if args.no_gc:  # the collector off during the timed steps, collected after each round (Megatron's --manual-gc)
+            gc.disable()
         times: list[list[float]] = [[] for _ in plans]
         busy: list[list[float]] = [[] for _ in plans]  # this rank's time inside its actions, per step
         # round-robin over the plans, so a busy spell of the shared machine hits every plan alike
@@ -205,6 +208,9 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                 if i >= args.warmup:
                     times[k].append(1000 * (time.perf_counter() - t))
                     busy[k].append(1000 * sum(t1 - t0 for _, t0, t1 in res.timeline))
+            if args.no_gc:
+                gc.collect()
+        gc.enable()
         # profile again after the runs: on a shared machine the load drifts, and the mean of the profiles
         # taken before and after describes the time the runs took place in better than either
         after = _profile_both(label, args)
@@ -250,6 +256,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="profiler repeats per distinct layer")
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
     ap.add_argument("--cache", action="store_true", help="reuse cached profiles (default: measure under today's load)")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="Python's garbage collector off during the steps, collected between rounds (what the "
+                         "executor would gain from managing it: benchmarks/action_costs.py --no-gc)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
                          "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
@@ -263,7 +272,8 @@ def main() -> None:
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
     load1 = os.getloadavg()
-    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}, "
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}"
+          f"{' (collector off in steps)' if args.no_gc else ''}, "
           f"{args.microbatches} micro-batches, median of "
           f"{args.steps} steps after {args.warmup} (plans interleaved step by step); profile: both ranks at once, "
           f"median of {args.repeats} per distinct layer, mean of the profiles before and after the runs")
