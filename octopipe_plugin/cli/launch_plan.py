@@ -9,6 +9,7 @@ add to the launch and a table against the launch's current stages under Megatron
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..errors import OctoPipeError, PlanError
 from ..formats import bind_plan, plan_to_dict, write_model, write_plan
@@ -18,6 +19,9 @@ from ..tuner.compare import comparison_rows, format_table
 from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
 
 DEFAULT_PLAN = "octopipe-plan.json"
+# what the Megatron and DeepSpeed runners run of a split plan: the LM head only, its owner holding a shard
+# (the owner reports the loss through the framework's own loss function); the tuner keeps to it
+FRAMEWORK_SPLITS = {"owner_shard": True, "split_embedding": False}
 _GIB = 2**30
 
 
@@ -52,7 +56,7 @@ def run_from_megatron(args) -> int:
         from .plan_split import with_splits
 
         result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
-                                                     constraints=cons,
+                                                     constraints=replace(cons, **FRAMEWORK_SPLITS),
                                                      refusal=lambda p: split_refusal(view.args, p))
     plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
@@ -105,7 +109,8 @@ def _deepspeed_splits(args, job, cluster, result):
 
     block = parse_block(job.config)
     owners = block.layer_of_spec if block is not None else None
-    chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result)
+    chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result,
+                                     constraints=replace(constraints_of(args), **FRAMEWORK_SPLITS))
     problem = split_problem(chosen.plan, job.layers, owners) if chosen.plan.splits else None
     if problem is None:
         return chosen, rows, line

@@ -14,6 +14,8 @@ and the returned plan (checked once more before it is returned). Runtimes that n
   Megatron and DeepSpeed runners report the loss through the framework's own loss function on
   the owner, from its shard's J (docs: /work/wt/SHARD_API.md's framework-side rules). Off for
   OctoPipe's executor (`SplitTorchStages` lets any shard report the loss).
+- `split_embedding=False`: runners that split the LM head only (the Megatron and DeepSpeed
+  runners this round): the split search tries no embedding split.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Constraints:
     uniform_stages_per_device: bool = False
     split_backward: bool = True
     owner_shard: bool = False  # a split head's owner device holds one of its shards
+    split_embedding: bool = True  # the runner runs a split input embedding
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
@@ -94,6 +97,8 @@ class Constraints:
         problem = self.owner_shard_problem(plan)
         if problem:
             out.append(problem)
+        if not self.split_embedding and any(sp.layer != plan.stages[-1].end - 1 for sp in plan.splits):
+            out.append("the plan splits the input embedding (the runner splits the LM head only)")
         return out
 
     def owner_shard_problem(self, plan) -> str | None:
@@ -136,10 +141,12 @@ class Constraints:
             parts.append("--no-split-backward")
         if self.owner_shard:
             parts.append("owner-shard (a split head's owner holds a shard: framework runners)")
+        if not self.split_embedding:
+            parts.append("no-split-embedding (the runner splits the LM head only)")
         return " ".join(parts) or "none"
 
     def as_dict(self) -> dict:
         """JSON form."""
         return {"placement": self.placement, "max_stages_per_device": self.max_stages_per_device,
                 "uniform_stages_per_device": self.uniform_stages_per_device, "split_backward": self.split_backward,
-                "owner_shard": self.owner_shard}
+                "owner_shard": self.owner_shard, "split_embedding": self.split_embedding}

@@ -166,6 +166,8 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
     owner_shard = constraints is not None and constraints.owner_shard
     if owner_shard:  # the plans of the rest have no splits: the inner tunes need not know
         constraints = replace(constraints, owner_shard=False)
+    if constraints is not None and not constraints.split_embedding:
+        emb = None  # the runner splits the head only: no variant with the embedding split
     for stand_in, with_emb in VARIANTS:
         if with_emb and emb is None:
             continue
