@@ -230,14 +230,10 @@ class Transport:
         if msg.kind is None:  # a split layer's hand-over: its meta (the head's input: a HeadInput of three)
             meta = self._split_known(msg, msg.consumer)
             if meta is None and msg in self.split_handshakes:
-                hs = self.meta_posts.get(msg)
-                if hs is None:
-                    hs = self.meta_posts[msg] = self._post(msg, [_HANDSHAKE])
-                if msg not in self.meta_arrived:
-                    if not self.lane.pollable() or not hs.completed():
-                        return None
-                    self._wait(hs, msg.consumer, "receive", host=True)
-                self._learn_split(decode_meta(self.lane.received(hs)[0]))
+                learned = self._handshake(msg)
+                if learned is None:
+                    return None
+                self._learn_split(learned)
                 meta = self._split_known(msg, msg.consumer)
             return None if meta is None else leaf_metas(meta)[0]
         b = boundary_of(msg)
@@ -250,17 +246,24 @@ class Transport:
         if self._meta(b) is None:
             if msg not in self.handshakes:
                 return None
-            hs = self.meta_posts.get(msg)
-            if hs is None:
-                hs = self.meta_posts[msg] = self._post(msg, [_HANDSHAKE])
-            if msg not in self.meta_arrived:
-                # gloo's receive work cannot be polled (is_completed() stays False until wait()), so there
-                # the handshake is awaited only when its message is consumed (recv)
-                if not self.lane.pollable() or not hs.completed():
-                    return None
-                self._wait(hs, msg.consumer, "receive", host=True)
-            self.learned[b] = decode_meta(self.lane.received(hs)[0])
+            learned = self._handshake(msg)
+            if learned is None:
+                return None
+            self.learned[b] = learned
         return leaf_metas(self._meta(b))[0]
+
+    def _handshake(self, msg: Message):
+        """The meta the handshake ahead of `msg` carries (posted on first ask), or None while it has not arrived."""
+        hs = self.meta_posts.get(msg)
+        if hs is None:
+            hs = self.meta_posts[msg] = self._post(msg, [_HANDSHAKE])
+        if msg not in self.meta_arrived:
+            # gloo's receive work cannot be polled (is_completed() stays False until wait()), so there
+            # the handshake is awaited only when its message is consumed (recv)
+            if not self.lane.pollable() or not hs.completed():
+                return None
+            self._wait(hs, msg.consumer, "receive", host=True)
+        return decode_meta(self.lane.received(hs)[0])
 
     def _post(self, msg: Message, metas: list[TensorMeta]) -> Transfer:
         group, grp_peer = self._route(msg.src, self.rank, msg.src)
