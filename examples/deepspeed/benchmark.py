@@ -34,6 +34,8 @@ import tempfile
 
 import torch
 
+from octopipe_plugin.testing.sleep_layer import add_standin_options, check_standin_scale
+
 
 def parse_args(argv=None):
     """Command-line options."""
@@ -48,17 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=8000.0,
                    help="stand-ins: the stock 1F1B engine's simulated step, scaled to this (default 8000)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per engine after one warm-up (default 2)")
-    p.add_argument("--clock", default="device", choices=("device", "wall"),
-                   help="device: stand-ins on the simulator's timing rule, free transfers; wall: host delays count "
-                        "and activations of the model's bytes really travel (octopipe_plugin/executor/clock.py)")
-    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
-                                   "pricing the transfers in the prediction (default: --cluster's)")
-    p.add_argument("--overheads", metavar="FILE",
-                   help="octopipe-overheads/1 file the scale is checked against (default: this machine's, measured "
-                        "once by `octopipe profile --overheads` and cached)")
-    p.add_argument("--strict-host-share", action="store_true",
-                   help="refuse a --target-ms at which the executor's host overhead exceeds 5%% of a modelled step "
-                        "(default: warn)")
+    add_standin_options(p, clock_help="device: stand-ins on the simulator's timing rule, free transfers; wall: host "
+                                      "delays count and activations of the model's bytes really travel "
+                                      "(octopipe_plugin/executor/clock.py)")
     return p.parse_args(argv)
 
 
@@ -129,17 +123,6 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, cl
     deepspeed.comm.barrier()
 
 
-def check_scale(args, runs) -> bool:
-    """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures."""
-    from octopipe_plugin.profile.overheads import machine_overheads
-    from octopipe_plugin.simulator.overheads import scale_warnings
-
-    lines = scale_warnings(runs, machine_overheads(args.overheads), "--target-ms", args.target_ms)
-    for line in lines:
-        print(f"{'error' if args.strict_host_share else 'warning'}: {line}", file=sys.stderr)
-    return bool(lines) and args.strict_host_share
-
-
 def main(argv=None) -> int:
     """Run the three engines and print the comparison."""
     args = parse_args(argv)
@@ -167,7 +150,7 @@ def main(argv=None) -> int:
         wire = host_links(cluster, resolve_cluster(args.links) if args.links else None)
         scaled = {k: simulate(None, wire, p, costs=scaled_costs(model, p, scale), detail=False).step_time_ms
                   for k, p in chosen.items()}
-    if check_scale(args, [(k, p, scaled[k]) for k, p in chosen.items()]):
+    if check_standin_scale(args, [(k, p, scaled[k]) for k, p in chosen.items()]):
         return 2
     world = cluster.num_devices
     print(f"model {model.name} ({model.num_layers} layers), cluster {args.cluster} ({world} devices), "
