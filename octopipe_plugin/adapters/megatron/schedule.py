@@ -69,8 +69,12 @@ class _Executors:
         return ex
 
 
-def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions | None = None):
-    """A Megatron forward_backward_func that runs `plan` (checked and lowered once, executors cached)."""
+def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions | None = None, shards=None):
+    """A Megatron forward_backward_func that runs `plan` (checked and lowered once, executors cached).
+
+    `shards(rank=, model=, config=, report=)`: the rank's shards of the plan's split layers (a VocabShards, or a
+    stand-in), made each step; `report` is the owner's loss report (MegatronStages.head_loss) on the LM head's
+    owner rank, None elsewhere. Needed by plans with `splits`."""
     options = options or ScheduleOptions()
     executors = _Executors(plan, options)
 
@@ -105,10 +109,19 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         phases = split_phases(model) if options.split_linears else None
         plan_float16_wrappers(model, plan, rank)
         saved_sync = config.grad_sync_func, config.param_sync_func
+        made: list = []  # the runner, for the owner's report (the shards are made before it)
+        step_shards = None
+        if shards is not None and plan.splits:
+            owner = plan.stages[-1].device == rank
+            step_shards = shards(rank=rank, model=model, config=config,
+                                 report=(lambda mb, losses, coef: made[0].head_loss(mb, losses, coef)) if owner
+                                 else None)
         runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
-                                collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases)
+                                collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases,
+                                shards=step_shards)
+        made.append(runner)
         ex = executors.get(runner, rank, pp_group)
         try:
             if forward_only:
@@ -125,6 +138,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
             raise OctoPipeError(f"pipeline rank {rank}: {runner.pending()} (stage, micro-batch) pairs still hold "
                                 "state after the step (the plan misses backward actions)")
         if not forward_only:
+            shard_grads_to_main_grad(runner.shard_weights())
             sum_local_grads(model)  # same-rank tied copies: summed before their reduction starts
             runner.sync.sync_held()
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
@@ -132,6 +146,15 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
 
     forward_backward_func.plan = plan
     return forward_backward_func
+
+
+def shard_grads_to_main_grad(weights) -> None:
+    """Move the shard weights' gradients (K/G add them into `.grad`) into DDP's `main_grad`, as DDP's own
+    post-accumulate hook does for every other parameter; their chunks' reduction starts after the step."""
+    for w in weights:
+        if w.grad is not None and getattr(w, "main_grad", None) is not None:
+            w.main_grad.add_(w.grad.data)
+            w.grad = None
 
 
 def _losses_for_megatron(plan, rank: int, runner, pp_group, num_microbatches: int, device) -> list:

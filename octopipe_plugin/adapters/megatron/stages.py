@@ -20,6 +20,14 @@ the chunk's last gradient-producing action (the executor passes `last_backward=T
 from the lowered plan), so DDP's hooks start the reduction; with `grad_sync_func` that action
 still runs under no_sync and the sync is lifted and `grad_sync_func[c]` called right after
 it. `param_sync_func[c]` runs before the chunk's first forward.
+
+Split layers (docs/formats.md, "Split layers"): the shard actions (H, J, K; E, G) run in the
+`shards=` object (a VocabShards, or a stand-in). Under a split LM head the owner (the last
+stage) runs without Megatron's output layer and loss: its F hands on `(hidden, targets, coef)`
+(`split_head`), its backward starts from the shards' summed partial input gradients, and its
+J reports Megatron's loss through the forward step's `loss_func` (`head_loss`). A chunk holding
+a head shard's weight starts its gradient reduction after the step (its gradients arrive at K,
+which is no weight-gradient action of any stage).
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ from typing import Callable, Sequence
 import torch
 
 from octopipe_plugin.actions import RULES, Kind
+from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.executor.data import MicroBatches
-from octopipe_plugin.executor.interface import TensorMeta
+from octopipe_plugin.executor.interface import LossOutput, TensorMeta
 from octopipe_plugin.executor.lowered import lowered_plan
 from octopipe_plugin.executor.stage_core import Forwarded, StageCore
 
+from . import split_head
 from .hooks import pipeline_view
 from .wgrad import Phase, enable_wgrad_split, input_pass, te_modules_of, weight_pass
 
@@ -150,11 +160,13 @@ class MegatronStages(StageCore):
     def __init__(self, *, plan, rank: int, model: Sequence[torch.nn.Module], forward_step_func: Callable,
                  data_iterator, config, num_microbatches: int, tensor_shape: tuple[int, ...],
                  forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
-                 phases: Sequence[Phase] | None = None):
+                 phases: Sequence[Phase] | None = None, shards=None):
         super().__init__(num_stages=plan.num_stages, num_microbatches=num_microbatches,
                          grad_scale=config.grad_scale_func)
         self.plan = plan
         self.rank = rank
+        self.shards = shards
+        self.head_split = check_split_plan(plan, shards, config, collect_non_loss_data)
         self.stages = plan.stages_of(rank)
         if len(model) != len(self.stages):
             raise ValueError(f"pipeline rank {rank}: the plan places {len(self.stages)} stages "
@@ -180,8 +192,28 @@ class MegatronStages(StageCore):
         last_chunk = self.chunk_of[max(last, key=last.get)] if last else None
         from .embeddings import local_copy_chunks
 
-        hold = set() if forward_only else local_copy_chunks(self.model)
+        hold = set() if forward_only else local_copy_chunks(self.model) | self._shard_chunks()
         self.sync = GradSync(config, self.model, last_chunk, forward_only, hold)
+        owner = plan.num_stages - 1
+        self.capture = (split_head.head_capture(self.model[self.chunk_of[owner]])
+                        if self.head_split and owner in self.chunk_of else None)
+        self.owner_loss: dict[int, split_head.OwnerLoss] = {}
+
+    def _shard_chunks(self) -> set[int]:
+        """Chunks holding a shard weight (their gradients arrive at K/G, outside any stage's last B/W: their
+        reduction starts after the step, with the same-rank tied copies')."""
+        weights = [w for w in (getattr(self.shards, "head_weight", None), getattr(self.shards, "embedding_weight", None))
+                   if w is not None]
+        return {c for c, chunk in enumerate(self.model) if any(p is w for p in chunk.parameters() for w in weights)}
+
+    def shard_weights(self) -> list[torch.nn.Parameter]:
+        """This rank's shard weights (a head and/or embedding shard), each once."""
+        out = []
+        for name in ("head_weight", "embedding_weight"):
+            w = getattr(self.shards, name, None)
+            if w is not None and all(w is not o for o in out):
+                out.append(w)
+        return out
 
     # -- StageRunner -------------------------------------------------------------------------------
 
@@ -198,6 +230,51 @@ class MegatronStages(StageCore):
         """
         return super().forward(stage, mb, inputs, batch=batch, forward_only=forward_only or self.forward_only)
 
+    # -- split layers: the shard actions run in `shards` ---------------------------------------------
+
+    def split_meta(self, what: str):
+        """Meta of a split hand-over (the shards' answer)."""
+        return self.shards.split_meta(what)
+
+    def head_forward(self, stage: int, mb: int, hidden):
+        """H: the shard's logits and statistics."""
+        return self.shards.head_forward(stage, mb, hidden)
+
+    def head_backward_input(self, stage: int, mb: int, peer_stats):
+        """J: the shard's partial input gradient and the micro-batch's loss."""
+        return self.shards.head_backward_input(stage, mb, peer_stats)
+
+    def head_backward_weight(self, stage: int, mb: int) -> None:
+        """K: the shard rows' weight gradient."""
+        self.shards.head_backward_weight(stage, mb)
+
+    def embedding_forward(self, stage: int, mb: int):
+        """E: the embedding shard's partial lookup."""
+        return self.shards.embedding_forward(stage, mb)
+
+    def embedding_backward(self, stage: int, mb: int, grad_output) -> None:
+        """G: the embedding shard rows' weight gradient."""
+        self.shards.embedding_backward(stage, mb, grad_output)
+
+    def pending(self) -> int:
+        """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""
+        return super().pending() + (self.shards.pending() if self.shards is not None else 0) + len(self.owner_loss)
+
+    def head_loss(self, mb: int, losses: torch.Tensor, coef: torch.Tensor) -> LossOutput:
+        """The owner's J report: the shards' per-token losses through the forward step's loss_func and Megatron's
+        own scaling (forward_step_calc_loss), so the loss dict Megatron logs and the token count are the unsplit
+        run's."""
+        kept = self.owner_loss.pop(mb)
+        owner = self.num_stages - 1
+        c = self.chunk_of[owner]
+        store: list = []
+        per_token = split_head.per_token_losses(losses, kept.labels_shape)
+        out, num_tokens = split_head.calc_loss(self.model[c], per_token, kept.loss_func, self.config, c,
+                                               self.num_microbatches, self.cp_size, store)
+        self.num_tokens += num_tokens.to(self.num_tokens.device)
+        self.loss_data[mb] = store[0] if store else None
+        return LossOutput(loss=out.detach(), num_tokens=num_tokens, raw=self.loss_data[mb])
+
     # -- StageCore hooks ---------------------------------------------------------------------------
 
     def _stage_input(self, stage: int, mb: int, inputs, keep: bool):
@@ -210,25 +287,52 @@ class MegatronStages(StageCore):
         first = self.sync.before_forward(c)
         store: list = []
         last = stage == self.num_stages - 1
+        owner = last and self.head_split  # the split head's owner: its F hands on the head's input, no loss
+        step_func, loss_funcs = (_keeping_loss_func(self.forward_step_func) if owner
+                                 else (self.forward_step_func, None))
         with pipeline_view(self.plan, self.rank, running=stage):  # get_batch's rank-level question: this chunk
             out, num_tokens = schedules.forward_step(
-                self.forward_step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
+                step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
                 store, self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
-                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last)
-        if last:
+                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last and not owner)
+        handed = out
+        if owner:
+            handed = self._head_input(c, mb, out, loss_funcs[0])
+        elif last:
             self.num_tokens += num_tokens
             self.loss_data[mb] = store[0] if store else None
         fwd = None
         if keep:
-            if not last and self.config.deallocate_pipeline_outputs:
+            if (not last or owner) and self.config.deallocate_pipeline_outputs:
                 sent = out.detach()  # the storage, alive while the executor sends (or hands) it on
                 fwd = Forwarded(input=x, output=out, output_shape=out.shape)  # the shape I and W show autograd
                 schedules.deallocate_output_tensor(out, True)
-                return sent, fwd
+                return (sent if not owner else (sent, *handed[1:])), fwd
             fwd = Forwarded(input=x, output=out)
+        if owner:
+            return handed, fwd
         if last and not torch.is_tensor(out):  # collect_non_loss_data: nothing flows on
             return torch.zeros([], device=self.device), fwd
         return out, fwd
+
+    def _head_input(self, c: int, mb: int, hidden: torch.Tensor, loss_func) -> tuple:
+        """The owner's hand-over (hidden, targets, coef): the labels its model kept, Megatron's loss rule's
+        per-token coefficients (split_head); keeps the loss_func for the micro-batch's report at J."""
+        labels = self.capture.take() if self.capture is not None else None
+        if labels is None:  # a chunk without Megatron's output_processor (a stand-in): its output as it is
+            return split_head.head_input(hidden, None, None)
+        rule = split_head.loss_rule(self.model[c], loss_func, self.config, c, self.num_microbatches, self.cp_size)
+        coef = split_head.coefficients(rule, labels.shape, self.device)
+        if not self.forward_only:
+            self.owner_loss[mb] = split_head.OwnerLoss(loss_func=loss_func, labels_shape=tuple(labels.shape))
+        return split_head.head_input(hidden, labels, coef)
+
+    def _roots(self, stage: int, out, grad_output):
+        # the split head's owner is no loss stage: its backward starts from the shards' summed partials, as a
+        # middle stage's does from its received gradient (StageCore's rule for stage != last)
+        if self.head_split and stage == self.num_stages - 1:
+            return super()._roots(-1, out, grad_output)
+        return super()._roots(stage, out, grad_output)
 
     def _params(self, stage: int) -> list:
         return [p for p in self.model[self.chunk_of[stage]].parameters() if p.requires_grad]
@@ -263,6 +367,52 @@ class MegatronStages(StageCore):
 
     def _autograd_view(self, fwd: Forwarded):
         return _full_shape(fwd.output, fwd.output_shape)
+
+
+def _keeping_loss_func(forward_step_func):
+    """The forward step, and a list that receives each loss_func it returns (the split head's owner keeps it)."""
+    kept: list = []
+
+    def step(*args):
+        out, loss_func = forward_step_func(*args)
+        kept.clear()
+        kept.append(loss_func)
+        return out, loss_func
+
+    return step, kept
+
+
+def check_split_plan(plan, shards, config, collect_non_loss_data: bool) -> bool:
+    """Refuse (one line naming the plan field) split plans this runner cannot run; whether the LM head is split."""
+    from octopipe_plugin.formats.splits import side_of
+
+    n = plan.stages[-1].end
+    head = False
+    for i, sp in enumerate(plan.splits):
+        side = side_of(sp, n)
+        where = f"plan splits[{i}] (layer {sp.layer})"
+        if shards is None:
+            raise OctoPipeError(f"{where}: a plan with split layers needs the rank's shards (MegatronStages(shards="
+                                f"...), make_forward_backward_func(shards=...)); none given")
+        if side == "input":
+            raise OctoPipeError(f"{where}: a split embedding is not supported in Megatron runs yet; split only the "
+                                f"LM head (drop the layer-0 entry from `splits`)")
+        head = head or side == "output"
+        owner = plan.stages[-1].device
+        if side == "output" and owner not in sp.devices:
+            raise OctoPipeError(f"{where}: devices {list(sp.devices)} must include device {owner}, the LM head's owner "
+                                f"(the last stage's device: its J reports Megatron's loss); add it to the split's "
+                                f"devices")
+        if side == "output" and getattr(config, "mtp_num_layers", None):
+            raise OctoPipeError(f"{where}: --mtp-num-layers {config.mtp_num_layers} with a split LM head is not "
+                                f"supported (MTP reuses the output layer); drop the LM head's split or MTP")
+        if side == "output" and getattr(config, "tensor_model_parallel_size", 1) > 1:
+            raise OctoPipeError(f"{where}: tensor parallelism (size {config.tensor_model_parallel_size}) with a split "
+                                f"LM head is not supported yet; split the head at --tensor-model-parallel-size 1")
+        if side == "output" and collect_non_loss_data:
+            raise OctoPipeError(f"{where}: collect_non_loss_data needs the whole logits on one rank; evaluate with an "
+                                f"unsplit plan")
+    return head
 
 
 def model_device(model: Sequence[torch.nn.Module]) -> torch.device:

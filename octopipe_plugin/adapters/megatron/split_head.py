@@ -1,0 +1,151 @@
+"""The owner's side of a split LM head in a Megatron run (docs/formats.md, "Split layers").
+
+Under a plan that splits the LM head, the chunk of the last stage (the owner) runs without
+Megatron's output layer and loss: GPTModel's own `output_processor` hook (its forward takes one)
+returns the final-norm hidden states and keeps the micro-batch's labels, and the owner's F hands
+on `(hidden, targets, coef)`:
+- `hidden` [seq, mbs, hidden] as the output layer would have received it;
+- `targets` int64 [seq * mbs], the labels in the hidden states' token order (sequence-major,
+  as Megatron's `compute_language_model_loss` transposes them);
+- `coef` float32 [seq * mbs] = d(the backward's root)/d(per-token loss): the `loss_func` that
+  `forward_step` returned, then Megatron's own scaling (`forward_step_calc_loss`: / num_tokens
+  and / num_microbatches unless `calculate_per_token_loss`, x cp size for a 2-tuple loss) and
+  `config.grad_scale_func`, applied to a probe per-token leaf (`loss_rule`). The rule is linear in
+  the per-token losses for Megatron's loss functions; a second probe checks it.
+The shards' J gives the real per-token losses back; the owner's J reports them through the same
+`loss_func` and `forward_step_calc_loss` (`report_head_loss`), so Megatron's logged loss dict and
+token count are the ones the unsplit run makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...errors import OctoPipeError
+from .hooks import replace_forward
+
+PROBE_DTYPE = torch.float32  # Megatron's per-token losses: vocab_parallel_cross_entropy computes in fp32
+
+
+class HeadCapture:
+    """GPTModel's `output_processor`: keeps the labels and returns the final-norm hidden states."""
+
+    def __init__(self):
+        self.labels = None
+
+    def __call__(self, *, hidden_states, labels=None, **unused):
+        self.labels = labels
+        return hidden_states
+
+    def take(self):
+        """The labels of the forward that just ran (None when it had none), forgotten here."""
+        labels, self.labels = self.labels, None
+        return labels
+
+
+# GPTModel instance -> its capture (weak: a model that goes away takes its entry with it)
+_CAPTURES: "weakref.WeakKeyDictionary[torch.nn.Module, HeadCapture]" = weakref.WeakKeyDictionary()
+
+
+def head_capture(chunk: torch.nn.Module) -> HeadCapture | None:
+    """Make the owner chunk's model return its head's input (once per model); None for a chunk whose model takes
+    no `output_processor` (a stand-in chunk, whose output is the head's input as it is)."""
+    inner = chunk
+    while not _takes_output_processor(inner) and hasattr(inner, "module"):
+        inner = inner.module  # DDP, Float16Module
+    if not _takes_output_processor(inner):
+        return None
+    cap = _CAPTURES.get(inner)
+    if cap is None:
+        cap = _CAPTURES[inner] = HeadCapture()
+
+        def make(original, _cap=cap):
+            def forward(*args, **kwargs):
+                kwargs["output_processor"] = _cap
+                return original(*args, **kwargs)
+
+            return forward
+
+        replace_forward(inner, make, "the owner of a split LM head returns the final-norm hidden states")
+    return cap
+
+
+def _takes_output_processor(module) -> bool:
+    try:
+        return "output_processor" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OwnerLoss:
+    """What the owner keeps from F for its J's report: the forward step's loss_func and the labels' shape."""
+
+    loss_func: Callable
+    labels_shape: tuple[int, ...]  # [mbs, seq]
+
+
+@contextlib.contextmanager
+def _without_timers(config):
+    """Megatron's forward_step stops its 'forward-compute' timer once per forward: the extra calls of
+    forward_step_calc_loss made here must not stop it again."""
+    saved, config.timers = config.timers, None
+    try:
+        yield
+    finally:
+        config.timers = saved
+
+
+def calc_loss(model, per_token: torch.Tensor, loss_func, config, vp_stage, num_microbatches: int, cp_size: int,
+              store: list):
+    """Megatron's own forward_step_calc_loss on the last stage: (scaled loss, num_tokens); the loss dict into store."""
+    from megatron.core.pipeline_parallel import schedules
+
+    with _without_timers(config):
+        return schedules.forward_step_calc_loss(model, per_token, loss_func, config, vp_stage, False,
+                                                num_microbatches, store, cp_size, True)
+
+
+def loss_rule(model, loss_func, config, vp_stage, num_microbatches: int, cp_size: int):
+    """The step's backward root as a function of the micro-batch's per-token losses [mbs, seq]."""
+    def rule(per_token: torch.Tensor) -> torch.Tensor:
+        out, _ = calc_loss(model, per_token, loss_func, config, vp_stage, num_microbatches, cp_size, [])
+        return config.grad_scale_func(out) if config.grad_scale_func is not None else out
+
+    return rule
+
+
+def coefficients(rule, shape, device) -> torch.Tensor:
+    """d rule / d per-token loss at two probes (zeros and ones); refuses a rule whose derivative differs (not linear)."""
+    grads = []
+    for fill in (0.0, 1.0):
+        probe = torch.full(tuple(shape), fill, dtype=PROBE_DTYPE, device=device, requires_grad=True)
+        with torch.enable_grad():
+            root = rule(probe)
+            (g,) = torch.autograd.grad(root, probe, allow_unused=True)
+        grads.append(torch.zeros_like(probe) if g is None else g.detach())
+    if not torch.allclose(grads[0], grads[1], rtol=1e-6, atol=0.0):
+        raise OctoPipeError("the forward step's loss_func is not linear in the per-token losses (its derivative "
+                            "differs between two probes): a split LM head hands its shards one coefficient per "
+                            "token; run this loss without `splits` in the plan")
+    return grads[0]
+
+
+def head_input(hidden: torch.Tensor, labels, coef) -> tuple:
+    """(hidden, targets, coef) in the hidden states' token order ([seq, mbs] flattened), or (hidden, None, None)."""
+    if labels is None:
+        return hidden, None, None
+    # labels and coef are [mbs, seq]; the hidden states [seq, mbs, h] (compute_language_model_loss transposes)
+    return hidden, labels.t().reshape(-1).to(torch.int64), coef.t().reshape(-1)
+
+
+def per_token_losses(losses: torch.Tensor, labels_shape) -> torch.Tensor:
+    """The shards' per-token losses ([seq * mbs], sequence-major) as the output layer's loss gives them: [mbs, seq]."""
+    mbs, seq = labels_shape
+    return losses.reshape(seq, mbs).t()

@@ -1,0 +1,179 @@
+"""Megatron's LM-head weight divided over a split plan's shard ranks: `HeadShard` and its initial rows.
+
+Under a plan that splits the LM head (formats/splits.py), each shard rank of the head holds rows
+[lo, hi) of Megatron's `output_layer.weight` (global padded vocabulary x hidden). The vocabulary is
+cut first as Megatron cuts it over tensor parallelism (VocabUtility: V/tp rows per TP rank), then
+each TP slice by the plan's shares (`row_range`), so TP rank t of shard device d holds global rows
+t*V/tp + row_range(split, V/tp, d) (`shard_rows`).
+
+Initial values. Megatron draws output_layer.weight inside ColumnParallelLinear: with
+`use_cpu_initialization` from the default torch generator (the whole [V, h] master weight, then
+the TP slice: tensor_parallel/layers.py `_initialize_affine_weight_cpu`), on GPU through the
+model-parallel CUDA RNG tracker (`_initialize_affine_weight_gpu`); both streams are seeded per
+pipeline rank (megatron.training `_set_random_seed`: seed + 100 x pp rank) and advanced by every
+module built before it on that rank. So the values depend on the owner rank's whole construction
+and cannot be redrawn elsewhere; the owner builds its chunk as the unsplit run does (the head
+included, nothing else's draws move) and `build_head_shard` hands each shard rank its rows of that
+weight, point to point inside the pipeline group. Shard ranks allocate without drawing, so their
+own modules keep the values of the unsplit run too.
+
+Checkpoints. `HeadShard.sharded_state_dict` saves the rows as their slice of the ONE global tensor
+under Megatron's own key (`output_layer.weight`; another key, e.g. a tied embedding's, by `key=`),
+with irregular global offsets (axis_fragmentations=None: the uneven sharding dist-ckpt supports
+and leaves to torch DCP to check, strategies/torch.py). Megatron's distributed optimizer builds
+its model-space state from the same ShardedTensor, so Adam's moments travel the same way, and a
+checkpoint written under one split loads under Megatron's own layout or another split, and back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from octopipe_plugin.formats.splits import SplitLayer, row_range
+
+__all__ = ["HeadShard", "build_head_shard", "shard_rows"]
+
+
+def shard_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
+               tp_size: int = 1) -> tuple[int, int] | None:
+    """Global rows [lo, hi) of the padded vocabulary that pipeline rank `device` holds at TP rank `tp_rank`
+    (None when the device holds no shard)."""
+    if vocab_size % tp_size:
+        raise ValueError(f"padded vocabulary {vocab_size} is not divisible by tensor-parallel size {tp_size} "
+                         "(Megatron pads it to a multiple of --make-vocab-size-divisible-by x TP)")
+    per_tp = vocab_size // tp_size
+    rows = row_range(split, per_tp, device)
+    if rows is None:
+        return None
+    return tp_rank * per_tp + rows[0], tp_rank * per_tp + rows[1]
+
+
+class HeadShard(torch.nn.Module):
+    """Rows [lo, hi) of the global [vocab_size, hidden] LM-head weight, as one shard rank of a split plan holds them.
+
+    Attach it where Megatron's head lives (`chunk.output_layer = shard`: parameter name, optimizer groups
+    and checkpoint key stay Megatron's), before DDP wrapping so its weight joins the gradient buffers.
+    `forward(hidden)` gives this shard's logits [..., hi - lo] (ColumnParallelLinear's (output, bias) pair).
+    """
+
+    def __init__(self, config, *, vocab_size: int, hidden_size: int, rows: tuple[int, int],
+                 tp_rank: int = 0, tp_size: int = 1, key: str | None = None, copy: bool = False,
+                 weight: torch.Tensor | None = None):
+        super().__init__()
+        lo, hi = rows
+        per_tp = vocab_size // tp_size if tp_size > 0 else 0
+        if not (tp_rank * per_tp <= lo < hi <= (tp_rank + 1) * per_tp):
+            raise ValueError(f"HeadShard rows {rows}: expected non-empty rows inside TP rank {tp_rank}'s slice "
+                             f"[{tp_rank * per_tp}, {(tp_rank + 1) * per_tp}) of the padded vocabulary {vocab_size} "
+                             "(fix: a share too small for the vocabulary gives an empty shard; raise it)")
+        self.config = config
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.rows = (lo, hi)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.key = key  # checkpoint key; None: the prefix Megatron's sharded_state_dict passes + "weight"
+        self.copy = copy  # a non-main replica in checkpoints (e.g. a tied head's copy of embedding rows)
+        if weight is None:
+            # ColumnParallelLinear's placement rule; torch.empty draws nothing (the rank's RNG stream stays put)
+            where = (torch.device("cpu") if getattr(config, "use_cpu_initialization", True)
+                     else torch.device("cuda", torch.cuda.current_device()))
+            weight = torch.empty(hi - lo, hidden_size, dtype=config.params_dtype, device=where)
+        if tuple(weight.shape) != (hi - lo, hidden_size):
+            raise ValueError(f"HeadShard rows {rows}: expected a weight of shape {(hi - lo, hidden_size)}, "
+                             f"got {tuple(weight.shape)}")
+        self.weight = torch.nn.Parameter(weight)
+        # what Megatron's DDP, optimizer and grad-norm read off ColumnParallelLinear's weight: a tensor-parallel
+        # (unique per TP rank, counted once in the norm) partition along rows, reduced over plain data parallelism
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = 0
+        self.weight.partition_stride = 1
+        self.weight.allreduce = True
+        # ColumnParallelLinear's hook: state dicts without `_extra_state` still load
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        """This shard's logits of `input_` [..., hidden] -> [..., hi - lo], and no bias."""
+        return torch.nn.functional.linear(input_, self.weight if weight is None else weight), None
+
+    def get_extra_state(self):
+        """None, as ColumnParallelLinear's (kept so checkpoints carry the same `_extra_state` entry)."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Extra state is ignored, as ColumnParallelLinear ignores it."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+        """The weight as its rows of the one global [vocab_size, hidden] tensor (irregular offsets), and the
+        `_extra_state` object ColumnParallelLinear saves (main replica on the shard holding the slice's first row)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
+
+        if sharded_offsets:
+            # the head sits at model level: LanguageModule.sharded_state_dict asserts no offsets either
+            raise ValueError(f"HeadShard at {prefix!r}: unexpected sharded_offsets {sharded_offsets}")
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        dp_rank = metadata["dp_cp_group"].rank()
+        lo, _ = self.rows
+        key = self.key or f"{prefix}weight"
+        # replica_id as make_tp_sharded_tensor_for_checkpoint: (copy, 0 - TP ranks hold distinct rows, DP replica)
+        weight = ShardedTensor(key, self.weight, self.weight.dtype, tuple(self.weight.shape),
+                               (self.vocab_size, self.hidden_size), (lo, 0), axis_fragmentations=None,
+                               replica_id=(int(self.copy), 0, dp_rank),
+                               allow_shape_mismatch=True)  # LanguageModule's rule for the head: padded vocabulary
+        first = lo == self.tp_rank * (self.vocab_size // self.tp_size)
+        extra_key = key[:-len("weight")] + "_extra_state" if key.endswith("weight") else key + "._extra_state"
+        extra = make_sharded_object_for_checkpoint(None, extra_key, (),
+                                                   replica_id=(int(self.copy or not first), self.tp_rank, dp_rank))
+        return {f"{prefix}weight": weight, f"{prefix}_extra_state": extra}
+
+    def extra_repr(self) -> str:
+        lo, hi = self.rows
+        return f"rows=[{lo}, {hi}) of {self.vocab_size}, hidden={self.hidden_size}, TP={self.tp_size}"
+
+
+def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, vocab_size: int, hidden_size: int,
+                     owner_weight: torch.Tensor | None, pp_group=None, tp_rank: int | None = None,
+                     tp_size: int | None = None, key: str | None = None) -> HeadShard | None:
+    """This pipeline rank's HeadShard (None off the shard set), its rows copied from the owner's Megatron-built head.
+
+    Collective over the owner and the split's devices of one pipeline group (the others return at once):
+    `owner_weight` is, on the owner (pipeline rank `owner`), the output_layer.weight its chunk built as the
+    unsplit run builds it (this TP rank's slice), and None elsewhere. Call it before Float16Module / DDP
+    wrapping; the owner then drops its own `output_layer`.
+    """
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    pp_group = ps.get_pipeline_model_parallel_group() if pp_group is None else pp_group
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    tp_size = ps.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    ranks = dist.get_process_group_ranks(pp_group)
+    per_tp = vocab_size // tp_size
+    if device == owner:
+        want = (per_tp, hidden_size)
+        if owner_weight is None or tuple(owner_weight.shape) != want or owner_weight.dtype != config.params_dtype:
+            got = None if owner_weight is None else (tuple(owner_weight.shape), owner_weight.dtype)
+            raise ValueError(f"build_head_shard on the owner (pipeline rank {owner}): expected its output_layer.weight "
+                             f"of shape {want} and dtype {config.params_dtype} (built, not yet wrapped), got {got}")
+        mine = None
+        with torch.no_grad():
+            for d in split.devices:
+                lo, hi = row_range(split, per_tp, d)
+                if d == owner:
+                    mine = owner_weight[lo:hi].detach().clone()
+                else:
+                    dist.send(owner_weight[lo:hi].detach().contiguous(), dst=ranks[d], group=pp_group)
+        if mine is None:
+            return None
+    elif device in split.devices:
+        mine = None
+    else:
+        return None
+    rows = shard_rows(split, vocab_size, device, tp_rank, tp_size)
+    shard = HeadShard(config, vocab_size=vocab_size, hidden_size=hidden_size, rows=rows, tp_rank=tp_rank,
+                      tp_size=tp_size, key=key, weight=mine)
+    if mine is None:
+        with torch.no_grad():
+            dist.recv(shard.weight.data, src=ranks[owner], group=pp_group)
+    return shard
