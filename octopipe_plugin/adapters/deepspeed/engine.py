@@ -56,7 +56,7 @@ class OctoPipeEngine(PipelineEngine):
         block = self.module.octopipe_block
         # weight gradients reach p.grad through autograd's AccumulateGrad, so DeepSpeed's gradient hooks
         # (bf16 immediate_grad_update, ZeRO) fire once per parameter and action
-        self._runner = DeepSpeedStages(self, grad_sink="autograd")
+        self._runner = DeepSpeedStages(self, grad_sink="autograd", shards=self._head_shards())
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
         wants = block.overlap_dp_reduction if block is not None else True
@@ -71,6 +71,15 @@ class OctoPipeEngine(PipelineEngine):
             self._build_data_iter(self.training_data)  # first/last stage now mean the plan's
         log.info("octopipe: rank %d runs stages %s of %d", self.global_rank, self.module.local_stages,
                  self.plan.num_stages)
+
+    def _head_shards(self):
+        """The object running this rank's shard actions of a split plan (None without splits)."""
+        if not self.plan.splits:
+            return None
+        if self.module.octopipe_shards is not None:  # stand-ins (the benchmarks)
+            return self.module.octopipe_shards(self)
+        raise OctoPipeError("OctoPipeEngine: the real head shards need executor.vocab_shard.VocabShards "
+                            "(shardcore's SHARD_API step 2), not on this branch yet; pass shards= to the module")
 
     # ---- which rank plays which role -----------------------------------------------------------------
     def is_first_stage(self):

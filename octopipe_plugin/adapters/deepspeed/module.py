@@ -18,6 +18,8 @@ from deepspeed.runtime.pipe.module import PipelineModule
 import logging
 
 from ...errors import OctoPipeError
+from .config import refused
+from .head_split import SHARD_NAME, build_shard, head_entry, head_placement
 from .partition import layer_starts
 from .versions import check_installed
 
@@ -30,13 +32,17 @@ class OctoPipePipelineModule(PipelineModule):
     `config`: a DeepSpeed config with an enabled "octopipe" block (its plan, or tuning on rank 0);
     `layer_costs`: costs of list entries the analytic model cannot cost, or measured ones, for
     that tuning (graph.model_from_specs).
+    `shards`: for a plan that splits the LM head, a callable `(engine) -> shards object` running the
+    shard actions instead of the real head shards (the benchmarks' stand-ins); None: the real ones.
+    A split head (head_split.py) is built as this rank's rows of it, not in the owner stage.
 
     PipelineModule.__init__ partitions (via `_partition_layers`) before it builds any layer, so the
     stages are fixed before that call and every rank builds only the layers of its own stages.
     """
 
     def __init__(self, layers, *, parts: Sequence[int] | None = None, plan=None, config: dict | None = None,
-                 layer_of_spec: Sequence[int] | None = None, layer_costs: dict | None = None, **kwargs):
+                 layer_of_spec: Sequence[int] | None = None, layer_costs: dict | None = None, shards=None,
+                 **kwargs):
         if "num_stages" in kwargs or "partition_method" in kwargs:
             raise OctoPipeError("OctoPipePipelineModule: num_stages and partition_method come from the plan "
                                 "(or `parts`)")
@@ -46,6 +52,10 @@ class OctoPipePipelineModule(PipelineModule):
         # Plain attributes set before nn.Module.__init__: read by _partition_layers during super().__init__.
         self.octopipe_plan = None
         self.octopipe_block = None
+        self.octopipe_head = None  # a split LM head's placement (head_split.HeadPlacement), set by the partition
+        self.octopipe_shards = shards  # None: OctoPipeEngine runs the head shards' real math
+        self._octopipe_owners = None
+        self._head_index = None  # list index of a split head (not built in the owner stage)
         if parts is not None:
             self._octopipe_parts = tuple(int(p) for p in parts)
             num_stages = len(self._octopipe_parts) - 1
@@ -57,6 +67,13 @@ class OctoPipePipelineModule(PipelineModule):
             self.octopipe_plan, self.octopipe_block, owners = resolve_plan(
                 layers, plan=plan, config=config, layer_of_spec=layer_of_spec, costs=layer_costs,
                 pipe_size=topo.get_dim("pipe") if topo is not None else None)
+            try:  # a split head that cannot run is refused before anything is built (rank -1: no rows asked)
+                head_entry(self.octopipe_plan, owners)
+                if shards is None:
+                    head_placement(self.octopipe_plan, layers, owners, -1)
+            except OctoPipeError as exc:
+                raise refused(exc) from None
+            self._octopipe_owners = owners
             starts = (layer_starts(owners, self.octopipe_plan.stages[-1].end) if owners is not None
                       else list(range(len(layers) + 1)))
             self._octopipe_parts = tuple(starts[st.start] for st in self.octopipe_plan.stages) + (starts[-1],)
@@ -85,6 +102,9 @@ class OctoPipePipelineModule(PipelineModule):
                 raise OctoPipeError(f"plan has {plan.num_devices} devices, the pipeline has {self.num_stages} "
                                     "ranks (the topology's pipe dimension)")
             self.stage_devices = tuple(st.device for st in plan.stages)
+            self._head_index = head_entry(plan, self._octopipe_owners)
+            if self.octopipe_shards is None:  # stand-in shards: no real rows
+                self.octopipe_head = head_placement(plan, self._layer_specs, self._octopipe_owners, self.stage_id)
         self.local_stages = tuple(s for s, d in enumerate(self.stage_devices) if d == self.stage_id)
         self._stage_funcs: dict[int, list] = {}
         self._stage_checkpointable: dict[int, list] = {}
@@ -109,12 +129,19 @@ class OctoPipePipelineModule(PipelineModule):
         raise OctoPipeError(f"layer {layer_idx} is in no stage of parts {self.parts}")
 
     def _build(self) -> None:
-        """Build every local stage's layers (tied modules are built once per rank and shared)."""
+        """Build every local stage's layers (tied modules are built once per rank and shared), and this rank's
+        shard of a split head (a child module, so the optimizer and DeepSpeed's gradient paths see it)."""
+        head = self.octopipe_head
+        last = len(self.parts) - 2
         for s in self.local_stages:
-            self._set_bounds(self.parts[s], self.parts[s + 1])
+            # the owner of a split head is built without it: its rows live in the shards
+            stop = self._head_index if self._head_index is not None and s == last else self.parts[s + 1]
+            self._set_bounds(self.parts[s], stop)
             self.forward_funcs = []
             super()._build()
             self._stage_funcs[s] = self.forward_funcs
+        if head is not None and head.rows is not None:
+            setattr(self, SHARD_NAME, build_shard(self, head))
         if self.local_stages:
             self.activate_stage(self.local_stages[0])
 
@@ -163,6 +190,15 @@ class OctoPipePipelineModule(PipelineModule):
         for s in self._each_stage():
             super().compile(*args, **kwargs)
             self._stage_funcs[s] = self.forward_funcs
+
+    def head_shard(self):
+        """This rank's HeadShard of a split LM head, or None."""
+        return getattr(self, SHARD_NAME, None)
+
+    def head_shard_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters of this rank's head shard (none without one)."""
+        shard = self.head_shard()
+        return [p for p in shard.parameters() if p.requires_grad] if shard is not None else []
 
     def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         """Trainable parameters used by stage `stage` (a tied module counts in every stage using it)."""
