@@ -2,6 +2,7 @@
 
     python examples/megatron/benchmark.py --stand-in --model nemotron-h --cluster h100x8 --microbatches 32
     python examples/megatron/benchmark.py --stand-in --model my-model.json --plan plan.json
+    python examples/megatron/benchmark.py --stand-in --model gemma3 --cluster h100x16 --split-plan split.json
 
 With --stand-in (CPU), every layer of the model (a zoo name, an architecture file or any
 octopipe-model/1 file) becomes a stand-in layer that sleeps its scaled F, I and W time inside
@@ -12,13 +13,19 @@ data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.
 interleaved 1F1B on Megatron's even split at its best virtual-stage count) and then OctoPipe's
 (the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through
 `make_forward_backward_func`, the schedule `--pipeline-schedule octopipe` swaps into Megatron). Both are timed from a common start instant; the simulator's
-predictions for both plans at the same scale give the simulated speedup. With --clock wall
+predictions for both plans at the same scale give the simulated speedup. Unless --splits off,
+a third run is OctoPipe with split layers (--split-plan, or the split-aware tuner's plan on top of
+the plan without splits): the LM head's rows divided over several ranks, whose shard passes
+(H, J, K) and their hand-overs sleep their modelled costs in the rank's `SleepShards` (the dry
+run's stand-in, executor/standin.py), the owner chunk ending in the hand-over to them; Megatron's
+runner (`MegatronStages(shards=)`) runs the owner's F and backward. With --clock wall
 nothing is modelled but the compute: the boundaries are as large as the model's bytes across a
 cut and Megatron's and OctoPipe's p2p move them over gloo, every host delay counts, and the
 prediction prices transfers unscaled by the links of --links (this host's: the file
 `octopipe cluster --measure --ranks N` wrote), else --cluster's. The last line is
 
     measured speedup X.XXx (simulated Y.YYx)
+    measured split gain X.XXx (simulated Y.YYx)      (OctoPipe with splits over without; unless --splits off)
 
 Real layers on GPUs: launch your pretrain script twice with examples/megatron/launch.py
 (`--pipeline-schedule default`, then `octopipe`) and compare Megatron's logged iteration times;
@@ -283,8 +290,15 @@ def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     for v, m in enumerate(model):
         m.vp_stage = v
     options = ScheduleOptions(timeout_s=timeout_s)
-    forward_backward = (make_forward_backward_func(plan, options=options) if shards is None
-                        else make_forward_backward_func(plan, options=options, shards=shards))
+
+    def rank_shards(*, rank, model, config, report):
+        """make_forward_backward_func's shards factory: the rank's SleepShards, reporting through the owner's
+        loss report (Megatron's loss dict of the micro-batch, from the stand-in forward step's loss_func)."""
+        shards.report = report
+        return shards
+
+    forward_backward = make_forward_backward_func(plan, options=options,
+                                                  shards=rank_shards if shards is not None else None)
 
     def step():
         data = [itertools.count() for _ in model]  # the first and the last stage read micro-batch numbers

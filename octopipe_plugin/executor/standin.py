@@ -112,6 +112,14 @@ def split_ready(value, what: str, mb: int, link_ms, *, rank: int, action: str) -
     return max((t + link_ms(j) / 1000.0 for j, t in enumerate(slots) if t > 0), default=0.0)
 
 
+def _coef_of(value) -> torch.Tensor | None:
+    """The loss coefficients a HeadInput-like hand-over carries (its third field), None when it has none."""
+    coef = getattr(value, "coef", None)
+    if coef is None and isinstance(value, (tuple, list)) and len(value) > 2:
+        coef = value[2]
+    return coef.detach() if isinstance(coef, torch.Tensor) else None
+
+
 def _tensor_of(value) -> torch.Tensor:
     """The hand-over tensor of a value: itself, or the first field of a HeadInput-like tuple / object (hidden)."""
     if isinstance(value, torch.Tensor):
@@ -133,8 +141,10 @@ class SleepShards:
     make the head's input and read the summed partials with the same `split_stamp` / `split_ready`).
     `hand_over`: the meta of the hand-overs that meet a framework's tensors (the head's input, its
     partial input gradient, the embedding's partials: the framework's activation, float64, at least
-    `split_numel` elements); default the bare summable payload. `report(mb)`: the LossOutput a J
-    reports (default a zero loss: the stand-ins' loss value is not measured).
+    `split_numel` elements); default the bare summable payload. `report(mb, per_token_losses, coef)`:
+    the runner's loss report a J makes (SHARD_API item 2; the owner's, which gives the framework its
+    loss dict), here on zero per-token losses, one per token of the head's input (`coef`'s length, as
+    the owner handed it on, else 1); default a zero loss (the stand-ins' loss value is not measured).
     """
 
     def __init__(self, *, shards: Sequence[ShardCosts], rank: int, device: DeviceClock, num_devices: int,
@@ -146,7 +156,7 @@ class SleepShards:
         self.hand_over = hand_over
         self.report = report
         self.checked = 0
-        self._owed: dict[tuple[str, int, int], bool] = {}  # (kind, stage, mb) of an H or J whose K or G is due
+        self._owed: dict[tuple[str, int, int], object] = {}  # (kind, stage, mb) of an H / E whose J / G is due
 
     def split_meta(self, what: str) -> TensorMeta:
         """The statistics are the bare summable payload; the other hand-overs have `hand_over`'s shape."""
@@ -178,7 +188,7 @@ class SleepShards:
         """H: wait for the head's input, sleep the share of F; the statistics go to every other shard."""
         c = self.split["output"]
         end = self.device.work(c.share(self.rank) * c.fwd, self.ready_at(hidden, f"{stage}H{mb}", mb, "head-input"))
-        self._owed[("H", stage, mb)] = True
+        self._owed[("H", stage, mb)] = _coef_of(hidden)  # the owner's loss coefficients, for J's report
         return self._stamp("stats", mb, end)
 
     def head_backward_input(self, stage: int, mb: int, peer_stats):
@@ -186,9 +196,12 @@ class SleepShards:
         c = self.split["output"]
         ready = max([self.ready_at(p, f"{stage}J{mb}", mb, "stats") for p in peer_stats], default=0.0)
         end = self.device.work(c.share(self.rank) * c.bwd, ready)
-        self._owed.pop(("H", stage, mb), None)
-        loss = self.report(mb) if self.report is not None else LossOutput(loss=torch.zeros((), dtype=torch.float64))
-        return self._stamp("head-partial", mb, end), loss
+        coef = self._owed.pop(("H", stage, mb), None)
+        if self.report is None:
+            return self._stamp("head-partial", mb, end), LossOutput(loss=torch.zeros((), dtype=torch.float64))
+        if coef is None:
+            coef = torch.zeros(1, dtype=torch.float32)
+        return self._stamp("head-partial", mb, end), self.report(mb, torch.zeros_like(coef), coef)
 
     def head_backward_weight(self, stage: int, mb: int, **_) -> None:
         """K: sleep the share of W."""
@@ -198,7 +211,7 @@ class SleepShards:
     def embedding_forward(self, stage: int, mb: int) -> torch.Tensor:
         """E: sleep the share of F; the partial goes to stage 0."""
         c = self.split["input"]
-        self._owed[("E", stage, mb)] = True
+        self._owed[("E", stage, mb)] = None
         return self._stamp("embedding-partial", mb, self.device.work(c.share(self.rank) * c.fwd))
 
     def embedding_backward(self, stage: int, mb: int, grad_output, **_) -> None:

@@ -95,14 +95,18 @@ def standin_chunk_class():
                 input_tensor = input_tensor[0]
             self.input_tensor = input_tensor
 
-        def forward(self, tokens=None):
+        def forward(self, tokens=None, output_processor=None):
             """Run the stand-in layers on the pipeline input (a fresh input that wants a gradient on stage 0);
-            `tokens`: the micro-batch the forward step read (first and last stage)."""
+            `tokens`: the micro-batch the forward step read (first and last stage). `output_processor`:
+            GPTModel's hook on the last stage, called as GPTModel calls it (the final hidden states and the
+            labels, one token of [micro-batch, sequence] here); a split head's owner returns its answer."""
             self.microbatch = tokens
             x = torch.zeros(BOUNDARY_SHAPE, dtype=DTYPE, requires_grad=True) if self.pre_process \
                 else self.input_tensor
             for layer in self.layers:
                 x = layer(x)
+            if output_processor is not None and self.post_process:
+                return output_processor(hidden_states=x, labels=torch.zeros(BOUNDARY_SHAPE[1::-1], dtype=torch.int64))
             return x
 
     return StandInChunk
