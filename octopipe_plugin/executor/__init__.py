@@ -36,8 +36,11 @@ API (what the Megatron and DeepSpeed adapters build on):
 - Plans with split layers (docs/formats.md, "Split layers"): shard actions call the runner's
   optional shard methods (`interface.SHARD_METHODS`); their hand-overs travel with the stage
   messages in one per-pair order (`split_program.py`); with a split head every head shard's rank
-  reports the loss (its J). `SplitTorchStages` (vocab_shard.py) is the plain-module runner.
-  Training steps only: an evaluation step of a split plan is refused.
+  reports the loss (its J). The head's owner hands every shard a `HeadInput(hidden, targets,
+  coef)` (head_input.py; `loss_coefficients(rule, ...)` gives coef from a loss rule). `VocabShards`
+  (vocab_shard.py) is a rank's shard math in plain torch, run by any StageCore runner built with
+  `shards=`; `SplitTorchStages` is the plain-module runner. Evaluation steps of split plans run
+  F, H, J (the loss only) and E.
 - `CommCache` (`default_cache()` unless given): per-direction process groups (NCCL, or
   gloo with `ExecutorOptions(pair_groups=True)`), made once per rank pair for every
   pipeline of the world (collective over the default group: every rank constructs its
@@ -50,6 +53,7 @@ API (what the Megatron and DeepSpeed adapters build on):
 from .comm_cache import CommCache, default_cache
 from .engine import ExecutorOptions, PipelineExecutor, StepResult, forward_plan
 from .errors import ExecutorError
+from .head_input import HeadInput, NonLinearLossRule, loss_coefficients
 from .interface import LossOutput, RunnerInterfaceError, StageRunner, TensorMeta, check_runner
 from .lowered import LoweredPlan, first_rank, loss_rank, lowered_plan
 from .nccl_rules import check_nccl_rules
@@ -57,11 +61,12 @@ from .posting import format_lowered
 from .program import RankProgram, Step, build_program
 from .torch_stage import TorchStages
 from .validate import check_runnable
-from .vocab_shard import SplitTorchStages
+from .vocab_shard import SplitTorchStages, TensorParallel, VocabShards
 
 __all__ = [
     "CommCache", "default_cache", "ExecutorOptions", "PipelineExecutor", "StepResult", "forward_plan",
     "ExecutorError", "LossOutput", "StageRunner", "TensorMeta", "RankProgram", "Step", "build_program",
     "TorchStages", "check_runnable", "RunnerInterfaceError", "check_runner", "LoweredPlan", "lowered_plan",
-    "loss_rank", "first_rank", "check_nccl_rules", "format_lowered", "SplitTorchStages",
+    "loss_rank", "first_rank", "check_nccl_rules", "format_lowered", "SplitTorchStages", "VocabShards",
+    "TensorParallel", "HeadInput", "NonLinearLossRule", "loss_coefficients",
 ]

@@ -34,6 +34,7 @@ from .boundary import (
     unpack_grads, META_BYTES,
 )
 from .comm_cache import reusable
+from .head_input import metas_from_head_input
 from .errors import ExecutorError
 from .interface import TensorMeta
 from .lanes import Request, Transfer, make_lane
@@ -60,6 +61,16 @@ def handshake_messages(orders: dict) -> set[Message]:
     return set(first.values())
 
 
+# split messages whose meta a transport may learn in a step: the head input (handshake), what follows from it
+_LEARNABLE = ("head-input", "stats", "head-partial")
+
+
+def _first_head_inputs(orders: dict) -> set:
+    """Per peer order -> the first head-input message of each (where a head input's handshake goes)."""
+    return {next(m for m in msgs if m.kind is None and m.what == "head-input")
+            for msgs in orders.values() if any(m.kind is None and m.what == "head-input" for m in msgs)}
+
+
 def default_exchange(backend: str) -> str:
     """The exchange a backend uses unless told otherwise."""
     return DEFAULT_EXCHANGE.get(backend, "message")
@@ -82,6 +93,7 @@ class Transport:
         self.action_index = action_index
         self.num_stages = num_stages
         self.recv_order = recv_order
+        self.send_order = send_order
         self.position = {m: i for msgs in recv_order.values() for i, m in enumerate(msgs)}
         self.handshakes = handshake_messages(recv_order) | handshake_messages(send_order)
         self.device = torch.device(device)
@@ -104,6 +116,8 @@ class Transport:
         self.forward_only = False
         self.declared: dict[int, object] = {}
         self.split_metas: dict[str, TensorMeta] = {}  # a split layer's messages: what -> meta (runner.split_meta)
+        self.split_learned: dict[str, object] = {}  # what -> meta learned this step (head input undeclared)
+        self.split_handshakes: set = set()  # the head-input messages a handshake goes ahead of (when undeclared)
         self.learned: dict[int, object] = {}
         self.target: dict[int, int] = {}
         self.posted_count: dict[int, int] = {}
@@ -121,12 +135,18 @@ class Transport:
             self.buffers.clear()  # reuse_buffers=False: this step's receives get buffers of their own
         self.declared = dict(declared)
         self.split_metas = dict(split_metas or {})
+        # an undeclared head input (None) is learned by a handshake ahead of the first one on each pair, and the
+        # statistics' and partials' metas follow from it (head_input.metas_from_head_input)
+        undeclared = "head-input" in self.split_metas and self.split_metas["head-input"] is None
+        self.split_handshakes = (_first_head_inputs(self.recv_order) | _first_head_inputs(self.send_order)
+                                 if undeclared else set())
         self.forward_only = forward_only
         self.lane.begin()
 
     def reset(self) -> None:
         """Forget the previous step's bookkeeping (all its operations have completed)."""
         self.learned.clear()
+        self.split_learned.clear()
         self.target.clear()
         self.posted_count.clear()
         self.posted.clear()
@@ -207,8 +227,19 @@ class Transport:
 
     def _recv_metas(self, msg: Message) -> list[TensorMeta] | None:
         """Leaf metas of a message, or None while they are not known yet."""
-        if msg.kind is None:  # a split layer's hand-over: one tensor of a declared meta
-            return [self._split_meta(msg, msg.consumer)]
+        if msg.kind is None:  # a split layer's hand-over: its meta (the head's input: a HeadInput of three)
+            meta = self._split_known(msg, msg.consumer)
+            if meta is None and msg in self.split_handshakes:
+                hs = self.meta_posts.get(msg)
+                if hs is None:
+                    hs = self.meta_posts[msg] = self._post(msg, [_HANDSHAKE])
+                if msg not in self.meta_arrived:
+                    if not self.lane.pollable() or not hs.completed():
+                        return None
+                    self._wait(hs, msg.consumer, "receive", host=True)
+                self._learn_split(decode_meta(self.lane.received(hs)[0]))
+                meta = self._split_known(msg, msg.consumer)
+            return None if meta is None else leaf_metas(meta)[0]
         b = boundary_of(msg)
         if msg.kind is MsgKind.GRAD:
             meta = self._meta(b)  # this rank sent (or declared) the activation this gradient belongs to
@@ -259,6 +290,9 @@ class Transport:
         while msg not in self.posted:
             blocking = self.recv_order[peer][self.posted_count.get(peer, 0)]
             hs = self.meta_posts.get(blocking)
+            if hs is None and blocking.kind is None and self._await_head_input(action):
+                self._advance(peer)  # the statistics' or partials' meta is known now
+                continue
             if hs is None:
                 raise ExecutorError(f"rank {self.rank}: {action}: the shapes of {blocking} are unknown (no declared "
                                     f"meta, no handshake, and this rank has not sent its activation)",
@@ -271,8 +305,9 @@ class Transport:
         self._drop_consumed_sends(msg, action)
         tensors = self.lane.received(p)
         self._check_devices(tensors, msg, action, "received buffer")
-        if msg.kind is None:
-            return tensors[0].detach()  # shard math takes no autograd graph across devices
+        if msg.kind is None:  # shard math takes no autograd graph across devices
+            _, structure = leaf_metas(self._split_known(msg, action))
+            return unflatten([t.detach() for t in tensors], structure)
         b = boundary_of(msg)
         if msg.kind is MsgKind.GRAD:
             return unpack_grads(self._meta(b), tensors)
@@ -288,7 +323,7 @@ class Transport:
         """Start sending `value` as `msg`, return at once (dropped once done: `reap`, a later receive, `finish`)."""
         self._check_watchdog(action)
         if msg.kind is None:
-            self._send_tensors(msg, [self._split_tensor(msg, value, action)])
+            self._send_tensors(msg, self._split_tensors(msg, value, action))
             return
         b = boundary_of(msg)
         if msg.kind is MsgKind.ACT:
@@ -310,24 +345,77 @@ class Transport:
         self._issue(t)
         self.in_flight.append(t)
 
-    def _split_meta(self, msg, action) -> TensorMeta:
+    def _split_known(self, msg, action):
+        """The meta of a split message: declared, or learned this step (None while the head input's handshake has
+        not arrived); refused by name where it can be neither."""
         meta = self.split_metas.get(msg.what)
-        if meta is None:
+        if meta is not None:
+            return meta
+        if not self.split_handshakes or msg.what not in _LEARNABLE:
             raise ExecutorError(f"rank {self.rank}: {action}: no meta for the split layer's {msg.what!r} message {msg} "
-                                f"(the runner's split_meta({msg.what!r}) returned None)", rank=self.rank,
-                                action=str(action), awaited=str(msg))
+                                f"(the runner's split_meta({msg.what!r}) returned None; only the head's input, its "
+                                f"statistics and partials may be learned, from a head input left undeclared)",
+                                rank=self.rank, action=str(action), awaited=str(msg))
+        return self.split_learned.get(msg.what)
+
+    def _split_meta(self, msg, action):
+        meta = self._split_known(msg, action)
+        if meta is None:
+            raise ExecutorError(f"rank {self.rank}: {action}: the meta of {msg} is not known yet (it follows from the "
+                                f"head input's handshake, which has not arrived)", rank=self.rank, action=str(action),
+                                awaited=str(msg))
         return meta
 
-    def _split_tensor(self, msg, value, action) -> torch.Tensor:
-        """The one tensor a split hand-over carries, checked against its declared meta and the device."""
-        meta = self._split_meta(msg, action)
-        if not isinstance(value, torch.Tensor) or not meta.matches(value):
-            got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
-                   else type(value).__name__)
-            raise ExecutorError(f"rank {self.rank}: {action} produced {got} for {msg}, its declared meta is "
-                                f"{meta.shape} {meta.dtype}", rank=self.rank, action=str(action), awaited=str(msg))
-        self._check_devices([value], msg, action, "tensor to send")
-        return value.detach()
+    def _learn_split(self, head_meta) -> None:
+        """The head input's meta learned (sent or received by handshake): it and what follows from it."""
+        if len(leaf_metas(head_meta)[0]) == 3:  # a HeadInput (a stand-in's one payload implies nothing more)
+            self.split_learned.update(metas_from_head_input(unflatten(*leaf_metas(head_meta))))
+        else:
+            self.split_learned["head-input"] = head_meta
+
+    def _await_head_input(self, action) -> bool:
+        """Wait for the head input's handshake to this rank (the metas of the statistics and partials follow from it);
+        False when none is on its way (the caller then reports the unknown shapes)."""
+        if "head-input" in self.split_learned:
+            return False
+        for hs_msg in self.split_handshakes:
+            if hs_msg.dst != self.rank:
+                continue
+            peer = hs_msg.src
+            self.target[peer] = max(self.target.get(peer, 0), self.position[hs_msg] + 1)
+            self._advance(peer)
+            if "head-input" in self.split_learned:  # it had arrived: posting learned it
+                return True
+            hs = self.meta_posts.get(hs_msg)
+            if hs is None:
+                return False
+            self._wait(hs, action, "receive", host=True)
+            self.meta_arrived.add(hs_msg)
+            self._learn_split(decode_meta(self.lane.received(hs)[0]))
+            return True
+        return False
+
+    def _split_tensors(self, msg, value, action) -> list[torch.Tensor]:
+        """The tensors a split hand-over carries (one, or the head input's three), checked against its declared
+        meta and the device."""
+        # a None leaf travels as nothing: a stand-in owner's (hidden, None, None) to shards declaring one payload
+        leaves = [t for t in flatten(value)[0] if t is not None]
+        if self.split_metas.get(msg.what) is None and msg.what == "head-input" and self.split_handshakes:
+            if "head-input" not in self.split_learned:
+                self._learn_split(meta_of(value, grad=False))
+            if msg in self.split_handshakes:  # the handshake goes ahead of the message's data (same route, tag)
+                self._send_tensors(msg, [encode_meta(self.split_learned["head-input"]).to(self.device)])
+        metas, _ = leaf_metas(self._split_meta(msg, action))
+        bad = len(leaves) != len(metas) or any(not isinstance(t, torch.Tensor) or not m.matches(t)
+                                               for t, m in zip(leaves, metas))
+        if bad:
+            def said(ts):
+                return ", ".join(f"{tuple(t.shape)} {t.dtype}" if isinstance(t, (torch.Tensor, TensorMeta))
+                                 else type(t).__name__ for t in ts)
+            raise ExecutorError(f"rank {self.rank}: {action} produced [{said(leaves)}] for {msg}, its declared meta "
+                                f"is [{said(metas)}]", rank=self.rank, action=str(action), awaited=str(msg))
+        self._check_devices(leaves, msg, action, "tensor to send")
+        return [t.detach() for t in leaves]
 
     def _check_devices(self, tensors, msg: Message, action, what: str) -> None:
         """Refuse a tensor on another device than the executor's (a device mix-up fails here, by name)."""

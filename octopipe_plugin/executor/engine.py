@@ -17,7 +17,7 @@ from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
 from .errors import ExecutorError
-from .interface import LAST_BACKWARD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_runner
+from .interface import FORWARD_ONLY, LAST_BACKWARD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_runner
 from .lowered import LoweredPlan, forward_plan, lowered_plan
 from .nccl_rules import check_nccl_rules
 from .program import RankProgram, local_input_key, local_output_key
@@ -174,10 +174,6 @@ class PipelineExecutor:
         another `num_microbatches` than the plan's (`lowered.forward_plan`).
         """
         forward_only = forward_only or self.evaluation_only  # a plan of forwards only is an evaluation plan
-        if forward_only and self.plan.splits:
-            raise ExecutorError(f"rank {self.rank}: an evaluation (forward_only) step of a plan with split layers "
-                                f"is not supported yet (its loss needs the shards' statistics exchange); evaluate "
-                                f"with an unsplit plan", rank=self.rank)
         low = self._lowered_for(forward_only, num_microbatches)
         ns = self.plan.num_stages
         result = StepResult(forward_only=forward_only)
@@ -202,7 +198,7 @@ class PipelineExecutor:
             start = time.time()
             out = self._run(a, inp, batches, forward_only, last)
             result.timeline.append((a, start, time.time()))
-            if a.kind is Kind.J:  # a head shard: its partial goes on, every shard reports the loss
+            if a.kind is Kind.J:  # a head shard: its partial goes on (not in evaluation), every shard reports the loss
                 out, loss = out
                 result.outputs[a.microbatch] = _loss_output(loss, self.rank, a)
             if step.shard is not None:
@@ -217,7 +213,7 @@ class PipelineExecutor:
                     tp.send(step.send, out, a)
                 else:
                     local[local_output_key(a, ns)] = out
-            if last and self.on_last_backward is not None:
+            if last and self.on_last_backward is not None and a.rule.side is None:  # a stage's, not a shard's
                 self.on_last_backward(a.stage)
             tp.reap()
         tp.finish()
@@ -229,9 +225,11 @@ class PipelineExecutor:
         if a.kind is Kind.F:
             return r.forward(s, mb, inp, batch=batches.get(s, mb), forward_only=forward_only)
         name = RUNNER_METHODS[a.kind]
-        if a.kind in SHARD_METHODS:
-            return getattr(r, name)(s, mb, *(() if a.kind in (Kind.K, Kind.E) else (inp,)))
         kw = {LAST_BACKWARD: last} if name in self.binding.takes_last_backward else {}
+        if a.kind in SHARD_METHODS:
+            if forward_only:  # an evaluation step: H, J and E keep nothing (J gives no partial)
+                kw = {FORWARD_ONLY: True}
+            return getattr(r, name)(s, mb, *(() if a.kind in (Kind.K, Kind.E) else (inp,)), **kw)
         if a.kind is Kind.W:
             return r.backward_weight(s, mb, **kw)
         return getattr(r, name)(s, mb, inp, **kw)

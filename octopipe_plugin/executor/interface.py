@@ -90,10 +90,12 @@ class StageRunner(Protocol):
       `split_meta(what)`, the TensorMeta of each split hand-over it receives ("head-input",
       "stats", "head-partial", "embedding-partial", "embedding-grad"). The owner stage's own
       actions run its layers without the split one: with a split head its F returns the head's
-      input (handed to every shard) and its B/I gets the sum of the shards' partials as
-      `grad_output`; with a split embedding stage 0's F gets the sum of the partials as `inputs`
+      input with its loss terms, a `head_input.HeadInput(hidden, targets, coef)` (handed to every
+      shard: only the owner has the labels and the loss rule), and its B/I gets the sum of the
+      shards' partials as `grad_output`; with a split embedding stage 0's F gets the sum of the partials as `inputs`
       and its B/I returns their gradient (handed to every G). Shard methods get no `batch`: the
-      runner loads its own tokens and targets.
+      embedding's shards load their own tokens, the head's get everything from the HeadInput.
+      `StageCore` runners run them in the `shards=` they are built with (`vocab_shard.VocabShards`).
     - `check_runner` refuses, when the executor is built, a runner whose methods cannot take
       these calls.
     """
@@ -122,12 +124,15 @@ class RunnerInterfaceError(OctoPipeError, TypeError):
 # The runner method each kind of action calls (the positional parameters after `self`).
 # Shard kinds (optional methods, needed only where a rank runs them):
 # - head_forward(stage, mb, hidden) -> the shard's statistics (a [tokens, 3] tensor: local max, sum of
-#   exponentials, target logit or 0), handed to every other shard;
+#   exponentials, target logit or 0), handed to every other shard; `hidden` is the owner's F output, a
+#   `head_input.HeadInput(hidden, targets, coef)` (received: its 3-tuple);
 # - head_backward_input(stage, mb, peer_stats) -> (partial input gradient, LossOutput): peer_stats are the
 #   other shards' statistics in shard-device order; every shard reports the micro-batch's loss;
 # - head_backward_weight(stage, mb): the shard rows' weight gradient, deferred like W;
 # - embedding_forward(stage, mb) -> the partial embedding of the tokens in the shard's rows (zeros elsewhere);
 # - embedding_backward(stage, mb, grad_output): the shard rows' weight gradient from stage 0's input gradient.
+# In an evaluation step (a forward-only split plan: F, H, J, E) H, J and E get `forward_only=True` and keep
+# nothing, J returning (None, LossOutput); K and G, like B and W, may take `last_backward=`.
 SHARD_METHODS: Mapping[Kind, str] = MappingProxyType({
     Kind.H: "head_forward", Kind.J: "head_backward_input", Kind.K: "head_backward_weight",
     Kind.E: "embedding_forward", Kind.G: "embedding_backward"})
@@ -141,6 +146,10 @@ _POSITIONAL = MappingProxyType({
     "embedding_backward": ("stage", "mb", "grad_output"), "split_meta": ("what",)})
 _KEYWORDS = MappingProxyType({"forward": ("batch", "forward_only")})  # always passed
 LAST_BACKWARD = "last_backward"  # passed where the method accepts it
+# the methods told `last_backward=`: the stages' weight-gradient actions, and the shards' (K, G: per kind)
+_TAKES_LAST = ("backward", "backward_input", "backward_weight", "head_backward_weight", "embedding_backward")
+FORWARD_ONLY = "forward_only"  # passed (True) to H, J and E in an evaluation step only
+_SHARD_NAMES = frozenset(SHARD_METHODS.values()) | {"split_meta"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,8 +171,11 @@ def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
     takes = set()
     for name in names:
         method = getattr(runner, name, None)
-        if not callable(method):
-            raise RunnerInterfaceError(f"stage runner {cls}: has no method {name}(): the executor calls "
+        # a StageCore runner has the shard methods, but runs them only with the shards it was built with
+        unbuilt = name in _SHARD_NAMES and hasattr(runner, "shards") and runner.shards is None
+        if not callable(method) or unbuilt:
+            why = " (built without shards=: pass a VocabShards, or a stand-in)" if unbuilt else ""
+            raise RunnerInterfaceError(f"stage runner {cls}: has no method {name}(){why}: the executor calls "
                                        f"{_call(name)} (see executor.interface.StageRunner)")
         try:
             sig = inspect.signature(method)
@@ -173,7 +185,7 @@ def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
         if problem is not None:
             raise RunnerInterfaceError(f"stage runner {cls}: {name}{sig} {problem}: the executor calls "
                                        f"{_call(name)} (see executor.interface.StageRunner)")
-        if name in ("backward", "backward_input", "backward_weight") and _accepts(sig, LAST_BACKWARD):
+        if name in _TAKES_LAST and _accepts(sig, LAST_BACKWARD):
             takes.add(name)
     return RunnerBinding(takes_last_backward=frozenset(takes))
 

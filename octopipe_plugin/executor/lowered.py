@@ -19,10 +19,13 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from ..actions import Action, Kind
+from ..formats.splits import FORWARD_SHARD_KINDS, owner_stage, side_of
 from ..schedules.messages import Message, messages_by_action, plan_messages
 from ..schedules.split_messages import pair_messages
 from .program import RankProgram, build_program
 
+# the shard kinds that write a shard weight's gradient (the head's K, the embedding's G)
+SHARD_WEIGHT_GRAD = (Kind.K, Kind.G)
 _CACHE_SIZE = 64  # plans x ranks x prefetch kept; a process runs a handful (training, evaluation counts)
 
 
@@ -73,29 +76,47 @@ def loss_rank(plan) -> int:
     return plan.loss_device
 
 
+# The kinds an evaluation step runs: the stages' F and, of split layers, the head's H and J (its loss, without
+# the gradient: no partial goes back, no K) and the embedding's E (no G).
+FORWARD_KINDS = frozenset({Kind.F, *FORWARD_SHARD_KINDS})
+
+
 def is_forward_only(plan) -> bool:
     """Whether a plan holds forwards only (an evaluation plan)."""
-    return all(a.kind is Kind.F for row in plan.schedule for a in row)
+    return all(a.kind in FORWARD_KINDS for row in plan.schedule for a in row)
 
 
 def forward_plan(plan, num_microbatches: int | None = None):
     """The forward-only (evaluation) plan of `plan` for `num_microbatches` (None: the plan's own count).
 
-    With the plan's count, every device keeps the plan's forwards in the plan's order. With
-    another count (Megatron and DeepSpeed may evaluate on another micro-batch count than they
-    train on) every device runs its stages' forwards in (micro-batch, stage) order: a
-    topological order of the forward dependencies, so no placement can make it deadlock.
+    With the plan's count, every device keeps the plan's forward kinds (`FORWARD_KINDS`) in the
+    plan's order (a subset of a deadlock-free plan's dependencies, in its order, cannot deadlock).
+    With another count (Megatron and DeepSpeed may evaluate on another micro-batch count than they
+    train on) every device runs, per micro-batch in order, the embedding's E on its shard devices,
+    the stages' forwards in stage order, the head's H then J on its shard devices: a topological
+    order of the forward dependencies, so no placement can make it deadlock.
     """
     m = plan.num_microbatches if num_microbatches is None else num_microbatches
     if m < 1:
         raise ValueError(f"forward_plan: num_microbatches: expected >= 1, got {m}")
     if m == plan.num_microbatches:
-        rows = tuple(tuple(a for a in row if a.kind is Kind.F) for row in plan.schedule)
+        rows = tuple(tuple(a for a in row if a.kind in FORWARD_KINDS) for row in plan.schedule)
         return replace(plan, schedule=rows)
+    n = plan.stages[-1].end
+    split = {side_of(sp, n): (owner_stage(sp, plan.stages), sp.devices) for sp in plan.splits}
     rows = [[] for _ in range(plan.num_devices)]
     for mb in range(m):
+        if "input" in split:
+            o, devs = split["input"]
+            for d in devs:
+                rows[d].append(Action(o, Kind.E, mb))
         for s, st in enumerate(plan.stages):
             rows[st.device].append(Action(s, Kind.F, mb))
+        if "output" in split:
+            o, devs = split["output"]
+            for kind in (Kind.H, Kind.J):
+                for d in devs:
+                    rows[d].append(Action(o, kind, mb))
     return replace(plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows))
 
 
@@ -112,6 +133,8 @@ class LoweredPlan:
     pairs: tuple[tuple[int, int], ...]
     program: RankProgram  # the rank's program of a training step (of an evaluation step for a forward-only plan)
     last_backward: Mapping[int, int]  # stage -> index in program.steps of its last weight-gradient action
+    # shard kind with a weight gradient (K, G) -> index in program.steps of the rank's last action of that kind
+    last_shard_backward: Mapping[Kind, int]
     first_rank: int
     loss_rank: int
     forward_only: bool  # the plan holds forwards only
@@ -122,7 +145,10 @@ class LoweredPlan:
         return tuple(p for p in self.pairs if self.rank in p)
 
     def is_last_backward(self, index: int, action: Action) -> bool:
-        """Whether step `index` of the training program is `action.stage`'s last weight-gradient action."""
+        """Whether step `index` of the training program is `action.stage`'s last weight-gradient action (for a
+        shard action: the rank's last K, or last G, of the step)."""
+        if action.rule.side is not None:
+            return self.last_shard_backward.get(action.kind) == index
         return self.last_backward.get(action.stage) == index
 
     def forward(self, num_microbatches: int | None = None) -> "LoweredPlan":
@@ -182,9 +208,13 @@ def _lower(plan, rank: int, prefetch: int) -> LoweredPlan:
     messages = plan_message_map(plan)
     program = build_program(plan, rank, prefetch, messages=messages, by_action=_message_of_action(plan))
     last: dict[int, int] = {}
+    last_shard: dict = {}
     for i, step in enumerate(program.steps):
         if step.action.rule.weight_grad:
             last[step.action.stage] = i
+        elif step.action.kind in SHARD_WEIGHT_GRAD:
+            last_shard[step.action.kind] = i
     return LoweredPlan(plan=plan, rank=rank, prefetch=prefetch, messages=messages, pairs=tuple(messages),
-                       program=program, last_backward=MappingProxyType(last), first_rank=first_rank(plan),
+                       program=program, last_backward=MappingProxyType(last),
+                       last_shard_backward=MappingProxyType(last_shard), first_rank=first_rank(plan),
                        loss_rank=loss_rank(plan), forward_only=is_forward_only(plan))

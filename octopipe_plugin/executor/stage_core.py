@@ -17,7 +17,18 @@ A runner says only where its framework differs, through these hooks:
 - `_grad_action(stage, kind, last_backward)`: a context around every backward action (gradient
   synchronisation, the active stage, master gradients);
 - `_autograd_view(fwd)`: a context in which autograd sees the kept output whole (an output
-  whose storage was freed after its send).
+  whose storage was freed after its send);
+- `_shard_grad(stage, kind, last_backward)`: a context around K and G, the split layers' weight-gradient
+  actions (`last_backward`: the rank's last action of that kind in the step; a tied pair's one weight is
+  complete after the later of its last K and last G), where a framework's gradient sync sees the shard
+  weights' gradients.
+
+Split layers (docs/formats.md, "Split layers"): a runner built with `shards=` (a `VocabShards`, or a
+stand-in with the same methods) runs the shard actions there (`SHARD_METHODS`, `split_meta`). With a
+split head the last stage is not where the loss is: its F hands the head's input on (`head_input`
+builds the `HeadInput` from the hidden states, the targets and the loss rule) and its backward starts
+from the summed partials like any other stage's; with a split embedding stage 0 takes the summed
+partials as its input and gives their gradient back.
 
 Per-(stage, micro-batch) state is typed (`Forwarded`, `InputGradDone`, `WeightDoesAll`) and
 kept in one `StageStates`; each entry dies with its last use.
@@ -33,6 +44,8 @@ import torch
 
 from ..actions import Kind
 from .boundary import flatten, unflatten
+from .head_input import HeadInput, coef_dtype, loss_coefficients
+from .interface import RunnerInterfaceError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,11 +112,14 @@ class StageCore:
     """The stage life cycle over autograd: F keeps `Forwarded`, B runs `_fused`, I and W split it."""
 
     def __init__(self, *, num_stages: int, num_microbatches: int,
-                 grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None, shards=None):
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.grad_scale = grad_scale
         self.state = StageStates()
+        self.shards = shards  # this rank's split-layer shards (None: the runner runs no shard action)
+        self.head_split = bool(getattr(shards, "head_split", False))
+        self.embedding_split = bool(getattr(shards, "embedding_split", False))
 
     # ----- hooks (see the module docstring)
 
@@ -129,6 +145,9 @@ class StageCore:
         return contextlib.nullcontext()
 
     def _autograd_view(self, fwd: Forwarded):
+        return contextlib.nullcontext()
+
+    def _shard_grad(self, stage: int, kind: Kind, last_backward: bool):
         return contextlib.nullcontext()
 
     # ----- the life cycle (StageRunner)
@@ -180,8 +199,56 @@ class StageCore:
                 self._split_weight(stage, done.work)
 
     def pending(self) -> int:
-        """(stage, micro-batch) pairs whose state is still held (0 after a complete step)."""
-        return len(self.state)
+        """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""
+        return len(self.state) + (self.shards.pending() if self.shards is not None else 0)
+
+    # ----- split layers: the shard actions run in `shards` (StageRunner's optional SHARD_METHODS)
+
+    def split_meta(self, what: str):
+        """Meta of a split hand-over this rank receives (the shards' `split_meta`)."""
+        return self._the_shards("split_meta").split_meta(what)
+
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False):
+        """H: the head shard's statistics from the owner's HeadInput."""
+        return self._the_shards("head_forward").head_forward(stage, mb, hidden, **_eval(forward_only))
+
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *, forward_only: bool = False):
+        """J: (partial input gradient, LossOutput) from every shard's statistics (no partial when forward_only)."""
+        return self._the_shards("head_backward_input").head_backward_input(stage, mb, peer_stats,
+                                                                          **_eval(forward_only))
+
+    def head_backward_weight(self, stage: int, mb: int, *, last_backward: bool = False) -> None:
+        """K: the head shard's weight gradient, inside `_shard_grad`."""
+        shards = self._the_shards("head_backward_weight")
+        with self._shard_grad(stage, Kind.K, last_backward):
+            shards.head_backward_weight(stage, mb)
+
+    def embedding_forward(self, stage: int, mb: int, *, forward_only: bool = False):
+        """E: the embedding shard's partial of stage 0's input."""
+        return self._the_shards("embedding_forward").embedding_forward(stage, mb, **_eval(forward_only))
+
+    def embedding_backward(self, stage: int, mb: int, grad_output, *, last_backward: bool = False) -> None:
+        """G: the embedding shard's weight gradient from stage 0's input gradient, inside `_shard_grad`."""
+        shards = self._the_shards("embedding_backward")
+        with self._shard_grad(stage, Kind.G, last_backward):
+            shards.embedding_backward(stage, mb, grad_output)
+
+    def _the_shards(self, name: str):
+        if self.shards is None:
+            raise RunnerInterfaceError(f"stage runner {type(self).__name__}: {name}() called, but the runner was built "
+                                       f"without shards= (pass a VocabShards for a plan with split layers)")
+        return self.shards
+
+    def head_input(self, hidden: torch.Tensor, targets: torch.Tensor, rule) -> HeadInput:
+        """The split head owner's hand-over: `hidden`, the `targets` of its rows (hidden.reshape(-1, h)) and the
+        coefficients of the loss rule `rule(per_token_losses) -> backward root` (`loss_coefficients`)."""
+        t = targets.reshape(-1)
+        if t.numel() * hidden.shape[-1] != hidden.numel():
+            raise ValueError(f"the split head's owner hands over {t.numel()} targets for hidden states of shape "
+                             f"{tuple(hidden.shape)}: expected one per row of hidden.reshape(-1, "
+                             f"{hidden.shape[-1]}) (same order)")
+        coef = loss_coefficients(rule, t.numel(), coef_dtype(hidden.dtype), hidden.device)
+        return HeadInput(hidden=hidden, targets=t.to(device=hidden.device, dtype=torch.int64), coef=coef)
 
     # ----- what every backward shares
 
@@ -190,7 +257,7 @@ class StageCore:
 
         The last stage starts from its loss times `grad_scale`; the others from the received
         gradients, for the outputs that require grad and got one."""
-        if stage == self.num_stages - 1:
+        if stage == self.num_stages - 1 and not self.head_split:
             root = self.grad_scale(out) if self.grad_scale is not None else out
             return [root], [torch.ones_like(root)], []
         outs, _ = flatten(out)
@@ -201,11 +268,17 @@ class StageCore:
         return [o for o, _ in pairs], [g for _, g in pairs], incoming
 
     def _dx(self, stage: int, x, grads: dict):
-        """The input gradient in the input's structure (None at leaves without one; None on the first stage)."""
-        if stage == 0:
+        """The input gradient in the input's structure (None at leaves without one; None on the first stage, unless
+        it takes a split embedding's partials)."""
+        if stage == 0 and not self.embedding_split:
             return None
         leaves, structure = flatten(x)
         return unflatten([grads.get(id(t)) for t in leaves], structure)
+
+
+def _eval(forward_only: bool) -> dict:
+    """The keyword of an evaluation step's shard call (none in training: stand-ins need not take it)."""
+    return {"forward_only": True} if forward_only else {}
 
 
 def input_targets(x) -> list:

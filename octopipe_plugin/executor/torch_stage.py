@@ -53,6 +53,11 @@ class TorchStages(StageCore):
       DeepSpeed ZeRO's, and post-accumulate-grad hooks, fire once per parameter and
       micro-batch, B or I+W alike) or 'direct' (computed, then added into `p.grad` without
       running hooks; measured no faster, kept for runners that must bypass the hooks).
+    - Split layers: `shards` runs this rank's shard actions (`vocab_shard.VocabShards`); with a
+      split head the last stage's module gives the head's input and `head_loss(mb, batch)` ->
+      (targets, rule) its loss terms (`StageCore.head_input`: `rule(per_token_losses)` is the
+      backward's root, e.g. the mean, `scale_loss` and `grad_scale`); with a split embedding stage 0
+      runs on the summed partials instead of `load_input`. See `vocab_shard.SplitTorchStages`.
     """
 
     def __init__(
@@ -68,10 +73,14 @@ class TorchStages(StageCore):
         scale_loss: Callable | None = None,
         grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
         grad_sink: str = "autograd",
+        shards=None,
+        head_loss: Callable | None = None,
     ):
         if grad_sink not in GRAD_SINKS:
             raise ValueError(f"grad_sink {grad_sink!r}: expected one of {', '.join(GRAD_SINKS)}")
-        super().__init__(num_stages=num_stages, num_microbatches=num_microbatches, grad_scale=grad_scale)
+        super().__init__(num_stages=num_stages, num_microbatches=num_microbatches, grad_scale=grad_scale,
+                         shards=shards)
+        self.head_loss = head_loss
         self.modules = dict(modules)
         self.metas = tuple(metas) if metas is not None else None
         self.load_input = load_input
@@ -89,10 +98,19 @@ class TorchStages(StageCore):
     def _stage_input(self, stage: int, mb: int, inputs, keep: bool):
         """Stage 0 loads its input; the others take the received value, cut from the producer's graph when kept."""
         if stage == 0:
+            if self.embedding_split:  # the summed partials (made without a graph): their gradient goes to every G
+                return inputs.detach().requires_grad_(keep)
             return self._first_input(mb)
         return _cut(inputs) if keep else inputs
 
     def _forward(self, stage: int, mb: int, x, batch, keep: bool):
+        if stage == self.num_stages - 1 and self.head_split:
+            hidden = self._module_output(stage, x, batch)
+            if self.head_loss is None:
+                raise ValueError(f"{type(self).__name__}: the plan splits the LM head, but no head_loss= was given "
+                                 f"(the owner stage hands each shard the targets and the loss rule)")
+            targets, rule = self.head_loss(mb, batch)
+            return self.head_input(hidden, targets, rule), Forwarded(input=x, output=hidden)
         out = self._compute(stage, mb, x, batch)
         if stage < self.num_stages - 1:
             return out, Forwarded(input=x, output=out)
@@ -114,11 +132,15 @@ class TorchStages(StageCore):
 
     def _compute(self, stage: int, mb: int, x, batch):
         """The stage's output, or on the last stage what its loss function returned (subclasses change how)."""
-        module = self.modules[stage]
-        out = self.call(stage, module, x, batch) if self.call is not None else module(x)
+        out = self._module_output(stage, x, batch)
         if stage < self.num_stages - 1:
             return out
         return self.loss_fn(out, batch if batch is not None else mb)
+
+    def _module_output(self, stage: int, x, batch):
+        """What the stage's module gives for input `x` (through `call` when given)."""
+        module = self.modules[stage]
+        return self.call(stage, module, x, batch) if self.call is not None else module(x)
 
     def _loss_output(self, raw) -> tuple[LossOutput, torch.Tensor]:
         """(what the step reports, the tensor the backward starts from)."""
@@ -134,7 +156,7 @@ class TorchStages(StageCore):
     def _fused(self, stage: int, fwd: Forwarded, grad_output, want_dx: bool = True):
         x = fwd.input
         outs, gs, incoming = self._roots(stage, fwd.output, grad_output)
-        ins = input_targets(x) if want_dx and stage > 0 else []
+        ins = input_targets(x) if want_dx and (stage > 0 or self.embedding_split) else []
         dx = _passthrough(outs, gs, ins)
         outs, gs = _computed(outs, gs, ins)
         params = self._params(stage)

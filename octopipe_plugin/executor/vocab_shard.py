@@ -1,37 +1,49 @@
 """Vocabulary shards of a split LM head and embedding (docs/formats.md, "Split layers"), in real tensors.
 
-`SplitTorchStages` is the StageRunner of a plan with split layers over plain modules: the
-stages' own layers run in a `TorchStages` (the split layers taken out of their owner stages),
-the split layers' rows run here. Head shard on rows [lo, hi) of the head weight (`row_range`):
+`VocabShards` is one rank's shard math, framework-neutral (plain torch): a runner built on
+`StageCore` takes it as `shards=` and the executor's shard actions run here. Head shard on the
+global rows [lo, hi) of the head weight (`row_range`, or the rows a tensor-parallel rank holds):
 
-- H: logits Z = X W[lo:hi]^T of the head's input X, and per token the local max, the sum of
-  exponentials and the target logit (0 where the target is not in its rows), sent to every shard;
-- J: with every shard's statistics, the global max M, sum S and target logit T give the loss
-  log S + M - T per token (cross-entropy, exactly the unsplit model's), and the softmax gradient
-  dZ = c (exp(Z - M) / S - onehot), c the loss normalisation; the partial input gradient dZ W[lo:hi]
+- H: from the owner's `HeadInput` (hidden X, targets, coefficients), logits Z = X W[lo:hi]^T and
+  per token the local max, the sum of exponentials and the target logit (0 where the target is
+  not in its rows), reduced over tensor parallelism first, then sent to every other shard;
+- J: with every shard's statistics, the global max M, sum S and target logit T give the per-token
+  loss log S + M - T (cross-entropy, exactly the unsplit model's), reported through `report`;
+  the softmax gradient dZ = coef (exp(Z - M) / S - onehot) gives the partial input gradient
+  dZ W[lo:hi] (all-reduced over tensor parallelism, as ColumnParallelLinear's backward), which
   goes to the owner, whose backward sums them as the head's input gradient;
 - K: the rows' weight gradient dZ^T X, deferred like W.
 
-Embedding shard: E looks up the tokens that fall in its rows (zeros elsewhere), summed into stage
-0's input; G adds stage 0's input gradient into its rows. A tied embedding and head over the same
-devices and shares use one shard weight per device: both gradients accumulate into it.
-Shard gradients are added into `p.grad` directly (no autograd hooks run for shard weights).
+Embedding shard: E looks up the tokens that fall in its rows (zeros elsewhere; summed over
+tensor parallelism), summed into stage 0's input; G adds stage 0's input gradient into its rows.
+A tied embedding and head over the same devices and shares use one shard weight per device: both
+gradients accumulate into it. Shard gradients reach the weight through `grad_sink`: "autograd"
+(the weight's AccumulateGrad runs, so grad-accumulator hooks fire: Megatron DDP's main_grad,
+DeepSpeed's), "direct" (added into `.grad`, no hooks) or a callable `sink(weight, grad)`.
+
+Statistics, coefficients and the softmax gradient are float32 (float64 for float64 activations),
+as Megatron's vocab-parallel cross-entropy computes in float32.
+
+`SplitTorchStages` is the plain-module runner: TorchStages for the stages, a VocabShards for the
+shards, and a cross-entropy loss rule (mean or sum over the targets, then `scale_loss`).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..formats.splits import row_range, side_of
+from .head_input import as_head_input, coef_dtype, head_input_meta, stats_meta
 from .interface import LossOutput, TensorMeta
-from .split_backward import accumulate_grad
+from .split_backward import accumulate_grad, grad_acc
 from .torch_stage import TorchStages
 
 REDUCTIONS = ("mean", "sum")
+SHARD_SINKS = ("autograd", "direct")
 
 
 def shard_rows(plan, side: str, num_rows: int, rank: int) -> tuple[int, int] | None:
@@ -43,40 +55,68 @@ def shard_rows(plan, side: str, num_rows: int, rank: int) -> tuple[int, int] | N
     return None
 
 
-class SplitTorchStages:
-    """StageRunner of a plan with a split LM head and/or embedding: TorchStages for the stages, shards here.
+def split_sides(plan) -> tuple[bool, bool]:
+    """(the plan splits its LM head, the plan splits its embedding)."""
+    n = plan.stages[-1].end
+    sides = {side_of(sp, n) for sp in plan.splits}
+    return "output" in sides, "input" in sides
 
-    - `modules[s]`: stage s's layers *without* the split ones (an owner holding only the split
-      layer gets an identity); the owner of a split head returns the head's input from F;
-    - `head_weight` / `embedding_weight`: this rank's rows of the split layer's weight ([rows, hidden]:
-      `nn.Linear(hidden, vocab, bias=False).weight[lo:hi]`, `nn.Embedding(vocab, hidden).weight[lo:hi]`,
-      rows from `shard_rows`), the same Parameter for a tied pair; None where the rank holds no shard;
-    - `tokens(mb)` / `targets(mb)`: the micro-batch's token ids and targets (on the model's device);
-    - `hidden_meta`: the head's input ([..., hidden]); `embedding_meta`: the embedding's output;
-    - the loss is cross-entropy over the targets that are not `ignore_index`, `reduction` "mean" (as
-      `F.cross_entropy`) or "sum" (reported as num_tokens too), then `scale_loss(loss, num_tokens)`
-      (default: / num_microbatches) and `grad_scale`, as in TorchStages;
-    - the other keywords are TorchStages' (used for the stages' own layers).
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorParallel:
+    """Reductions over the tensor-parallel ranks of one shard (each holding a slice of the shard's rows):
+    `all_reduce(tensor, op)` in place, op "max" or "sum"; every rank of the group calls it in the same order."""
+
+    all_reduce: Callable[[torch.Tensor, str], None]
+
+    @staticmethod
+    def over(group) -> "TensorParallel":
+        """The reductions over a torch.distributed process group."""
+        import torch.distributed as dist
+
+        ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+        return TensorParallel(all_reduce=lambda t, op: dist.all_reduce(t, op=ops[op], group=group))
+
+
+def default_report(mb: int, per_token: torch.Tensor, coef: torch.Tensor) -> LossOutput:
+    """The loss a head shard reports by default: sum of coef x per-token loss (the backward's root)."""
+    return LossOutput(loss=(coef * per_token).sum())
+
+
+class VocabShards:
+    """This rank's shards of `plan`'s split LM head and/or embedding (any rank of a split plan has one).
+
+    - `vocab_size`: rows of the GLOBAL (possibly padded) vocabulary; targets outside [0, vocab_size)
+      (e.g. -100) carry no loss;
+    - `head_weight` / `embedding_weight`: this rank's rows of the weight ([rows, hidden]:
+      `nn.Linear(hidden, vocab, bias=False).weight[lo:hi]`, `nn.Embedding(vocab, hidden).weight[lo:hi]`),
+      the same Parameter for a tied pair; None where the rank holds no shard;
+    - `head_rows` / `embedding_rows`: the global rows those weights hold (default: the plan's,
+      `shard_rows`; with tensor parallelism pass this rank's slice);
+    - `hidden_meta`: the head's input ([..., hidden]; None: the head's messages learn it each step from
+      a handshake ahead of the owner's first head input to each shard); `embedding_meta`: the
+      embedding's output (default `hidden_meta`);
+    - `tokens(mb)`: the micro-batch's token ids (on the weight's device), for the embedding's E;
+    - `report(mb, per_token_losses, coef) -> LossOutput`: what J reports (default `default_report`);
+    - `grad_sink`: where K and G put the weight gradients (module docstring);
+    - `tp`: the tensor-parallel reductions (`TensorParallel`), None without tensor parallelism.
     """
 
-    def __init__(self, *, plan, rank: int, modules: Mapping[int, nn.Module], num_microbatches: int,
-                 vocab_size: int, hidden_meta: TensorMeta | None = None, embedding_meta: TensorMeta | None = None,
-                 head_weight: nn.Parameter | None = None, embedding_weight: nn.Parameter | None = None,
-                 tokens: Callable[[int], torch.Tensor] | None = None,
-                 targets: Callable[[int], torch.Tensor] | None = None,
-                 metas: Sequence | None = None, load_input: Callable | None = None, loss_fn: Callable | None = None,
-                 call: Callable | None = None, scale_loss: Callable | None = None,
-                 grad_scale: Callable | None = None, grad_sink: str = "autograd", reduction: str = "mean",
-                 ignore_index: int = -100):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction {reduction!r}: expected one of {', '.join(REDUCTIONS)}")
-        ns = plan.num_stages
-        self.num_stages = ns
+    def __init__(self, *, plan, rank: int, vocab_size: int, head_weight: nn.Parameter | None = None,
+                 embedding_weight: nn.Parameter | None = None, head_rows: tuple[int, int] | None = None,
+                 embedding_rows: tuple[int, int] | None = None, hidden_meta: TensorMeta | None = None,
+                 embedding_meta: TensorMeta | None = None, tokens: Callable[[int], torch.Tensor] | None = None,
+                 report: Callable | None = None, grad_sink: "str | Callable" = "autograd",
+                 tp: TensorParallel | None = None):
+        if isinstance(grad_sink, str) and grad_sink not in SHARD_SINKS:
+            raise ValueError(f"grad_sink {grad_sink!r}: expected one of {', '.join(SHARD_SINKS)} or a callable "
+                             f"sink(weight, grad)")
         self.rank = rank
-        self.head_rows = shard_rows(plan, "output", vocab_size, rank)
-        self.embedding_rows = shard_rows(plan, "input", vocab_size, rank)
-        self.head_split = any(side_of(sp, plan.stages[-1].end) == "output" for sp in plan.splits)
-        self.embedding_split = any(side_of(sp, plan.stages[-1].end) == "input" for sp in plan.splits)
+        self.vocab_size = vocab_size
+        self.head_split, self.embedding_split = split_sides(plan)
+        self.head_rows = head_rows if head_rows is not None else shard_rows(plan, "output", vocab_size, rank)
+        self.embedding_rows = (embedding_rows if embedding_rows is not None
+                               else shard_rows(plan, "input", vocab_size, rank))
         _check_rows("head_weight", head_weight, self.head_rows, rank)
         _check_rows("embedding_weight", embedding_weight, self.embedding_rows, rank)
         if head_weight is not None and head_weight is embedding_weight and self.head_rows != self.embedding_rows:
@@ -84,128 +124,108 @@ class SplitTorchStages:
                              f"head rows {self.head_rows} and embedding rows {self.embedding_rows} (split both over "
                              f"the same devices in the same shares)")
         self.head_weight, self.embedding_weight = head_weight, embedding_weight
-        self.tokens, self.targets = tokens, targets
+        self.tokens = tokens
         self.hidden_meta = hidden_meta
         self.embedding_meta = embedding_meta or hidden_meta
-        self.reduction, self.ignore_index = reduction, ignore_index
-        self.scale_loss = scale_loss or (lambda loss, num_tokens: loss / num_microbatches)
-        self.grad_scale = grad_scale
-        self.metas = tuple(metas) if metas is not None else None
-        # The stages run in a TorchStages that sees them as the middle of a longer pipeline: with a split
-        # embedding stage 0 takes (and gives the gradient of) the summed partials like any received
-        # activation; with a split head the last stage returns the head's input and takes its gradient.
-        self.offset = 1 if self.embedding_split else 0
-        inner_ns = ns + self.offset + (1 if self.head_split else 0)
-        off = self.offset
-        self.inner = TorchStages(
-            modules={s + off: m for s, m in modules.items()}, num_stages=inner_ns, num_microbatches=num_microbatches,
-            load_input=None if self.embedding_split else load_input, loss_fn=None if self.head_split else loss_fn,
-            call=None if call is None else (lambda s, m, x, b: call(s - off, m, x, b)),
-            scale_loss=self.scale_loss, grad_scale=grad_scale, grad_sink=grad_sink)
+        self.report = report or default_report
+        self.grad_sink = grad_sink
+        self.tp = tp
         self._head: dict[int, dict] = {}
         self._emb: dict[int, dict] = {}
 
-    # ----- the stages' own layers (TorchStages)
-
-    def boundary_meta(self, stage: int):
-        """Meta of stage `stage`'s output (None: learned per step)."""
-        return self.metas[stage] if self.metas is not None else None
-
-    def split_meta(self, what: str) -> TensorMeta | None:
-        """Meta of a split hand-over: the head's input and partials, the statistics, the embedding's partials."""
-        if what in ("head-input", "head-partial"):
-            return self.hidden_meta
+    def split_meta(self, what: str):
+        """Meta of a split hand-over: the head's input (a HeadInput of metas) and partials, the statistics, the
+        embedding's partials and gradient."""
+        m = self.hidden_meta
+        if what == "head-input":
+            return None if m is None else head_input_meta(m)  # None: learned per step by a handshake
+        if what == "head-partial":
+            return m
         if what == "stats":
-            m = self.hidden_meta
-            return None if m is None else TensorMeta(shape=(math.prod(m.shape[:-1]), 3), dtype=m.dtype,
-                                                     requires_grad=False)
+            return None if m is None else stats_meta(m)
         return self.embedding_meta
 
-    def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
-        """Run the stage's own layers (stage 0 of a split embedding on the sum of the partials)."""
-        if stage == 0 and self.embedding_split:
-            inputs = inputs.detach().requires_grad_(not forward_only)
-        return self.inner.forward(stage + self.offset, mb, inputs, batch=batch, forward_only=forward_only)
-
-    def backward(self, stage: int, mb: int, grad_output):
-        """Fused backward of the stage's own layers."""
-        return self.inner.backward(stage + self.offset, mb, grad_output)
-
-    def backward_input(self, stage: int, mb: int, grad_output):
-        """Input gradient of the stage's own layers."""
-        return self.inner.backward_input(stage + self.offset, mb, grad_output)
-
-    def backward_weight(self, stage: int, mb: int) -> None:
-        """Deferred weight gradient of the stage's own layers."""
-        self.inner.backward_weight(stage + self.offset, mb)
-
     def pending(self) -> int:
-        """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""
-        return self.inner.pending() + len(self._head) + len(self._emb)
+        """Shard micro-batches whose state is still held (0 after a complete step)."""
+        return len(self._head) + len(self._emb)
+
+    def clear(self) -> None:
+        """Forget every held state (a step abandoned)."""
+        self._head.clear()
+        self._emb.clear()
 
     # ----- head shard
 
-    def head_forward(self, stage: int, mb: int, hidden) -> torch.Tensor:
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False) -> torch.Tensor:
         """H: the rows' logits, kept; their local max, sum of exponentials and target logit, handed on."""
         lo, hi = self.head_rows
+        given = as_head_input(hidden)
+        h = given.hidden
+        sdt = coef_dtype(h.dtype)
         with torch.no_grad():
-            x = hidden.detach().reshape(-1, hidden.shape[-1])
-            z = x @ self.head_weight.detach().t()
-            t = self.targets(mb).reshape(-1)
+            x = h.detach().reshape(-1, h.shape[-1])
+            z = (x @ self.head_weight.detach().t()).to(sdt)
+            t = given.targets.reshape(-1)
             local_max = z.max(dim=1).values
+            if self.tp is not None:
+                self.tp.all_reduce(local_max, "max")  # the shard's max over its tensor-parallel slices
             sum_exp = torch.exp(z - local_max[:, None]).sum(dim=1)
             mine = (t >= lo) & (t < hi)
             target = torch.where(mine, z.gather(1, (t - lo).clamp(0, hi - lo - 1)[:, None])[:, 0],
                                  torch.zeros((), dtype=z.dtype, device=z.device))
+            if self.tp is not None:
+                self.tp.all_reduce(sum_exp, "sum")
+                self.tp.all_reduce(target, "sum")
             stats = torch.stack([local_max, sum_exp, target], dim=1)
-        self._head[mb] = {"x": x, "z": z, "stats": stats, "t": t, "shape": tuple(hidden.shape)}
+        self._head[mb] = {"x": x, "z": z, "stats": stats, "t": t, "coef": given.coef.reshape(-1).to(sdt),
+                          "shape": tuple(h.shape)}
         return stats
 
-    def head_backward_input(self, stage: int, mb: int, peer_stats) -> tuple[torch.Tensor, LossOutput]:
-        """J: the loss from every shard's statistics, the rows' softmax gradient and the partial input gradient."""
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *,
+                            forward_only: bool = False) -> tuple[torch.Tensor | None, LossOutput]:
+        """J: per-token losses from every shard's statistics (reported), the rows' softmax gradient and the partial
+        input gradient (None in an evaluation step, which keeps nothing)."""
         lo, hi = self.head_rows
-        saved = self._head[mb]
-        z, t = saved.pop("z"), saved["t"]
+        saved = self._head.pop(mb) if forward_only else self._head[mb]
+        z, t, coef = saved.pop("z"), saved["t"], saved["coef"]
         with torch.no_grad():
             every = torch.stack([saved.pop("stats"), *peer_stats])  # [shards, tokens, 3]
             gmax = every[:, :, 0].max(dim=0).values
             total = (every[:, :, 1] * torch.exp(every[:, :, 0] - gmax)).sum(dim=0)
             target = every[:, :, 2].sum(dim=0)  # one shard holds each target, the others add 0
-            valid = t != self.ignore_index
-            per_token = torch.where(valid, torch.log(total) + gmax - target, torch.zeros_like(total))
-            count = int(valid.sum())
-            loss = per_token.sum() / count if self.reduction == "mean" else per_token.sum()
-        num_tokens = None if self.reduction == "mean" else count
-        scaled, coef = self._scaled(loss, num_tokens)
+            known = (t >= 0) & (t < self.vocab_size)
+            per_token = torch.where(known, torch.log(total) + gmax - target, torch.zeros_like(total))
+        out = self.report(mb, per_token, coef)
+        if forward_only:
+            return None, out
+        w = self.head_weight
         with torch.no_grad():
-            weight = valid.to(z.dtype) * (coef / count if self.reduction == "mean" else coef)
             dz = torch.exp(z - gmax[:, None]) / total[:, None]
-            mine = valid & (t >= lo) & (t < hi)
+            mine = known & (t >= lo) & (t < hi)
             rows = torch.nonzero(mine)[:, 0]
             dz[rows, t[rows] - lo] -= 1.0
-            dz *= weight[:, None]
-            partial = (dz @ self.head_weight.detach()).reshape(saved["shape"])
+            dz *= coef[:, None]
+            # in the weight's dtype from here, as the unsplit head's linear gets its logits' gradient (Megatron's
+            # cross-entropy computes in float32, autograd casts back): half the kept bytes under bf16
+            dz = dz.to(w.dtype)
+            partial = dz @ w.detach()
+            if self.tp is not None:
+                self.tp.all_reduce(partial, "sum")  # every tensor-parallel slice's part of the input gradient
+            partial = partial.reshape(saved["shape"])
         saved["dz"] = dz
-        return partial, LossOutput(loss=scaled.detach(), num_tokens=num_tokens, raw=loss)
-
-    def _scaled(self, loss: torch.Tensor, num_tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the scaled loss the step sums, d(backward's start)/d(loss)): scale_loss and grad_scale as TorchStages."""
-        leaf = loss.detach().requires_grad_(True)
-        with torch.enable_grad():
-            scaled = self.scale_loss(leaf, num_tokens)
-            root = self.grad_scale(scaled) if self.grad_scale is not None else scaled
-            (coef,) = torch.autograd.grad(root, leaf)
-        return scaled, coef.detach()
+        return partial, out
 
     def head_backward_weight(self, stage: int, mb: int) -> None:
         """K: the rows' weight gradient dZ^T X; frees the micro-batch's logits."""
         saved = self._head.pop(mb)
+        w = self.head_weight
         with torch.no_grad():
-            accumulate_grad(self.head_weight, saved["dz"].t() @ saved["x"])
+            dw = saved["dz"].t() @ saved["x"].to(w.dtype)
+        self._sink(w, dw)
 
     # ----- embedding shard
 
-    def embedding_forward(self, stage: int, mb: int) -> torch.Tensor:
+    def embedding_forward(self, stage: int, mb: int, *, forward_only: bool = False) -> torch.Tensor:
         """E: the embedding of the tokens in the shard's rows, zeros for every other token."""
         lo, hi = self.embedding_rows
         w = self.embedding_weight
@@ -214,7 +234,10 @@ class SplitTorchStages:
         with torch.no_grad():
             out = torch.zeros(tuple(tok.shape) + (w.shape[1],), dtype=w.dtype, device=w.device)
             out[mine] = w.detach()[tok[mine] - lo]
-        self._emb[mb] = {"mine": mine, "rows": tok[mine] - lo}
+            if self.tp is not None:
+                self.tp.all_reduce(out, "sum")  # the shard's tensor-parallel slices hold disjoint rows
+        if not forward_only:
+            self._emb[mb] = {"mine": mine, "rows": tok[mine] - lo}
         return out
 
     def embedding_backward(self, stage: int, mb: int, grad_output) -> None:
@@ -223,7 +246,17 @@ class SplitTorchStages:
         w = self.embedding_weight
         with torch.no_grad():
             dw = torch.zeros_like(w).index_add_(0, saved["rows"], grad_output[saved["mine"]].to(w.dtype))
-            accumulate_grad(w, dw)
+        self._sink(w, dw)
+
+    def _sink(self, weight: nn.Parameter, grad: torch.Tensor) -> None:
+        """A shard weight's gradient into the weight, as `grad_sink` says."""
+        if callable(self.grad_sink):
+            self.grad_sink(weight, grad)
+        elif self.grad_sink == "direct":
+            accumulate_grad(weight, grad)
+        else:
+            with torch.enable_grad():  # the weight's AccumulateGrad node is reached through a view made here
+                torch.autograd.backward([torch.autograd.graph.GradientEdge(grad_acc(weight), 0)], [grad])
 
 
 def _check_rows(name: str, weight, rows, rank: int) -> None:
@@ -241,3 +274,76 @@ def _check_rows(name: str, weight, rows, rank: int) -> None:
         got = None if weight is None else tuple(weight.shape)
         raise ValueError(f"rank {rank}: {name}: expected this rank's rows [{lo}, {hi}) of the weight, "
                          f"[{hi - lo}, hidden], got {got} (fix: pass weight[lo:hi] from shard_rows)")
+
+
+class SplitTorchStages(TorchStages):
+    """StageRunner of a plan with a split LM head and/or embedding: TorchStages for the stages, a VocabShards
+    (`self.shards`) for this rank's shards.
+
+    - `modules[s]`: stage s's layers *without* the split ones (an owner holding only the split
+      layer gets an identity); the owner of a split head returns the head's input from its layers;
+    - `head_weight` / `embedding_weight`, `vocab_size`, `hidden_meta`, `embedding_meta`, `tokens`: VocabShards';
+    - `targets(mb)`: the micro-batch's targets (on the model's device), read by the head's owner (its
+      hand-over) and by every head shard's report;
+    - the loss is cross-entropy over the targets that are not `ignore_index`, `reduction` "mean" (as
+      `F.cross_entropy`) or "sum" (reported as num_tokens too), then `scale_loss(loss, num_tokens)`
+      (default: / num_microbatches) and `grad_scale`, as in TorchStages;
+    - the other keywords are TorchStages' (used for the stages' own layers; `grad_sink` for the shards too).
+    """
+
+    def __init__(self, *, plan, rank: int, modules: Mapping[int, nn.Module], num_microbatches: int,
+                 vocab_size: int, hidden_meta: TensorMeta | None = None, embedding_meta: TensorMeta | None = None,
+                 head_weight: nn.Parameter | None = None, embedding_weight: nn.Parameter | None = None,
+                 tokens: Callable[[int], torch.Tensor] | None = None,
+                 targets: Callable[[int], torch.Tensor] | None = None,
+                 metas: Sequence | None = None, load_input: Callable | None = None, loss_fn: Callable | None = None,
+                 call: Callable | None = None, scale_loss: Callable | None = None,
+                 grad_scale: Callable | None = None, grad_sink: str = "autograd", reduction: str = "mean",
+                 ignore_index: int = -100):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction {reduction!r}: expected one of {', '.join(REDUCTIONS)}")
+        self.rank = rank
+        self.targets = targets
+        self.reduction, self.ignore_index = reduction, ignore_index
+        shards = VocabShards(plan=plan, rank=rank, vocab_size=vocab_size, head_weight=head_weight,
+                             embedding_weight=embedding_weight, hidden_meta=hidden_meta,
+                             embedding_meta=embedding_meta, tokens=tokens, report=self._report, grad_sink=grad_sink)
+        super().__init__(modules=modules, num_stages=plan.num_stages, num_microbatches=num_microbatches, metas=metas,
+                         load_input=load_input, loss_fn=loss_fn, call=call, scale_loss=scale_loss,
+                         grad_scale=grad_scale, grad_sink=grad_sink, shards=shards,
+                         head_loss=self._head_loss if shards.head_split else None)
+
+    # the shard attributes tests and callers read
+    head_rows = property(lambda self: self.shards.head_rows)
+    embedding_rows = property(lambda self: self.shards.embedding_rows)
+    head_weight = property(lambda self: self.shards.head_weight)
+    embedding_weight = property(lambda self: self.shards.embedding_weight)
+
+    def _valid(self, mb: int) -> tuple[torch.Tensor, int]:
+        """(mask of the micro-batch's targets that count, their number)."""
+        t = self.targets(mb).reshape(-1)
+        valid = t != self.ignore_index
+        return valid, int(valid.sum())
+
+    def _head_loss(self, mb: int, batch):
+        """(targets, loss rule) of the owner's hand-over: the unsplit model's cross-entropy, then scale_loss and
+        grad_scale, as a function of the per-token losses."""
+        valid, count = self._valid(mb)
+        mean = self.reduction == "mean"
+
+        def rule(per_token: torch.Tensor) -> torch.Tensor:
+            loss = (per_token * valid).sum()
+            scaled = self.scale_loss(loss / count if mean else loss, None if mean else count)
+            return self.grad_scale(scaled) if self.grad_scale is not None else scaled
+
+        return self.targets(mb), rule
+
+    def _report(self, mb: int, per_token: torch.Tensor, coef: torch.Tensor) -> LossOutput:
+        """J's report: the micro-batch's cross-entropy (mean or sum over its targets) and its scaled value."""
+        valid, count = self._valid(mb)
+        with torch.no_grad():
+            total = torch.where(valid, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+            loss = total.sum() / count if self.reduction == "mean" else total.sum()
+            num_tokens = None if self.reduction == "mean" else count
+            scaled = self.scale_loss(loss, num_tokens)
+        return LossOutput(loss=scaled.detach(), num_tokens=num_tokens, raw=loss)

@@ -9,7 +9,9 @@ from .. import limits as L
 from ..errors import FormatError, PlanError
 from ..actions import RULES, Action, Kind, format_schedule, forms, shard_kinds
 from .ranges import stage_range_problem
-from .splits import SplitLayer, owner_stage, side_of, split_problem, splits_from_list, splits_to_list
+from .splits import (
+    FORWARD_SHARD_KINDS, SplitLayer, owner_stage, side_of, split_problem, splits_from_list, splits_to_list,
+)
 
 PLAN_FORMAT = "octopipe-plan/1"
 
@@ -172,10 +174,11 @@ def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bo
         for mb in range(m):
             for phase, options in phases.items():
                 _check_phase(seen, s, mb, phase, options)
-    if not forward_only:
-        _check_shards_complete(plan, shard_seen)
-    elif shard_seen:
-        raise PlanError(f"a forward-only plan runs forwards only, it has {min(a for _, a in shard_seen)}")
+    if forward_only:
+        extra = next((a for _, a in sorted(shard_seen) if a.kind not in FORWARD_SHARD_KINDS), None)
+        if extra is not None:
+            raise PlanError(f"a forward-only plan runs forwards only (of split layers H, J and E), it has {extra}")
+    _check_shards_complete(plan, shard_seen, FORWARD_SHARD_KINDS if forward_only else None)
 
 
 def _shard_owners(plan: Plan) -> dict[str, tuple[int, SplitLayer]]:
@@ -203,16 +206,17 @@ def _check_shard_action(shard_of, shard_seen, d: int, a: Action) -> None:
     shard_seen.add((d, a))
 
 
-def _check_shards_complete(plan: Plan, shard_seen) -> None:
-    """Every shard device runs each of its side's shard kinds once for every micro-batch."""
+def _check_shards_complete(plan: Plan, shard_seen, only=None) -> None:
+    """Every shard device runs each of its side's shard kinds (of `only`, when given) once for every micro-batch."""
     for side, (owner, sp) in _shard_owners(plan).items():
+        kinds = [k for k in shard_kinds(side) if only is None or k in only]
         for d in sp.devices:
-            for k in shard_kinds(side):
+            for k in kinds:
                 for mb in range(plan.num_microbatches):
                     a = Action(owner, k, mb)
                     if (d, a) not in shard_seen:
                         raise PlanError(f"device {d}: no {RULES[k].noun} {a} (device {d} holds a shard of layer "
-                                        f"{sp.layer}, so it runs {'/'.join(x.value for x in shard_kinds(side))} "
+                                        f"{sp.layer}, so it runs {'/'.join(x.value for x in kinds)} "
                                         f"of every micro-batch)")
 
 

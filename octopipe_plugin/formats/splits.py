@@ -12,12 +12,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..actions import Kind
 from ..errors import FormatError, PlanError
 from .fields import check_value, objects
 
 # Layer kinds whose work divides by rows of their weight (the vocabulary), and the end of the model they sit at.
 SPLITTABLE = {"lm_head": "output", "embedding": "input"}
 SHARE_TOLERANCE = 1e-6  # shares must sum to 1 within this
+# The shard kinds an evaluation (forward-only) step runs: the head's H and J (the loss; no partial goes back,
+# no K) and the embedding's E (no G).
+FORWARD_SHARD_KINDS = (Kind.H, Kind.J, Kind.E)
+# Per token, the softmax statistics one head shard sends each other (fp32 max, sum of exponentials, target
+# logit), and the loss terms the head's input carries besides the hidden states (int64 target, fp32 coefficient).
+STATS_BYTES_PER_TOKEN = 12
+LOSS_TERMS_BYTES_PER_TOKEN = 12
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +50,13 @@ def row_range(split: SplitLayer, num_rows: int, device: int) -> tuple[int, int] 
     j = split.devices.index(device)
     cut = [0] + [round(num_rows * sum(split.shares[:k + 1])) for k in range(len(split.shares) - 1)] + [num_rows]
     return cut[j], cut[j + 1]
+
+
+def loss_terms_bytes(split: SplitLayer) -> int:
+    """Bytes of the loss terms the head-input message carries besides the hidden states (docs/formats.md, "Split
+    layers", Messages): LOSS_TERMS_BYTES_PER_TOKEN per token, the tokens being those of the statistics
+    (`stats_bytes` / STATS_BYTES_PER_TOKEN); 0 for the embedding."""
+    return split.stats_bytes // STATS_BYTES_PER_TOKEN * LOSS_TERMS_BYTES_PER_TOKEN
 
 
 def side_of(split: SplitLayer, num_layers: int) -> str | None:

@@ -53,13 +53,14 @@ def split_messages(plan, *, same_device: bool = False) -> list[tuple[int, SplitM
     shard_pos = {(d, a): i for d, row in enumerate(plan.schedule) for i, a in enumerate(row)
                  if RULES[a.kind].side is not None}
     n = plan.stages[-1].end
+    present = {a.kind for row in plan.schedule for a in row}  # an evaluation plan runs no K, G, B or I
     out = []
     for sp in plan.splits:
         side = side_of(sp, n)
         o = owner_stage(sp, plan.stages)
         own = plan.stages[o].device
         for m in range(plan.num_microbatches):
-            for k in shard_kinds(side):
+            for k in (k for k in shard_kinds(side) if k in present):
                 rule = RULES[k]
                 for d in sp.devices:
                     me = Action(o, k, m)
@@ -77,6 +78,8 @@ def split_messages(plan, *, same_device: bool = False) -> list[tuple[int, SplitM
                     if rule.gives == "owner" and (d != own or same_device):
                         flow = Flow.GRAD if side == "output" else Flow.ACT
                         cons = consumer_action(index, flow, o, m) if side == "output" else Action(o, Kind.F, m)
+                        if cons not in index:
+                            continue  # an evaluation plan: the owner runs no backward to take the partial
                         what = "head-partial" if side == "output" else "embedding-partial"
                         out.append((shard_pos.get((d, me), -1), SplitMessage(what, m, d, own, me, cons)))
     return out

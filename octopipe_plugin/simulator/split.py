@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..actions import RULES, Action, Kind
 from ..errors import DeadlockError, PlanError
-from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, owner_stage, side_of
+from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .overheads import overhead_ms
 from .memory import activation_changes
@@ -70,6 +70,17 @@ def link_bytes(model, layer: int) -> int:
 
         return boundary_bytes(model)[layer]
     return model.layers[layer - 1].output_bytes
+
+
+def message_bytes(c: SplitCosts, what: str) -> int:
+    """Bytes of one split message of kind `what` (schedules.split_messages.WHATS; docs/formats.md, "Split layers",
+    Messages): the statistics `stats_bytes`; the head's input the hidden states plus their loss terms
+    (`formats.splits.loss_terms_bytes`); every other one (partials, the embedding's output gradient) `link_bytes`."""
+    if what == "stats":
+        return c.split.stats_bytes
+    if what == "head-input":
+        return c.link_bytes + loss_terms_bytes(c.split)
+    return c.link_bytes
 
 
 def split_costs(model, plan) -> list[SplitCosts]:
@@ -177,7 +188,8 @@ class SplitGraph:
         if c is None or a.stage != c.owner:
             return []
         givers = [k for k, r in RULES.items() if r.side == side and r.gives == "owner"]
-        return [((k, c.owner, a.microbatch, e), self.move(e, d, c.link_bytes)) for k in givers for e in c.split.devices]
+        nbytes = message_bytes(c, "head-partial" if side == "output" else "embedding-partial")
+        return [((k, c.owner, a.microbatch, e), self.move(e, d, nbytes)) for k in givers for e in c.split.devices]
 
     def _shard_deps(self, a: Action, d: int, rule) -> list:
         c = self.by_side[rule.side]
@@ -187,9 +199,10 @@ class SplitGraph:
         own = self.dev_of[c.owner]
         if rule.takes == "owner":
             key = (Kind.F, c.owner, m) if rule.side == "output" else (GRAD, c.owner, m)
-            out.append((key, self.move(own, d, c.link_bytes)))
+            out.append((key, self.move(own, d, message_bytes(c, "head-input" if rule.side == "output"
+                                                              else "embedding-grad"))))
         elif rule.takes == "peers":
-            out += [((rule.peer, c.owner, m, e), self.move(e, d, c.split.stats_bytes))
+            out += [((rule.peer, c.owner, m, e), self.move(e, d, message_bytes(c, "stats")))
                     for e in c.split.devices if e != d]
         return out
 
@@ -344,4 +357,5 @@ def _name(key) -> str:
     return text + (f" on device {key[3]}" if len(key) > 3 else "")
 
 
-__all__ = ["SplitGraph", "simulate_split", "split_costs", "without_split_layers", "link_bytes", "shard_state"]
+__all__ = ["SplitGraph", "simulate_split", "split_costs", "without_split_layers", "link_bytes", "shard_state",
+           "message_bytes"]

@@ -4,8 +4,10 @@ Every rank builds the toy model (testing/toy.py, `vocab` set) with the same seed
 without the split layers and its shards of them (`executor.vocab_shard.SplitTorchStages`), and
 compares the loss (on every head shard, or on the last stage) and every gradient it holds, each
 shard's rows against the same rows of the reference's weight gradient, with a float64 single-process
-reference step. Plans come from the schedule generators or the split-aware tuner, their shard
-actions placed by `tuner.split_sched.insert_shards` (irregular per-device orders).
+reference step; then two evaluation steps (the plan's forwards, and one micro-batch more) against the
+reference's losses. Every K and G must run inside the runner's `_shard_grad` hook, told `last_backward`
+on the rank's last of each kind. Plans come from the schedule generators or the split-aware tuner,
+their shard actions placed by `tuner.split_sched.insert_shards` (irregular per-device orders).
 """
 
 from __future__ import annotations
@@ -61,8 +63,21 @@ def embedding_split(devices, shares=None) -> SplitLayer:
     return SplitLayer(layer=0, devices=tuple(devices), shares=shares)
 
 
-def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int) -> SplitTorchStages:
-    """SplitTorchStages of `rank`'s stages (split layers taken out) and shards of `plan` over the toy's layers."""
+class RecordingSplitStages(SplitTorchStages):
+    """SplitTorchStages that records every shard weight-gradient action's hook call: (kind, last_backward)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.shard_grads: list = []
+
+    def _shard_grad(self, stage: int, kind, last_backward: bool):
+        self.shard_grads.append((kind, last_backward))
+        return super()._shard_grad(stage, kind, last_backward)
+
+
+def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int, learn: bool = False) -> SplitTorchStages:
+    """SplitTorchStages of `rank`'s stages (split layers taken out) and shards of `plan` over the toy's layers
+    (`learn`: the head's input undeclared, learned each step by the transport's handshake)."""
     split = {sp.layer for sp in plan.splits}
     mods = {s: nn.Sequential(*[layers[i] for i in range(plan.stages[s].start, plan.stages[s].end) if i not in split])
             for s in plan.stages_of(rank)}
@@ -76,24 +91,26 @@ def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int) -> Split
         head_w = (emb_w if spec.tied and emb_rows == head_rows else
                   nn.Parameter(layers[last].weight[head_rows[0]:head_rows[1]].detach().clone()))
     act = TensorMeta(shape=(spec.batch, spec.seq, spec.hidden), dtype=spec.dtype)
-    return SplitTorchStages(
+    return RecordingSplitStages(
         plan=plan, rank=rank, modules=mods, num_microbatches=plan.num_microbatches, vocab_size=spec.vocab,
-        hidden_meta=act, head_weight=head_w, embedding_weight=emb_w,
+        hidden_meta=None if learn else act, embedding_meta=act, head_weight=head_w, embedding_weight=emb_w,
         tokens=lambda mb: microbatch(spec, mb)[0], targets=lambda mb: microbatch(spec, mb)[1],
         metas=boundary_metas(spec, plan.num_stages), load_input=lambda mb: microbatch(spec, mb)[0],
         loss_fn=loss_fn(spec))
 
 
 def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, tags: bool = True,
-                     exchange: str | None = None) -> None:
+                     exchange: str | None = None, learn: bool = False) -> None:
     """Run `plan` on this rank; assert its loss and every gradient it holds equal the reference (float64)."""
     layers = build_layers(spec)
-    runner = split_runner(spec, layers, plan, rank)
+    runner = split_runner(spec, layers, plan, rank, learn)
     opts = ExecutorOptions(timeout_s=timeout_s, tags=tags, exchange=exchange)
-    result = PipelineExecutor(plan, runner, options=opts).run_step()
+    executor = PipelineExecutor(plan, runner, options=opts)
+    result = executor.run_step()
     ref = build_layers(spec)
     ref_loss = reference_step(spec, ref, plan.num_microbatches)
-    label = f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}, {exchange}"
+    label = (f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}, {exchange}"
+             f"{', head input learned' if learn else ''}")
     reports = runner.head_rows is not None if runner.head_split else plan.num_stages - 1 in plan.stages_of(rank)
     if reports:
         torch.testing.assert_close(result.loss, ref_loss, rtol=1e-10, atol=1e-12, msg=f"{label}: loss")
@@ -113,6 +130,58 @@ def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, ta
             _same(weight.grad, ref[idx].weight.grad[rows[0]:rows[1]], f"{label}: layer {idx} shard rows {rows}")
     if runner.pending():
         raise AssertionError(f"{label}: state of {runner.pending()} (stage or shard, micro-batch) pairs not freed")
+    _check_shard_hooks(runner, plan, rank, label)
+    _check_evaluation(executor, runner, spec, ref, reports, label)
+
+
+def _check_shard_hooks(runner, plan, rank: int, label: str) -> None:
+    """Every K and G ran inside the runner's `_shard_grad`, `last_backward` on the rank's last of each kind only."""
+    from ..actions import Kind
+
+    for kind in (Kind.K, Kind.G):
+        ran = [a for a in plan.schedule[rank] if a.kind is kind]
+        calls = [last for k, last in runner.shard_grads if k is kind]
+        if len(calls) != len(ran) or (ran and calls != [False] * (len(ran) - 1) + [True]):
+            raise AssertionError(f"{label}: {kind.value} ran {len(ran)} times, its hook saw last_backward={calls}")
+
+
+def _check_evaluation(executor, runner, spec: ToySpec, ref, reports: bool, label: str) -> None:
+    """Evaluation steps (the plan's forwards, and another micro-batch count) report the reference's losses, keep
+    nothing and leave every gradient as the training step made it."""
+    plan = executor.plan
+    held = [p.grad.clone() for p in _grads(runner)]
+    for m in (plan.num_microbatches, plan.num_microbatches + 1):
+        ev = executor.run_step(forward_only=True, num_microbatches=m)
+        if reports:
+            want = reference_loss(spec, ref, m, plan.num_microbatches)
+            torch.testing.assert_close(ev.loss, want, rtol=1e-10, atol=1e-12, msg=f"{label}: evaluation loss, m={m}")
+        elif ev.loss is not None:
+            raise AssertionError(f"{label}: a rank without the loss reported one in evaluation")
+        if runner.pending():
+            raise AssertionError(f"{label}: evaluation kept the state of {runner.pending()} pairs")
+    for before, p in zip(held, _grads(runner)):
+        if not torch.equal(before, p.grad):
+            raise AssertionError(f"{label}: an evaluation step changed a gradient")
+
+
+def _grads(runner) -> list:
+    """The parameters with a gradient this rank holds (its stages' and its shards')."""
+    params = [p for m in runner.modules.values() for p in m.parameters()]
+    params += [w for w in (runner.head_weight, runner.embedding_weight) if w is not None]
+    return [p for p in {id(p): p for p in params}.values() if p.grad is not None]
+
+
+def reference_loss(spec: ToySpec, layers: nn.ModuleList, num_microbatches: int, train_microbatches: int):
+    """The single-process loss of an evaluation over `num_microbatches`, each scaled as in training
+    (/ `train_microbatches`, TorchStages' default `scale_loss`)."""
+    total = torch.zeros((), dtype=spec.dtype)
+    with torch.no_grad():
+        for mb in range(num_microbatches):
+            x = microbatch(spec, mb)[0]
+            for layer in layers:
+                x = layer(x)
+            total += loss_fn(spec)(x, mb) / train_microbatches
+    return total
 
 
 def _same(got, want, label: str) -> None:
@@ -123,8 +192,9 @@ def _same(got, want, label: str) -> None:
 
 def check_split_plans_worker(rank: int, world: int, port: int, docs: list[dict], specs: list[ToySpec]) -> None:
     """Spawn target: join the group, check every (plan document, spec) in turn (every other one untagged, every
-    third one with the batched exchange)."""
+    third one with the batched exchange, every fourth from the second on with the head input learned)."""
     init_gloo(rank, world, port, timeout_s=60)
     for i, (doc, spec) in enumerate(zip(docs, specs)):
-        check_split_plan(rank, plan_from_dict(doc), spec, tags=i % 2 == 0, exchange="batched" if i % 3 == 2 else None)
+        check_split_plan(rank, plan_from_dict(doc), spec, tags=i % 2 == 0, exchange="batched" if i % 3 == 2 else None,
+                         learn=i % 4 == 1)
     dist.destroy_process_group()

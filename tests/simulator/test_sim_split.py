@@ -79,16 +79,19 @@ def test_split_embedding_partials_and_gradient():
 
 
 def test_statistics_exchange_and_partials_cost_their_transfer():
-    # 1 GB/s, 10 us: the head's input (1 MB) and each partial take 1.01 ms, the statistics (1 kB) 0.011 ms
+    # 1 GB/s, 10 us: each partial (1 MB) takes 1.01 ms, the statistics (1 kB) 0.011 ms, the head's input its
+    # 1 MB plus its loss terms (12 bytes a token, the statistics' 1000 // 12 tokens: 996 bytes) 1.010996 ms
     model = Model(name="head", layers=(layer("embedding", 0, 0, 0), layer("dense", 1, 1, 1, out=1_000_000),
                                        layer("lm_head", 2, 2, 2)))
     sp = SplitLayer(layer=2, devices=(0, 1), shares=(0.5, 0.5), stats_bytes=1000)
     res = simulate(model, cluster(latency_us=10.0), head_plan(splits=(sp,)))
     times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    head_input = 1.01 + 996e-6
     assert times[(1, "1F0")] == pytest.approx((2.01, 2.01))  # stage 0's output crosses to stage 1
-    assert times[(0, "1H0")] == pytest.approx((3.02, 4.02))  # the owner's F output crosses back to shard 0
+    # the owner's F output crosses back to shard 0, with its loss terms
+    assert times[(0, "1H0")] == pytest.approx((2.01 + head_input, 3.01 + head_input), rel=1e-9)
     assert times[(1, "1H0")] == pytest.approx((2.01, 3.01))
-    assert times[(1, "1J0")][0] == pytest.approx(4.02 + 0.011)  # shard 0's statistics cross
+    assert times[(1, "1J0")][0] == pytest.approx(3.01 + head_input + 0.011, rel=1e-9)  # shard 0's statistics cross
     assert times[(1, "1B0")][0] == pytest.approx(times[(0, "1J0")][1] + 1.01)  # shard 0's partial crosses
 
 
