@@ -8,6 +8,13 @@ pipeline rank, the global name of every parameter in optimizer order
 the same layout lets DeepSpeed load as usual; under another plan or partition each parameter's
 state is looked up by name (plain torch optimizers); anything else is refused before a tensor
 is touched.
+
+A split LM head (head_split.py) is saved as DeepSpeed saves the unsplit head: its layer file
+`layer_XX-model_states.pt` holds the whole [vocab, hidden] weight, its shards' rows gathered on
+the owner's rank, so a checkpoint of a split plan loads under DeepSpeed's own engine and any other
+plan, and the reverse (each shard reads its rows of the file). Its optimizer state is recorded per
+shard under the head's name with the rows (`layer_08.weight[0:5]`) and mapped by rows: the pieces
+put together, then cut to the loading parameter's rows.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 
 import torch
+import torch.distributed as tdist
 
 from ...errors import OctoPipeError
+from ...formats.splits import row_range
 
 log = logging.getLogger(__name__)
 RECORD = "octopipe_optim_pp{:02d}.pt"
@@ -34,7 +44,97 @@ def parameter_names(module) -> dict[int, str]:
     for key, sub in module.tied_modules.items():
         for pn, p in sub.named_parameters():
             names[id(p)] = f"tied_{key}.{pn}"
+    head, shard = getattr(module, "octopipe_head", None), getattr(module, "head_shard", lambda: None)()
+    if head is not None and shard is not None:
+        lo, hi = shard.rows
+        names[id(shard.weight)] = f"layer_{head.index:02d}.weight[{lo}:{hi}]"
     return names
+
+
+# ---- a split head's layer file ----------------------------------------------------------------------------
+def save_head(module, save_dir: str, checkpoint_engine) -> None:
+    """Write a split head's layer file as DeepSpeed's own (the whole weight), gathered on the owner's rank of
+    data-parallel replica 0 (every rank of that pipeline calls this; the others return)."""
+    head = module.octopipe_head
+    if head is None or module._grid.data_parallel_id != 0 or module.stage_id not in head.split.devices:
+        return
+    w = module.head_shard().weight.detach()
+    owner = head.owner_device
+    if module.stage_id != owner:
+        tdist.send(w.contiguous(), dst=module._grid.stage_to_global(owner))
+        return
+    full = torch.empty((head.vocab, head.hidden), dtype=w.dtype, device=w.device)
+    for d in head.split.devices:  # in the split's device order, the order the shards send in
+        lo, hi = row_range(head.split, head.vocab, d)
+        if d == owner:
+            full[lo:hi] = w
+        else:
+            buf = torch.empty((hi - lo, head.hidden), dtype=w.dtype, device=w.device)
+            tdist.recv(buf, src=module._grid.stage_to_global(d))
+            full[lo:hi] = buf
+    checkpoint_engine.save(state_dict={"weight": full}, path=_head_path(module, save_dir))
+
+
+def load_head(module, load_dir: str, checkpoint_engine) -> None:
+    """This rank's rows of a split head from the head's layer file (written by any plan or DeepSpeed itself)."""
+    head, shard = module.octopipe_head, module.head_shard()
+    if head is None or shard is None:
+        return
+    files = sorted(glob.glob(os.path.join(load_dir, f"layer_{head.index:02d}-*model_states.pt")))
+    if not files:
+        raise OctoPipeError(f"{load_dir}: no layer_{head.index:02d}-model_states.pt for the split LM head (list "
+                            f"entry {head.index}); the checkpoint was written for another layer list")
+    w = checkpoint_engine.load(files[0], map_location="cpu").get("weight")
+    if w is None or tuple(w.shape) != (head.vocab, head.hidden):
+        got = None if w is None else tuple(w.shape)
+        raise OctoPipeError(f"{files[0]}: field weight: expected the head's [{head.vocab}, {head.hidden}] weight, "
+                            f"got {got} (a checkpoint of another model)")
+    lo, hi = shard.rows
+    with torch.no_grad():
+        shard.weight.copy_(w[lo:hi])
+
+
+def _head_path(module, save_dir: str) -> str:
+    # DeepSpeed's own name of the entry's file (ckpt_layer_path adds the active stage's start back)
+    return module.ckpt_layer_path(save_dir, module.octopipe_head.index - module._local_start)
+
+
+_ROWS = re.compile(r"^(?P<base>.+)\[(?P<lo>\d+):(?P<hi>\d+)\]$")
+
+
+def _saved_state(saved: dict, name: str):
+    """The saved optimizer state of parameter `name`, put together from row pieces where it was split (None:
+    nothing saved for it)."""
+    if name in saved:
+        return saved[name]
+    m = _ROWS.match(name)
+    base, want = (m["base"], (int(m["lo"]), int(m["hi"]))) if m else (name, None)
+    pieces = []
+    for key, st in saved.items():
+        k = _ROWS.match(key)
+        if key == base:
+            pieces.append((None, st))
+        elif k and k["base"] == base:
+            pieces.append(((int(k["lo"]), int(k["hi"])), st))
+    if not pieces:
+        return None
+    pieces.sort(key=lambda p: -1 if p[0] is None else p[0][0])
+    out = {}
+    for field, first in pieces[0][1].items():
+        if not (torch.is_tensor(first) and first.dim() >= 1):
+            out[field] = first  # a step count: the same in every piece
+            continue
+        if pieces[0][0] is None:
+            whole = first
+        else:
+            at = 0
+            for rows, _ in pieces:
+                if rows[0] != at:
+                    raise OctoPipeError(f"saved optimizer state of {base}: rows [{at}, {rows[0]}) are in no piece")
+                at = rows[1]
+            whole = torch.cat([st[field] for _, st in pieces])
+        out[field] = whole if want is None else whole[want[0]:want[1]].clone()
+    return out
 
 
 def optimizer_names(engine) -> list[list[str]]:
@@ -116,15 +216,16 @@ def load_mapped(engine, load_dir: str, tag) -> None:
                 saved[name] = st["state"].get(idx, {})
     opt = _torch_optimizer(engine)
     current = opt.state_dict()
-    missing = [n for g in optimizer_names(engine) for n in g if n not in saved]
+    found = {n: _saved_state(saved, n) for g in optimizer_names(engine) for n in g}
+    missing = [n for n, st in found.items() if st is None]
     if missing:
         raise OctoPipeError(f"{where}: no saved optimizer state for parameters {missing[:4]}"
                             f"{' ...' if len(missing) > 4 else ''}; refusing to load state onto other parameters")
     state = {}
     for g_names, group in zip(optimizer_names(engine), current["param_groups"]):
         for name, idx in zip(g_names, group["params"]):
-            if saved[name]:
-                state[idx] = saved[name]
+            if found[name]:
+                state[idx] = found[name]
     groups = [{**g, **{k: v for k, v in (hyper or {}).items() if k in g}} for g in current["param_groups"]]
     opt.load_state_dict({"state": state, "param_groups": groups})
     log.info("octopipe: optimizer state of %d parameters mapped by name from %s", len(state), where)

@@ -30,6 +30,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from ...executor.engine import forward_plan
+from ...executor.vocab_shard import VocabShards
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
@@ -78,8 +79,11 @@ class OctoPipeEngine(PipelineEngine):
             return None
         if self.module.octopipe_shards is not None:  # stand-ins (the benchmarks)
             return self.module.octopipe_shards(self)
-        raise OctoPipeError("OctoPipeEngine: the real head shards need executor.vocab_shard.VocabShards "
-                            "(shardcore's SHARD_API step 2), not on this branch yet; pass shards= to the module")
+        head, shard = self.module.octopipe_head, self.module.head_shard()
+        # the head input's meta is learned per step (the shard ranks see no data); J reports through the runner
+        return VocabShards(plan=self.plan, rank=self.module.stage_id, vocab_size=head.vocab,
+                           head_weight=shard.weight if shard is not None else None,
+                           report=lambda mb, per_token, coef: self._runner.report(mb, per_token, coef))
 
     # ---- which rank plays which role -----------------------------------------------------------------
     def is_first_stage(self):
@@ -178,6 +182,10 @@ class OctoPipeEngine(PipelineEngine):
         """
         if m == self.plan.num_microbatches:
             return self._executor
+        if self.plan.splits:
+            raise OctoPipeError(f"eval_batch(num_micro_batches={m}) under a plan with split layers: an evaluation "
+                                f"runs the plan's own {self.plan.num_microbatches} micro-batches (its shard actions "
+                                "are placed for them); evaluate with num_micro_batches=None")
         if m not in self._forward_executors:
             rows = [[] for _ in range(self.plan.num_devices)]
             for mb in range(m):

@@ -2,8 +2,9 @@
 
 Each `LayerSpec` / `TiedLayerSpec` is read from its type and constructor arguments and costed
 with the analytic model of `octopipe_plugin.costs` (the same FLOP/byte formulas the zoo uses):
-embeddings (and a head tied to one), Linear, LayerNorm/RMSNorm, torch's Transformer
-encoder/decoder layers and Hugging Face style decoder blocks built from a config that has
+embeddings (and a head tied to one), Linear (kind "lm_head" as the list's last entry when
+`head_split` can split it: `LayerSpec(nn.Linear, hidden, vocab, bias=False)`), LayerNorm/RMSNorm,
+torch's Transformer encoder/decoder layers and Hugging Face style decoder blocks built from a config that has
 `hidden_size`, `intermediate_size`, `num_attention_heads`. Plain functions in the list cost
 nothing. Anything else is refused with its index and type, unless `costs` supplies it: a
 mapping from list index or type name to a `Layer`, a dict of Layer fields, or a callable
@@ -24,6 +25,7 @@ from ...gpus import get_gpu
 from ...costs.ops import matmul, total_times
 from ...errors import OctoPipeError
 from ...formats.model import Layer, Model
+from .head_split import splittable_head
 
 _HINT = ("supply its costs: model_from_specs(..., costs={index or type name: {fwd_ms, bwd_ms, wgrad_ms, "
          "state_bytes, activation_bytes, output_bytes}}), or name an octopipe-model/1 file (e.g. measured by "
@@ -219,6 +221,8 @@ def model_from_specs(specs, *, seq_len: int = 2048, micro_batch_size: int = 1, g
         if layer is None:
             raise OctoPipeError(f"layer {j} ({type_name}): the analytic cost model does not recognise this layer "
                                 f"type; {_HINT}")
+        if j == len(specs) - 1 and j > 0 and layer.kind == "linear" and splittable_head(spec):
+            layer = replace(layer, kind="lm_head")  # the LM head a split plan may divide (head_split.py)
         layers.append(layer)
     return Model(name=name, layers=tuple(layers), meta={"cost_model": "analytic", "gpu": env["gpu"].name,
                                                        "seq_len": seq_len, "micro_batch_size": micro_batch_size})

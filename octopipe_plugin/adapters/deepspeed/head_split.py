@@ -87,6 +87,15 @@ def head_placement(plan, specs, layer_of_spec, rank: int) -> HeadPlacement | Non
                          rows=rows)
 
 
+def splittable_head(spec) -> bool:
+    """Whether a list entry, as the last of the list, can be a split LM head (the rule of `_linear_head`)."""
+    try:
+        _linear_head(spec, -1)
+    except OctoPipeError:
+        return False
+    return True
+
+
 def _linear_head(spec, index: int) -> tuple[int, int]:
     """(vocab, hidden) of a split head's LayerSpec, or the refusal naming what it is instead."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec

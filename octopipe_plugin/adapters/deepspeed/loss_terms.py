@@ -12,9 +12,10 @@ c_t (softmax - onehot) and its value); any other loss (label smoothing, z-loss, 
 logits' magnitudes) is refused by name. The probe runs in float32 (bf16 would round the
 coefficients to 3 digits) and costs one loss_fn forward and backward on [tokens, V] zeros.
 
-The backward coefficient is d(root)/d(ℓ_t) with the runner's own scaling (`scale`: DeepSpeed's
-division by gradient_accumulation_steps, the fp16 loss scale) applied to Σ c_t ℓ_t with autograd,
-so the shards' gradients are what DeepSpeed's backward of the unsplit loss would give.
+The runner then scales Σ c_t ℓ_t as it scales a loss (DeepSpeed's division by
+gradient_accumulation_steps, the fp16 loss scale) and the executor's `loss_coefficients` turns that
+rule into the backward coefficients (`StageCore.head_input`), so the shards' gradients are what
+DeepSpeed's backward of the unsplit loss would give.
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ _TOL = 1e-5  # relative to the largest coefficient: float32 round-off of loss_fn
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HeadTerms:
-    """Per token of the head's input: target (IGNORE where it does not count), backward and loss coefficients."""
+    """Per token of the head's input: its target (IGNORE where it does not count) and coefficient in loss_fn."""
 
     targets: torch.Tensor  # int64 [tokens]
-    coef: torch.Tensor  # float32 [tokens]: d(backward root)/d(per-token loss)
     raw_coef: torch.Tensor  # float32 [tokens]: d(loss_fn)/d(per-token loss), the unscaled loss DeepSpeed reports
 
 
-def head_terms(loss_fn: Callable, hidden: torch.Tensor, labels, *, vocab: int,
-               scale: Callable[[torch.Tensor], torch.Tensor], check: bool = False) -> HeadTerms:
+def head_terms(loss_fn: Callable, hidden: torch.Tensor, labels, *, vocab: int, check: bool = False) -> HeadTerms:
     """Targets and coefficients of `loss_fn(logits, labels)` for logits [*hidden.shape[:-1], vocab] (see above)."""
     if vocab < 2:
         raise OctoPipeError(f"a split LM head needs a vocabulary of at least 2 rows, got {vocab}")
@@ -65,11 +64,7 @@ def head_terms(loss_fn: Callable, hidden: torch.Tensor, labels, *, vocab: int,
         want = float((raw_coef * per_token).sum())
         if abs(float(value) - want) > _TOL * max(1.0, abs(want)):
             raise _not_weighted(f"its value {float(value):.6g} is not Σ c_t·cross-entropy_t = {want:.6g}")
-    leaf = torch.zeros(raw_coef.shape, dtype=torch.float32, device=hidden.device, requires_grad=True)
-    with torch.enable_grad():
-        root = scale((raw_coef * leaf).sum())
-        (coef,) = torch.autograd.grad(root, leaf)
-    return HeadTerms(targets=targets, coef=coef.detach(), raw_coef=raw_coef.detach())
+    return HeadTerms(targets=targets, raw_coef=raw_coef.detach())
 
 
 def _probe(loss_fn, logits: torch.Tensor, labels) -> tuple[torch.Tensor, torch.Tensor]:

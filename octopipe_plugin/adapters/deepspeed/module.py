@@ -18,6 +18,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 import logging
 
 from ...errors import OctoPipeError
+from .checkpoint import load_head, save_head
 from .config import refused
 from .head_split import SHARD_NAME, build_shard, head_entry, head_placement
 from .partition import layer_starts
@@ -176,14 +177,20 @@ class OctoPipePipelineModule(PipelineModule):
             self._stage_checkpointable[s] = self.is_checkpointable_results
 
     def save_state_dict(self, *args, **kwargs) -> None:
-        """Write every local stage's layers (files named by global layer index, as DeepSpeed does)."""
+        """Write every local stage's layers (files named by global layer index, as DeepSpeed does), and a split
+        head's file whole (gathered from its shards)."""
         for _ in self._each_stage():
             super().save_state_dict(*args, **kwargs)
+        save_dir, engine = _dir_and_engine(args, kwargs, "save_dir")
+        save_head(self, save_dir, engine)
 
     def load_state_dir(self, *args, **kwargs) -> None:
-        """Load every local stage's layers from global layer files (any partition wrote them)."""
+        """Load every local stage's layers from global layer files (any partition wrote them), and this rank's rows
+        of a split head from the head's file."""
         for _ in self._each_stage():
             super().load_state_dir(*args, **kwargs)
+        load_dir, engine = _dir_and_engine(args, kwargs, "load_dir")
+        load_head(self, load_dir, engine)
 
     def compile(self, *args, **kwargs) -> None:
         """torch.compile every local stage's layers."""
@@ -211,6 +218,13 @@ class OctoPipePipelineModule(PipelineModule):
                         seen.add(id(p))
                         out.append(p)
         return out
+
+
+def _dir_and_engine(args, kwargs, dir_name: str):
+    """(folder, checkpoint_engine) of a save_state_dict / load_state_dir call, positional or keyword."""
+    folder = kwargs[dir_name] if dir_name in kwargs else args[0]
+    engine = kwargs["checkpoint_engine"] if "checkpoint_engine" in kwargs else args[1]
+    return folder, engine
 
 
 def rebuild_at_plan(model: PipelineModule, ds_config: dict) -> OctoPipePipelineModule:

@@ -1,0 +1,175 @@
+"""Harness of the split-LM-head DeepSpeed tests: the harness model with an untied nn.Linear head, split plans,
+and a worker running scenarios through deepspeed.initialize (OctoPipeEngine on split plans, DeepSpeed's own
+PipelineEngine on the unsplit model at the same stage boundaries).
+
+Layers: embedding (0), NUM_BLOCKS residual blocks, `LayerSpec(nn.Linear, HID, VOCAB, bias=False)` (the head,
+list entry 8), all seeded by DeepSpeed's seed_layers, so the split run's shards start from the rows of
+the unsplit head. Each scenario saves per rank its losses, every weight it holds by global layer index,
+and its head shard's rows; `head_weight` reassembles the head from the shards.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import traceback
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+import ds_harness as H
+
+HEAD = H.NUM_BLOCKS + 1  # the head's list index (and OctoPipe layer)
+NUM_LAYERS = HEAD + 1
+
+
+def layer_specs():
+    """Embedding, blocks, an untied Linear head."""
+    from deepspeed.pipe import LayerSpec
+
+    return ([LayerSpec(nn.Embedding, H.VOCAB, H.HID)] + [LayerSpec(H.Block, H.HID) for _ in range(H.NUM_BLOCKS)]
+            + [LayerSpec(nn.Linear, H.HID, H.VOCAB, bias=False)])
+
+
+def masked_sum_loss(logits, labels):
+    """Summed cross-entropy over the tokens whose label is not 0 (ignore_index=0): a loss that is no mean."""
+    return nn.functional.cross_entropy(logits.float().reshape(-1, H.VOCAB), labels.reshape(-1), ignore_index=0,
+                                       reduction="sum")
+
+
+LOSSES = {"mean": H.loss_fn, "masked_sum": masked_sum_loss}
+
+
+def cost_model():
+    """A cost model of the layer list (a heavy head) for placing the shard actions."""
+    from octopipe_plugin.formats import Layer, Model
+
+    kinds = ["embedding"] + ["dense"] * H.NUM_BLOCKS + ["lm_head"]
+    return Model(name="ds-split", layers=tuple(
+        Layer(name=f"l{i}", kind=k, fwd_ms=3.0 if k == "lm_head" else 1.0, bwd_ms=3.0 if k == "lm_head" else 1.0,
+              wgrad_ms=3.0 if k == "lm_head" else 1.0, state_bytes=1 << 10, activation_bytes=1 << 10,
+              output_bytes=0) for i, k in enumerate(kinds)))
+
+
+def split_plan_doc(stage_devices, bounds, num_devices: int, m: int, seed: int, devices, shares) -> dict:
+    """A random valid order with split backward on the given stages, the head split over `devices`, its shard
+    actions placed by the split scheduler."""
+    from octopipe_plugin.executor import check_runnable
+    from octopipe_plugin.executor.dryrun import zero_cost_cluster
+    from octopipe_plugin.formats import plan_to_dict
+    from octopipe_plugin.formats.splits import SplitLayer
+    from octopipe_plugin.testing.plans import make_plan, sample_schedule
+    from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
+
+    sched = sample_schedule(stage_devices, num_devices, m, random.Random(seed), split_prob=0.5)
+    plan = make_plan(stage_devices=stage_devices, bounds=bounds, num_devices=num_devices, num_microbatches=m,
+                     schedule=sched)
+    split = SplitLayer(layer=HEAD, devices=tuple(devices), shares=tuple(shares), stats_bytes=0)
+    cluster = replace(zero_cost_cluster(num_devices), memory_bytes=1 << 40)
+    plan = insert_shards(cost_model(), cluster, replace(plan, splits=(split,)), ShardPolicy())
+    assert plan is not None, "could not place the shard actions"
+    check_runnable(plan)
+    return plan_to_dict(plan)
+
+
+# ---- worker --------------------------------------------------------------------------------------------
+def _weights(module) -> dict:
+    out = {}
+    for name, sub in module.named_children():
+        if name.isdigit():
+            out[name] = {k: v.detach().float().clone() for k, v in sub.state_dict().items()}
+    return out
+
+
+def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
+    """Build the module (OctoPipe's at the config's plan, or DeepSpeed's own at `parts`), train, save the report."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    import octopipe_plugin.deepspeed  # noqa: F401  (installs the engine choice)
+    from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
+
+    cfg = sc["config"]
+    kwargs = dict(loss_fn=LOSSES[sc.get("loss", "mean")], seed_layers=True, base_seed=H.BASE_SEED)
+    if sc.get("parts") is not None:  # DeepSpeed's own PipelineEngine on the unsplit model, at these boundaries
+        module = OctoPipePipelineModule(layer_specs(), parts=sc["parts"], **kwargs)
+    elif sc.get("plain"):  # a plain PipelineModule with the block: rebuilt at the plan by the engine choice
+        module = PipelineModule(layer_specs(), num_stages=sc["pp"], partition_method="uniform", **kwargs)
+    else:
+        module = OctoPipePipelineModule(layer_specs(), config=cfg, **kwargs)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    if sc.get("grad_scale") is not None:  # a deliberate scale error: the comparisons must see it
+        for q in engine.module.parameters():
+            q.register_hook(lambda g, k=sc["grad_scale"]: g * k)
+    if sc.get("load") is not None:
+        engine.load_checkpoint(sc["load"]["dir"], tag=sc["load"]["tag"],
+                               load_optimizer_states=sc["load"].get("optimizer", True))
+    dp_rank = engine.grid.data_parallel_id
+    m = engine.micro_batches
+    report = {"engine": type(engine).__name__, "losses": [], "eval": []}
+    first = sc.get("first_step", 0)
+    for step in range(first, first + sc.get("steps", H.STEPS)):
+        if sc.get("eval"):  # the forward-only plan of the split plan (F, H, J's loss) on the step's data
+            report["eval"].append(float(engine.eval_batch(H.CountingIter(H.batches(step, dp_rank, m)))))
+        report["losses"].append(float(engine.train_batch(data_iter=H.CountingIter(H.batches(step, dp_rank, m)))))
+    if sc.get("save") is not None:
+        engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])
+    report["weights"] = _weights(engine.module)
+    shard = engine.module.head_shard() if hasattr(engine.module, "head_shard") else None
+    report["shard"] = None if shard is None else (shard.rows, shard.weight.detach().float().clone())
+    report["dp"] = dp_rank
+    torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))
+
+
+def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str) -> None:
+    """One rank: DeepSpeed's gloo init, then every scenario in turn (a failure is recorded, not fatal)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    for sc in scenarios:
+        try:
+            run_scenario(sc, rank, out_dir)
+        except Exception as exc:  # noqa: BLE001 - the test reports it with the scenario's name
+            with open(os.path.join(out_dir, f"{sc['name']}-rank{rank}.err"), "w") as fh:
+                fh.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            if sc.get("fatal", True):
+                raise
+        deepspeed.comm.barrier()
+
+
+def run_all(scenarios: list, world: int, out_dir: str) -> None:
+    """Spawn `world` ranks running every scenario."""
+    import torch.multiprocessing as mp
+
+    from octopipe_plugin.executor.launch import free_port
+
+    mp.spawn(worker, args=(world, free_port(), scenarios, out_dir), nprocs=world, join=True)
+
+
+def head_weight(reports) -> torch.Tensor:
+    """The head's [VOCAB, HID] weight: the unsplit run's layer file entry, or the shards' rows put together
+    (rows held twice, by data-parallel copies, must be equal)."""
+    full = None
+    for rep in reports:
+        if str(HEAD) in rep["weights"]:
+            return rep["weights"][str(HEAD)]["weight"]
+        if rep["shard"] is not None:
+            (lo, hi), w = rep["shard"]
+            full = torch.full((H.VOCAB, H.HID), float("nan")) if full is None else full
+            if not torch.isnan(full[lo:hi]).all():
+                assert torch.equal(full[lo:hi], w), f"copies of head rows [{lo}, {hi}) differ"
+            full[lo:hi] = w
+    assert full is not None and not torch.isnan(full).any(), "some head rows are held by no rank"
+    return full
+
+
+def all_weights(reports) -> dict:
+    """Layer index -> weights (every copy identical), the head included whichever way it is held."""
+    merged = H.merged_weights(reports)
+    merged[str(HEAD)] = {"weight": head_weight(reports)}
+    return merged

@@ -1,0 +1,107 @@
+"""The single-process rules of a split LM head under DeepSpeed: which list entry is the head, and the loss terms
+read from the user's loss_fn (targets and coefficients), checked against autograd on whole logits."""
+
+import pytest
+import torch
+from torch import nn
+
+from octopipe_plugin.adapters.deepspeed.head_split import head_entry, head_placement
+from octopipe_plugin.adapters.deepspeed.loss_terms import IGNORE, head_terms
+from octopipe_plugin.errors import OctoPipeError
+from octopipe_plugin.formats.splits import SplitLayer
+from octopipe_plugin.testing.plans import make_plan
+
+pytestmark = pytest.mark.framework
+
+V, HID = 11, 5
+
+
+def _plan(num_layers, split_devices=(0, 1), shares=(0.5, 0.5), layer=None):
+    plan = make_plan(stage_devices=[0, 1], bounds=[(0, 2), (2, num_layers)], num_devices=2, num_microbatches=1,
+                     schedule=[[], []])
+    from dataclasses import replace
+
+    split = SplitLayer(layer=num_layers - 1 if layer is None else layer, devices=tuple(split_devices),
+                       shares=tuple(shares))
+    return replace(plan, splits=(split,))
+
+
+def _specs(head):
+    from deepspeed.pipe import LayerSpec
+
+    return [LayerSpec(nn.Embedding, V, HID), LayerSpec(nn.Linear, HID, HID), LayerSpec(nn.Linear, HID, HID), head]
+
+
+def test_the_head_is_the_last_list_entry_an_untied_linear_without_bias():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    plan = _plan(4)
+    place = head_placement(plan, _specs(LayerSpec(nn.Linear, HID, V, bias=False)), None, 1)
+    assert (place.index, place.vocab, place.hidden, place.rows, place.owner_device) == (3, V, HID, (6, 11), 1)
+    assert head_placement(plan, _specs(LayerSpec(nn.Linear, HID, V, bias=False)), None, 0).rows == (0, 6)
+    with pytest.raises(OctoPipeError, match="TiedLayerSpec 'embed', tied to the embedding"):
+        head_placement(plan, _specs(TiedLayerSpec("embed", nn.Embedding, V, HID, forward_fn=lambda m, x: x)),
+                       None, 0)
+    with pytest.raises(OctoPipeError, match="with a bias"):
+        head_placement(plan, _specs(LayerSpec(nn.Linear, HID, V)), None, 0)
+    with pytest.raises(OctoPipeError, match="is LayerNorm"):
+        head_placement(plan, _specs(LayerSpec(nn.LayerNorm, HID)), None, 0)
+    # layer_of_spec maps two entries onto the split layer: not one head
+    with pytest.raises(OctoPipeError, match=r"list entries \[2, 3\]"):
+        head_entry(_plan(3), [0, 1, 2, 2])
+    with pytest.raises(OctoPipeError, match="without the device 1 of its owner stage"):
+        head_entry(_plan(4, split_devices=(0,), shares=(1.0,)), None)
+    with pytest.raises(OctoPipeError, match="only the LM head"):
+        head_entry(_plan(4, layer=0), None)
+
+
+def _reference(loss_fn, logits, labels):
+    """d(loss_fn)/d(logits) on whole logits, and the logits as [tokens, V] float64."""
+    leaf = logits.detach().requires_grad_(True)
+    root = loss_fn(leaf, labels)
+    (g,) = torch.autograd.grad(root, leaf)
+    z = logits.reshape(-1, V).double()
+    return g.reshape(-1, V), z
+
+
+LOSS_FNS = {
+    "mean": lambda z, y: nn.functional.cross_entropy(z.float().reshape(-1, V), y.reshape(-1)),
+    "sum, ignore_index 0": lambda z, y: nn.functional.cross_entropy(z.float().reshape(-1, V), y.reshape(-1),
+                                                                    ignore_index=0, reduction="sum"),
+    "shifted labels, -100 masked": lambda z, y: nn.functional.cross_entropy(
+        z[:, :-1].float().reshape(-1, V), torch.where(y[:, 1:] % 4 == 0, -100, y[:, 1:]).reshape(-1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_FNS))
+def test_loss_terms_give_the_unsplit_gradient_and_loss(name):
+    loss_fn = LOSS_FNS[name]
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 6, HID, generator=gen)
+    labels = torch.randint(0, V, (2, 6), generator=gen)
+    logits = torch.randn(2, 6, V, generator=gen)
+    terms = head_terms(loss_fn, hidden, labels, vocab=V, check=True)
+    g, z = _reference(loss_fn, logits, labels)
+    # what the shards compute from the terms: c_t (softmax - onehot(target)), Σ c_t ℓ_t
+    valid = terms.targets != IGNORE
+    onehot = torch.zeros_like(z)
+    onehot[valid, terms.targets[valid]] = 1.0
+    want = terms.raw_coef.double()[:, None] * (torch.softmax(z, dim=1) - onehot)
+    torch.testing.assert_close(g.double(), want, atol=1e-6, rtol=1e-5)
+    per_token = torch.logsumexp(z, 1) - z.gather(1, terms.targets.clamp(min=0)[:, None])[:, 0]
+    loss = float((terms.raw_coef.double() * per_token * valid).sum())
+    assert loss == pytest.approx(float(loss_fn(logits, labels)), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_fn, why", [
+    (lambda z, y: nn.functional.cross_entropy(z.float().reshape(-1, V), y.reshape(-1), label_smoothing=0.1),
+     "gradient at random logits"),
+    (lambda z, y: nn.functional.cross_entropy(z.float().reshape(-1, V), y.reshape(-1))
+     + 1e-2 * torch.logsumexp(z.float(), -1).pow(2).mean(), "gradient at zero logits"),
+    (lambda z, y: (nn.functional.cross_entropy(z.float().reshape(-1, V), y.reshape(-1)), {}), "returned tuple"),
+])
+def test_a_loss_that_is_no_weighted_cross_entropy_is_refused_by_name(loss_fn, why):
+    hidden = torch.zeros(2, 3, HID)
+    labels = torch.randint(0, V, (2, 3), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(OctoPipeError, match=f"loss_fn under a split LM head: .*{why}"):
+        head_terms(loss_fn, hidden, labels, vocab=V, check=True)
