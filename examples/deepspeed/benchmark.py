@@ -148,14 +148,22 @@ def _worker(rank, world, port, model_doc, plan_doc, split_doc, shard_costs, scal
         "octopipe": lambda: OctoPipePipelineModule(specs, plan=plan_from_dict(plan_doc), loss_fn=standin_loss),
     }
     if split_doc is not None:
-        # the shard passes on the rank's clock; hand-overs of the activation's shape ([micro-batch, width])
+        # the shard passes on the rank's clock; hand-overs of the activation's shape ([micro-batch, width]); the
+        # owner hands on (hidden, None, None): the head input is declared as that one payload
         shards = SleepShards(shards=shard_costs, rank=rank, device=clock, num_devices=world,
                              hand_over=TensorMeta(shape=(1, width), dtype=torch.float64, requires_grad=False))
         entries, layer_of_spec = split_specs(specs, model, shards)
 
         def rank_shards(engine):
             """OctoPipeEngine's shards factory: the rank's SleepShards, reporting through the engine's runner."""
-            shards.report = lambda mb, losses, coef: engine._runner.report(mb, losses, coef)
+            def report(mb, losses, coef):
+                out = engine._runner.report(mb, losses, coef)
+                # the stand-in owner has no loss_fn value to report (it hands on (hidden, None, None)): its
+                # micro-batch's loss for DeepSpeed's total_loss is the reported (zero) one
+                engine._runner.losses.setdefault(mb, out.loss)
+                return out
+
+            shards.report = report
             return shards
 
         builders["octopipe-split"] = lambda: OctoPipePipelineModule(

@@ -235,7 +235,8 @@ def _sleep_shards(rank: int, world: int, run: Run, device_clock, hidden: int):
     from octopipe_plugin.executor.standin import SleepShards
 
     meta = TensorMeta(shape=BOUNDARY_SHAPE[:2] + (hidden,), dtype=DTYPE, requires_grad=False)
-    return SleepShards(shards=run.shards, rank=rank, device=device_clock, num_devices=world, hand_over=meta)
+    return SleepShards(shards=run.shards, rank=rank, device=device_clock, num_devices=world, hand_over=meta,
+                       learn_head_input=True)
 
 
 def _config(world: int, vp: int | None, hidden: int):

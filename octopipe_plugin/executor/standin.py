@@ -69,6 +69,8 @@ class ShardCosts:
     wgrad: float
     link_ms: tuple[tuple[float, ...], ...]  # [src][dst]: the owner <-> shard hand-over (0 on one device)
     stats_ms: tuple[tuple[float, ...], ...]  # [src][dst]: one head shard's statistics to another
+    # [src][dst]: the head's input with its loss terms (simulator.split.message_bytes); empty: link_ms
+    input_ms: tuple[tuple[float, ...], ...] = ()
 
     def share(self, device: int) -> float:
         """The device's share of the layer."""
@@ -141,15 +143,23 @@ class SleepShards:
     make the head's input and read the summed partials with the same `split_stamp` / `split_ready`).
     `hand_over`: the meta of the hand-overs that meet a framework's tensors (the head's input, its
     partial input gradient, the embedding's partials: the framework's activation, float64, at least
-    `split_numel` elements); default the bare summable payload. `report(mb, per_token_losses, coef)`:
+    `split_numel` elements); default the bare summable payload; `learn_head_input`: the head's input
+    is the framework owner's (hidden, targets, coef), its meta learned by the transport's handshake
+    (the stamp in `hidden`). `report(mb, per_token_losses, coef)`:
     the runner's loss report a J makes (SHARD_API item 2; the owner's, which gives the framework its
     loss dict), here on zero per-token losses, one per token of the head's input (`coef`'s length, as
     the owner handed it on, else 1); default a zero loss (the stand-ins' loss value is not measured).
     """
 
     def __init__(self, *, shards: Sequence[ShardCosts], rank: int, device: DeviceClock, num_devices: int,
-                 hand_over: TensorMeta | None = None, report=None):
+                 hand_over: TensorMeta | None = None, learn_head_input: bool = False, report=None):
         self.split = {c.side: c for c in shards}
+        # what StageCore reads to start the owner's backward from the partials and give stage 0's their gradient
+        self.head_split = "output" in self.split
+        self.embedding_split = "input" in self.split
+        # a framework owner hands on (hidden, targets, coef) in its own dtypes, or (hidden, None, None): its meta is
+        # then learned by the transport's handshake (executor/comm.py), the hidden states carrying the stamp
+        self.learn_head_input = learn_head_input
         self.rank = rank
         self.device = device
         self.num_devices = num_devices
@@ -158,20 +168,24 @@ class SleepShards:
         self.checked = 0
         self._owed: dict[tuple[str, int, int], object] = {}  # (kind, stage, mb) of an H / E whose J / G is due
 
-    def split_meta(self, what: str) -> TensorMeta:
-        """The statistics are the bare summable payload; the other hand-overs have `hand_over`'s shape."""
+    def split_meta(self, what: str):
+        """The statistics are the bare summable payload; the other hand-overs have `hand_over`'s shape (the head's
+        input: None, learned by handshake, under `learn_head_input`)."""
+        if what == "head-input" and self.learn_head_input:
+            return None
         if what == "stats" or self.hand_over is None:
             return TensorMeta(shape=(split_numel(self.num_devices),), dtype=torch.float64, requires_grad=False)
         return TensorMeta(shape=tuple(self.hand_over.shape), dtype=self.hand_over.dtype, requires_grad=False)
 
     def _stamp(self, what: str, mb: int, sent: float) -> torch.Tensor:
-        meta = self.split_meta(what)
+        meta = self.split_meta(what) if what != "head-input" else self.hand_over  # the hidden states carry the stamp
+        meta = meta or TensorMeta(shape=(split_numel(self.num_devices),), dtype=torch.float64)
         return split_stamp(what, mb, self.rank, sent, self.num_devices, meta.shape, meta.dtype)
 
     def ready_at(self, value, action: str, mb: int, what: str) -> float:
         """When `value`, a hand-over of `what` to this rank, has landed (checked: micro-batch and kind)."""
         c = self.split[_SIDE[what]]
-        table = c.stats_ms if what == "stats" else c.link_ms
+        table = c.stats_ms if what == "stats" else c.input_ms if what == "head-input" and c.input_ms else c.link_ms
         ready = split_ready(value, what, mb, lambda j: table[j][self.rank], rank=self.rank, action=action)
         self.checked += 1
         return ready
@@ -184,34 +198,37 @@ class SleepShards:
         """H / E whose J / G has not run yet (0 after a complete step)."""
         return len(self._owed)
 
-    def head_forward(self, stage: int, mb: int, hidden) -> torch.Tensor:
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False) -> torch.Tensor:
         """H: wait for the head's input, sleep the share of F; the statistics go to every other shard."""
         c = self.split["output"]
         end = self.device.work(c.share(self.rank) * c.fwd, self.ready_at(hidden, f"{stage}H{mb}", mb, "head-input"))
         self._owed[("H", stage, mb)] = _coef_of(hidden)  # the owner's loss coefficients, for J's report
         return self._stamp("stats", mb, end)
 
-    def head_backward_input(self, stage: int, mb: int, peer_stats):
-        """J: wait for every other shard's statistics, sleep the share of I; the partial goes to the owner."""
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *, forward_only: bool = False):
+        """J: wait for every other shard's statistics, sleep the share of I (an evaluation step: of nothing, the
+        loss only); the partial goes to the owner."""
         c = self.split["output"]
         ready = max([self.ready_at(p, f"{stage}J{mb}", mb, "stats") for p in peer_stats], default=0.0)
-        end = self.device.work(c.share(self.rank) * c.bwd, ready)
+        end = self.device.work(0.0 if forward_only else c.share(self.rank) * c.bwd, ready)
         coef = self._owed.pop(("H", stage, mb), None)
+        partial = None if forward_only else self._stamp("head-partial", mb, end)
         if self.report is None:
-            return self._stamp("head-partial", mb, end), LossOutput(loss=torch.zeros((), dtype=torch.float64))
+            return partial, LossOutput(loss=torch.zeros((), dtype=torch.float64))
         if coef is None:
             coef = torch.zeros(1, dtype=torch.float32)
-        return self._stamp("head-partial", mb, end), self.report(mb, torch.zeros_like(coef), coef)
+        return partial, self.report(mb, torch.zeros_like(coef), coef)
 
     def head_backward_weight(self, stage: int, mb: int, **_) -> None:
         """K: sleep the share of W."""
         c = self.split["output"]
         self.device.work(c.share(self.rank) * c.wgrad)
 
-    def embedding_forward(self, stage: int, mb: int) -> torch.Tensor:
+    def embedding_forward(self, stage: int, mb: int, *, forward_only: bool = False) -> torch.Tensor:
         """E: sleep the share of F; the partial goes to stage 0."""
         c = self.split["input"]
-        self._owed[("E", stage, mb)] = None
+        if not forward_only:  # an evaluation step runs no G
+            self._owed[("E", stage, mb)] = None
         return self._stamp("embedding-partial", mb, self.device.work(c.share(self.rank) * c.fwd))
 
     def embedding_backward(self, stage: int, mb: int, grad_output, **_) -> None:
@@ -352,21 +369,21 @@ class SleepStages:
         """Every split hand-over is one summable payload (module docstring)."""
         return self.shards.split_meta(what)
 
-    def head_forward(self, stage: int, mb: int, hidden) -> torch.Tensor:
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False) -> torch.Tensor:
         """H: SleepShards'."""
-        return self.shards.head_forward(stage, mb, hidden)
+        return self.shards.head_forward(stage, mb, hidden, forward_only=forward_only)
 
-    def head_backward_input(self, stage: int, mb: int, peer_stats):
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *, forward_only: bool = False):
         """J: SleepShards'."""
-        return self.shards.head_backward_input(stage, mb, peer_stats)
+        return self.shards.head_backward_input(stage, mb, peer_stats, forward_only=forward_only)
 
     def head_backward_weight(self, stage: int, mb: int) -> None:
         """K: SleepShards'."""
         self.shards.head_backward_weight(stage, mb)
 
-    def embedding_forward(self, stage: int, mb: int) -> torch.Tensor:
+    def embedding_forward(self, stage: int, mb: int, *, forward_only: bool = False) -> torch.Tensor:
         """E: SleepShards'."""
-        return self.shards.embedding_forward(stage, mb)
+        return self.shards.embedding_forward(stage, mb, forward_only=forward_only)
 
     def embedding_backward(self, stage: int, mb: int, grad_output) -> None:
         """G: SleepShards'."""
@@ -398,7 +415,7 @@ def stage_live_outputs(model, stages) -> tuple[tuple[int, ...], ...]:
 
 def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
     """The stand-in figures of `plan`'s split layers from the (scaled) model and cluster, as the simulator's."""
-    from ..simulator.split import split_costs
+    from ..simulator.split import message_bytes, split_costs
 
     nd = plan.num_devices
 
@@ -407,7 +424,8 @@ def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
                      for a in range(nd))
 
     return tuple(ShardCosts(side=c.side, owner=c.owner, devices=c.split.devices, shares=c.split.shares, fwd=c.fwd,
-                            bwd=c.bwd, wgrad=c.wgrad, link_ms=times(c.link_bytes), stats_ms=times(c.split.stats_bytes))
+                            bwd=c.bwd, wgrad=c.wgrad, link_ms=times(message_bytes(c, "head-partial")),
+                            stats_ms=times(message_bytes(c, "stats")), input_ms=times(message_bytes(c, "head-input")))
                  for c in split_costs(model, plan))
 
 

@@ -106,20 +106,20 @@ class _HandOver(torch.autograd.Function):
     """The owner's hand-over to a split head: a summable stamp forward, the summed partials' arrival backward."""
 
     @staticmethod
-    def forward(ctx, x, shards, mb, shape):
+    def forward(ctx, x, shards, mb):
         ctx.shards, ctx.mb, ctx.in_shape = shards, mb, x.shape
-        return shards.stamp("head-input", mb, stamp(x)).reshape(shape)
+        return shards.stamp("head-input", mb, stamp(x))
 
     @staticmethod
     def backward(ctx, grad):
         ready = ctx.shards.ready_at(grad, f"owner backward of micro-batch {ctx.mb}", ctx.mb, "head-partial")
-        return stamped(ready, ctx.in_shape), None, None, None
+        return stamped(ready, ctx.in_shape), None, None
 
 
 class HeadHandOver(nn.Module):
     """The end of the stage that owns a split LM head: its output is the head's input for every shard.
 
-    `shards`: the rank's SleepShards (its `hand_over` meta gives the output's shape); `mb`: the
+    `shards`: the rank's SleepShards (its `hand_over` meta is the output's shape and dtype); `mb`: the
     micro-batch when the layer knows it (a callable returning it), else -1 (the shards then check the
     hand-over's kind only)."""
 
@@ -131,7 +131,7 @@ class HeadHandOver(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The head's input as a summable stamp of the end time of the stage's last layer."""
         mb = int(self.mb()) if self.mb is not None else -1
-        return _HandOver.apply(x, self.shards, mb, tuple(self.shards.split_meta("head-input").shape))
+        return _HandOver.apply(x, self.shards, mb)
 
 
 # ----- what every stand-in benchmark's command line shares
