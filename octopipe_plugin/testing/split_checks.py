@@ -113,7 +113,7 @@ def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, ta
              f"{', head input learned' if learn else ''}")
     reports = runner.head_rows is not None if runner.head_split else plan.num_stages - 1 in plan.stages_of(rank)
     if reports:
-        torch.testing.assert_close(result.loss, ref_loss, rtol=1e-10, atol=1e-12, msg=f"{label}: loss")
+        _same(result.loss, ref_loss, f"{label}: loss")
     elif result.loss is not None:
         raise AssertionError(f"{label}: a rank without the loss reported one")
     split = {sp.layer for sp in plan.splits}
@@ -188,6 +188,8 @@ def _same(got, want, label: str) -> None:
     if got is None:
         raise AssertionError(f"{label}: no gradient")
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=label)
+    if want.abs().max() > 1e-6 and torch.allclose(got * 1.01, want, rtol=1e-10, atol=1e-12):
+        raise AssertionError(f"{label}: the tolerance would not catch a 1% scale error")
 
 
 def check_split_plans_worker(rank: int, world: int, port: int, docs: list[dict], specs: list[ToySpec]) -> None:

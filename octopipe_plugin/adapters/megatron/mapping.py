@@ -206,3 +206,34 @@ def fuse_backward(plan, stages):
 def split_stages(plan) -> list[int]:
     """Stages the plan runs with split backward (I and W)."""
     return sorted({a.stage for actions in plan.schedule for a in actions if a.kind == Kind.I})
+
+
+def head_split(plan):
+    """The plan's split of the LM head (a formats.splits.SplitLayer), or None."""
+    from ...formats.splits import side_of
+
+    n = plan.stages[-1].end
+    return next((sp for sp in plan.splits if side_of(sp, n) == "output"), None)
+
+
+def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
+    """Why a Megatron run cannot run the plan's split layers (one line naming the plan field), or None."""
+    from ...formats.splits import side_of
+
+    n = plan.stages[-1].end
+    owner = plan.stages[-1].device
+    for i, sp in enumerate(plan.splits):
+        where = f"plan splits[{i}] (layer {sp.layer})"
+        if side_of(sp, n) == "input":
+            return (f"{where}: a split embedding is not supported in Megatron runs yet; split only the LM head "
+                    f"(drop the layer-0 entry from `splits`)")
+        if owner not in sp.devices:
+            return (f"{where}: devices {list(sp.devices)} must include device {owner}, the LM head's owner (the last "
+                    f"stage's device: its J reports Megatron's loss); add it to the split's devices")
+        if mtp_layers:
+            return (f"{where}: --mtp-num-layers {mtp_layers} with a split LM head is not supported (MTP reuses the "
+                    f"output layer); drop the LM head's split or MTP")
+        if tp_size > 1:
+            return (f"{where}: tensor parallelism (size {tp_size}) with a split LM head is not supported yet; split "
+                    f"the head at --tensor-model-parallel-size 1")
+    return None

@@ -11,6 +11,9 @@ the LM head and loss.
 Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec` are mapping.py's):
 - `mapped_layout(plan, model)` -> a `MappedLayout` for `TransformerConfig.pipeline_model_parallel_layout`;
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
+- `attach_head_shard(plan, chunks, rank, config, vocab_size)`: under a split LM head, the rank's
+  `HeadShard` (vocab_shards.py) as `output_layer` of its chunk, before DDP wrapping (called by
+  `plan_model_provider` once the rank's last chunk is built);
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
   answer for the plan (get_batch's labels, MTP, get_model's pre/post flags), and a HybridModel built
   inside takes the plan's segment of its '|' pattern (hooks.pipeline_view); HybridModels take no
@@ -22,7 +25,7 @@ from __future__ import annotations
 from ...errors import OctoPipeError
 from .embeddings import tie_local_copies
 from .hooks import pipeline_view, replace_forward
-from .mapping import chunk_specs, stage_symbols
+from .mapping import chunk_specs, head_split, split_problem, stage_symbols
 
 
 def _layout_base():
@@ -92,7 +95,7 @@ def make_mapped_layout_class():
     return MappedLayout
 
 
-def plan_model_provider(plan, model, provider, *, hybrid: bool = False):
+def plan_model_provider(plan, model, provider, *, hybrid: bool = False, vocab_size: int | None = None):
     """Wrap a `model_provider(pre_process, post_process, vp_stage=..., config=..., ...)` to build the plan's chunks.
 
     Megatron's get_model derives pre/post_process round-robin and hands every chunk the same
@@ -101,7 +104,9 @@ def plan_model_provider(plan, model, provider, *, hybrid: bool = False):
     hold several copies of the tied embedding, copies the embedding into them (Megatron leaves
     a same-rank copy zero-filled). `hybrid`: the provider builds HybridModels, which take no
     layout: each takes the plan's segment of the '|' pattern and its global layer offset inside
-    the pipeline view the provider runs in (hooks.pipeline_view).
+    the pipeline view the provider runs in (hooks.pipeline_view). Under a split LM head the rank's
+    head shard is attached once its last chunk is built (`attach_head_shard`; `vocab_size`: the
+    padded vocabulary, default Megatron's `args.padded_vocab_size`).
     """
     layout = None
     built: list = []
@@ -132,9 +137,54 @@ def plan_model_provider(plan, model, provider, *, hybrid: bool = False):
                              **kwargs)
         built.append(chunk)
         tie_local_copies(built)
+        if len(built) == len(plan.stages_of(rank)) and plan.splits:
+            attach_head_shard(plan, built, rank, config, vocab_size)
         return chunk
 
     return wrapped
+
+
+def padded_vocab_size() -> int:
+    """The run's padded vocabulary (Megatron's args.padded_vocab_size: --make-vocab-size-divisible-by x TP)."""
+    from megatron.training import get_args
+
+    return get_args().padded_vocab_size
+
+
+def attach_head_shard(plan, chunks, rank: int, config, vocab_size: int | None = None):
+    """This rank's HeadShard of a split LM head as `output_layer` of its chunk (None off the shard set).
+
+    Collective over the head's owner and its shard ranks (vocab_shards.build_head_shard hands each its
+    rows of the head the owner built as the unsplit run builds it). The owner's shard replaces
+    Megatron's output layer; another shard rank's sits on its last chunk (no forward of that chunk uses
+    it). Called before Float16Module / DDP wrapping, so the optimizer, DDP's buffers, the gradient
+    reduction and checkpoints (under Megatron's own key, `output_layer.weight`) include it.
+    """
+    from megatron.core import parallel_state
+
+    from .vocab_shards import build_head_shard
+
+    sp = head_split(plan)
+    if sp is None:
+        return None
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
+                            tp_size=parallel_state.get_tensor_model_parallel_world_size())
+    if problem is not None:  # before the collective: a refused plan sends nothing
+        raise OctoPipeError(problem)
+    owner = plan.stages[-1].device
+    if rank != owner and rank not in sp.devices:
+        return None
+    if any(getattr(c, "share_embeddings_and_output_weights", False) for c in chunks):  # every rank's chunks know
+        raise OctoPipeError(f"plan splits[{plan.splits.index(sp)}] (layer {sp.layer}): a split LM head tied to the "
+                            f"word embedding is not supported yet; pass --untie-embeddings-and-output-weights or "
+                            f"drop the head's split")
+    vocab = padded_vocab_size() if vocab_size is None else vocab_size
+    owner_chunk = chunks[plan.stages_of(rank).index(plan.num_stages - 1)] if rank == owner else None
+    shard = build_head_shard(config, split=sp, device=rank, owner=owner, vocab_size=vocab,
+                             hidden_size=config.hidden_size,
+                             owner_weight=owner_chunk.output_layer.weight if owner_chunk is not None else None)
+    (owner_chunk if owner_chunk is not None else chunks[-1]).output_layer = shard
+    return shard
 
 
 def apply_layout(config, layout) -> None:

@@ -8,7 +8,8 @@ the adapter's placement functions: the plan's `MappedLayout` in the TransformerC
 HybridModel takes its layers and their offset from the plan's segment of the '|' pattern inside
 the pipeline view), each chunk's pre/post flags, the ranks that really hold word-embedding
 copies, same-rank tied copies made equal, and the Float16Module casts on the plan's first and
-last stages. Looped plans pass straight through.
+last stages, and under a split LM head each shard rank's HeadShard (placement.attach_head_shard).
+Looped plans without splits pass straight through.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from .embeddings import tie_local_copies
 from .graph import hybrid_pattern, model_from_megatron
 from .hooks import ModelHooks
 from .mapping import chunk_specs, embedding_ranks_fn, is_looped, plan_of_args
-from .placement import apply_layout, mapped_layout, plan_float16_wrappers, plan_model_provider, plan_pipeline_view
+from .placement import (apply_layout, attach_head_shard, mapped_layout, plan_float16_wrappers, plan_model_provider,
+                        plan_pipeline_view)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def plan_to_build() -> PlanBuild | None:
     except AssertionError:  # megatron.training's arguments not set: a caller outside pretrain, pass through
         return None
     plan = plan_of_args(args)
-    if plan is None or is_looped(plan):
+    if plan is None or (is_looped(plan) and not plan.splits):  # a split head needs its shards built, looped or not
         return None
     return PlanBuild(plan=plan, graph=model_from_megatron(args),
                      tied=not getattr(args, "untie_embeddings_and_output_weights", False),
@@ -113,6 +115,8 @@ def wrap_build_distributed_models(build_distributed):
 
             def tie(model):
                 tie_local_copies(model)
+                if plan.splits:
+                    attach_head_shard(plan, model, rank, self._model_config.transformer)
                 return model
 
             def casts(model):

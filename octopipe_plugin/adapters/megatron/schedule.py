@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
+from ...executor.interface import TensorMeta
 from .embeddings import sum_local_grads
 from .placement import plan_float16_wrappers, plan_pipeline_view
 from .loss_transfer import recv_loss_dicts, send_loss_dicts
@@ -72,11 +73,14 @@ class _Executors:
 def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions | None = None, shards=None):
     """A Megatron forward_backward_func that runs `plan` (checked and lowered once, executors cached).
 
-    `shards(rank=, model=, config=, report=)`: the rank's shards of the plan's split layers (a VocabShards, or a
-    stand-in), made each step; `report` is the owner's loss report (MegatronStages.head_loss) on the LM head's
-    owner rank, None elsewhere. Needed by plans with `splits`."""
+    `shards(rank=, model=, config=, report=, hidden_meta=)`: the rank's shards of the plan's split layers (a
+    VocabShards, or a stand-in), made each step; `report` is the owner's loss report (MegatronStages.head_loss)
+    on the LM head's owner rank, None elsewhere; `hidden_meta` the head input's TensorMeta. Default for plans
+    with `splits`: `head_shards(plan)`, the HeadShard each shard rank's chunk holds (placement.attach_head_shard)."""
     options = options or ScheduleOptions()
     executors = _Executors(plan, options)
+    if shards is None and plan.splits:
+        shards = head_shards(plan)
 
     def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                               micro_batch_size, decoder_seq_length=None, forward_only=False,
@@ -115,7 +119,9 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
             owner = plan.stages[-1].device == rank
             step_shards = shards(rank=rank, model=model, config=config,
                                  report=(lambda mb, losses, coef: made[0].head_loss(mb, losses, coef)) if owner
-                                 else None)
+                                 else None,
+                                 hidden_meta=TensorMeta(shape=(seq, micro_batch_size, config.hidden_size),
+                                                        dtype=config.pipeline_dtype or torch.float32))
         runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
@@ -146,6 +152,31 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
 
     forward_backward_func.plan = plan
     return forward_backward_func
+
+
+def head_shards(plan):
+    """The default shards factory: a VocabShards over the HeadShard of this rank's chunks (None off the shard set)."""
+    from ...executor.vocab_shard import VocabShards
+
+    def make(*, rank, model, config, report, hidden_meta):
+        shard = find_head_shard(model)
+        if shard is None:
+            return None  # a rank off the shard set runs no shard action
+        return VocabShards(plan=plan, rank=rank, vocab_size=shard.vocab_size, head_weight=shard.weight,
+                           head_rows=shard.rows, hidden_meta=hidden_meta, report=report, grad_sink="autograd")
+
+    return make
+
+
+def find_head_shard(model):
+    """The HeadShard among the rank's chunks (placement.attach_head_shard put it there), or None."""
+    from .vocab_shards import HeadShard
+
+    for chunk in model:
+        for m in chunk.modules():
+            if isinstance(m, HeadShard):
+                return m
+    return None
 
 
 def shard_grads_to_main_grad(weights) -> None:

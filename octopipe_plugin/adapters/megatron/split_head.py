@@ -54,26 +54,41 @@ _CAPTURES: "weakref.WeakKeyDictionary[torch.nn.Module, HeadCapture]" = weakref.W
 
 
 def head_capture(chunk: torch.nn.Module) -> HeadCapture | None:
-    """Make the owner chunk's model return its head's input (once per model); None for a chunk whose model takes
-    no `output_processor` (a stand-in chunk, whose output is the head's input as it is)."""
+    """Make the owner chunk's model return its head's input (once per model); None for a chunk without an output
+    layer (a stand-in chunk, whose output is the head's input as it is). A model with an output layer whose
+    forward takes no `output_processor` (HybridModel) is refused: it would apply its head to the hidden states."""
     inner = chunk
-    while not _takes_output_processor(inner) and hasattr(inner, "module"):
+    while inner not in _CAPTURES and not _takes_output_processor(inner) and hasattr(inner, "module"):
         inner = inner.module  # DDP, Float16Module
+    if inner in _CAPTURES:  # made to return its head's input already (an earlier step)
+        return _CAPTURES[inner]
     if not _takes_output_processor(inner):
+        if _has_output_layer(chunk):
+            raise OctoPipeError(f"a split LM head needs the owner's model to return its final-norm hidden states "
+                                f"(GPTModel's output_processor); {type(inner).__name__} takes none: drop the plan's "
+                                f"`splits` for this model")
         return None
-    cap = _CAPTURES.get(inner)
-    if cap is None:
-        cap = _CAPTURES[inner] = HeadCapture()
+    cap = _CAPTURES[inner] = HeadCapture()
 
-        def make(original, _cap=cap):
-            def forward(*args, **kwargs):
-                kwargs["output_processor"] = _cap
-                return original(*args, **kwargs)
+    def make(original, _cap=cap):
+        def forward(*args, **kwargs):
+            kwargs["output_processor"] = _cap
+            return original(*args, **kwargs)
 
-            return forward
+        return forward
 
-        replace_forward(inner, make, "the owner of a split LM head returns the final-norm hidden states")
+    replace_forward(inner, make, "the owner of a split LM head returns the final-norm hidden states")
     return cap
+
+
+def _has_output_layer(chunk) -> bool:
+    inner = chunk
+    while True:
+        if "output_layer" in getattr(inner, "_modules", {}):
+            return True
+        if not hasattr(inner, "module"):
+            return False
+        inner = inner.module
 
 
 def _takes_output_processor(module) -> bool:
@@ -148,4 +163,4 @@ def head_input(hidden: torch.Tensor, labels, coef) -> tuple:
 def per_token_losses(losses: torch.Tensor, labels_shape) -> torch.Tensor:
     """The shards' per-token losses ([seq * mbs], sequence-major) as the output layer's loss gives them: [mbs, seq]."""
     mbs, seq = labels_shape
-    return losses.reshape(seq, mbs).t()
+    return losses.reshape(seq, mbs).t().contiguous()  # contiguous, as compute_language_model_loss returns it

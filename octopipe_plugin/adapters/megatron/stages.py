@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -166,7 +167,7 @@ class MegatronStages(StageCore):
         self.plan = plan
         self.rank = rank
         self.shards = shards
-        self.head_split = check_split_plan(plan, shards, config, collect_non_loss_data)
+        self.head_split = check_split_plan(plan, rank, shards, config, collect_non_loss_data)
         self.stages = plan.stages_of(rank)
         if len(model) != len(self.stages):
             raise ValueError(f"pipeline rank {rank}: the plan places {len(self.stages)} stages "
@@ -195,9 +196,11 @@ class MegatronStages(StageCore):
         hold = set() if forward_only else local_copy_chunks(self.model) | self._shard_chunks()
         self.sync = GradSync(config, self.model, last_chunk, forward_only, hold)
         owner = plan.num_stages - 1
-        self.capture = (split_head.head_capture(self.model[self.chunk_of[owner]])
-                        if self.head_split and owner in self.chunk_of else None)
+        self.capture = None
+        if self.head_split and owner in self.chunk_of:
+            self.capture = split_head.head_capture(self.model[self.chunk_of[owner]])
         self.owner_loss: dict[int, split_head.OwnerLoss] = {}
+        self._viewing: Forwarded | None = None
 
     def _shard_chunks(self) -> set[int]:
         """Chunks holding a shard weight (their gradients arrive at K/G, outside any stage's last B/W: their
@@ -236,23 +239,23 @@ class MegatronStages(StageCore):
         """Meta of a split hand-over (the shards' answer)."""
         return self.shards.split_meta(what)
 
-    def head_forward(self, stage: int, mb: int, hidden):
+    def head_forward(self, stage: int, mb: int, hidden, **kw):
         """H: the shard's logits and statistics."""
-        return self.shards.head_forward(stage, mb, hidden)
+        return self.shards.head_forward(stage, mb, hidden, **kw)
 
-    def head_backward_input(self, stage: int, mb: int, peer_stats):
+    def head_backward_input(self, stage: int, mb: int, peer_stats, **kw):
         """J: the shard's partial input gradient and the micro-batch's loss."""
-        return self.shards.head_backward_input(stage, mb, peer_stats)
+        return self.shards.head_backward_input(stage, mb, peer_stats, **kw)
 
-    def head_backward_weight(self, stage: int, mb: int) -> None:
-        """K: the shard rows' weight gradient."""
+    def head_backward_weight(self, stage: int, mb: int, *, last_backward: bool = False) -> None:
+        """K: the shard rows' weight gradient (its chunk reduces after the step: `last_backward` changes nothing)."""
         self.shards.head_backward_weight(stage, mb)
 
-    def embedding_forward(self, stage: int, mb: int):
+    def embedding_forward(self, stage: int, mb: int, **kw):
         """E: the embedding shard's partial lookup."""
-        return self.shards.embedding_forward(stage, mb)
+        return self.shards.embedding_forward(stage, mb, **kw)
 
-    def embedding_backward(self, stage: int, mb: int, grad_output) -> None:
+    def embedding_backward(self, stage: int, mb: int, grad_output, *, last_backward: bool = False) -> None:
         """G: the embedding shard rows' weight gradient."""
         self.shards.embedding_backward(stage, mb, grad_output)
 
@@ -303,11 +306,12 @@ class MegatronStages(StageCore):
             self.loss_data[mb] = store[0] if store else None
         fwd = None
         if keep:
-            if (not last or owner) and self.config.deallocate_pipeline_outputs:
+            # the owner's output is not pseudo-freed: its own head shard keeps the same storage until its K
+            if not last and self.config.deallocate_pipeline_outputs:
                 sent = out.detach()  # the storage, alive while the executor sends (or hands) it on
                 fwd = Forwarded(input=x, output=out, output_shape=out.shape)  # the shape I and W show autograd
                 schedules.deallocate_output_tensor(out, True)
-                return (sent if not owner else (sent, *handed[1:])), fwd
+                return sent, fwd
             fwd = Forwarded(input=x, output=out)
         if owner:
             return handed, fwd
@@ -342,17 +346,31 @@ class MegatronStages(StageCore):
         for a pseudo-freed output, gradients into main_grad via DDP's hooks)."""
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        dx = backward_step(fwd.input, fwd.output, grad_output, self.config)
+        whole = self.head_split and stage == self.num_stages - 1  # the owner kept its output whole (see _forward)
+        with _kept_whole(self.config) if whole else contextlib.nullcontext():
+            dx = backward_step(fwd.input, fwd.output, grad_output, self.config)
         return dx if want_dx and stage > 0 else None
 
     def _split_input(self, stage: int, outs: list, gs: list, ins: list):
         """I: the linears run their input GEMM only; the captured gradients are kept for W."""
         c = self.chunk_of[stage]
-        return input_pass(outs, gs, ins, self._params(stage), self.phases[c], self.te[c])
+        dins, work = input_pass(outs, gs, ins, self._params(stage), self.phases[c], self.te[c])
+        # a pseudo-freed output (shown whole by _autograd_view during I) must look whole again at W, where the
+        # graph is walked from it for parameters that join at no split linear (a bias added in the residual)
+        fwd = self._viewing
+        if fwd is not None and fwd.output_shape is not None:
+            return dins, _WeightWork(work=work, freed=((fwd.output, tuple(fwd.output_shape)),))
+        return dins, work
 
     def _split_weight(self, stage: int, work) -> None:
         """W: the weight gradients deferred by I, through AccumulateGrad (DDP's hooks fill main_grad)."""
-        weight_pass(work)
+        if not isinstance(work, _WeightWork):
+            weight_pass(work)
+            return
+        with contextlib.ExitStack() as views:
+            for out, shape in work.freed:
+                views.enter_context(_full_shape(out, shape))
+            weight_pass(work.work)
 
     @contextlib.contextmanager
     def _grad_action(self, stage: int, kind: Kind, last_backward: bool):
@@ -365,8 +383,25 @@ class MegatronStages(StageCore):
         yield
         self.sync.after_grad(c, last_backward)
 
+    @contextlib.contextmanager
     def _autograd_view(self, fwd: Forwarded):
-        return _full_shape(fwd.output, fwd.output_shape)
+        self._viewing = fwd  # I's _split_input records what W must show whole again
+        try:
+            with _full_shape(fwd.output, fwd.output_shape):
+                yield
+        finally:
+            self._viewing = None
+
+
+@contextlib.contextmanager
+def _kept_whole(config):
+    """backward_step for an output that was not pseudo-freed: autograd's own backward (custom_backward takes only
+    a one-element output)."""
+    saved, config.deallocate_pipeline_outputs = config.deallocate_pipeline_outputs, False
+    try:
+        yield
+    finally:
+        config.deallocate_pipeline_outputs = saved
 
 
 def _keeping_loss_func(forward_step_func):
@@ -382,37 +417,35 @@ def _keeping_loss_func(forward_step_func):
     return step, kept
 
 
-def check_split_plan(plan, shards, config, collect_non_loss_data: bool) -> bool:
+def check_split_plan(plan, rank: int, shards, config, collect_non_loss_data: bool) -> bool:
     """Refuse (one line naming the plan field) split plans this runner cannot run; whether the LM head is split."""
-    from octopipe_plugin.formats.splits import side_of
+    from octopipe_plugin.executor.interface import SHARD_METHODS
 
-    n = plan.stages[-1].end
-    head = False
-    for i, sp in enumerate(plan.splits):
-        side = side_of(sp, n)
-        where = f"plan splits[{i}] (layer {sp.layer})"
-        if shards is None:
-            raise OctoPipeError(f"{where}: a plan with split layers needs the rank's shards (MegatronStages(shards="
-                                f"...), make_forward_backward_func(shards=...)); none given")
-        if side == "input":
-            raise OctoPipeError(f"{where}: a split embedding is not supported in Megatron runs yet; split only the "
-                                f"LM head (drop the layer-0 entry from `splits`)")
-        head = head or side == "output"
-        owner = plan.stages[-1].device
-        if side == "output" and owner not in sp.devices:
-            raise OctoPipeError(f"{where}: devices {list(sp.devices)} must include device {owner}, the LM head's owner "
-                                f"(the last stage's device: its J reports Megatron's loss); add it to the split's "
-                                f"devices")
-        if side == "output" and getattr(config, "mtp_num_layers", None):
-            raise OctoPipeError(f"{where}: --mtp-num-layers {config.mtp_num_layers} with a split LM head is not "
-                                f"supported (MTP reuses the output layer); drop the LM head's split or MTP")
-        if side == "output" and getattr(config, "tensor_model_parallel_size", 1) > 1:
-            raise OctoPipeError(f"{where}: tensor parallelism (size {config.tensor_model_parallel_size}) with a split "
-                                f"LM head is not supported yet; split the head at --tensor-model-parallel-size 1")
-        if side == "output" and collect_non_loss_data:
-            raise OctoPipeError(f"{where}: collect_non_loss_data needs the whole logits on one rank; evaluate with an "
-                                f"unsplit plan")
+    from .mapping import head_split, split_problem
+
+    if not plan.splits:
+        return False
+    if shards is None and any(a.kind in SHARD_METHODS for a in plan.schedule[rank]):
+        raise OctoPipeError(f"plan splits (layers {[sp.layer for sp in plan.splits]}): pipeline rank {rank} runs shard "
+                            f"actions and needs its shards (MegatronStages(shards=...), make_forward_backward_func("
+                            f"shards=...)); none given")
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
+                            tp_size=getattr(config, "tensor_model_parallel_size", 1) or 1)
+    if problem is not None:
+        raise OctoPipeError(problem)
+    head = head_split(plan) is not None
+    if head and collect_non_loss_data:
+        raise OctoPipeError("plan splits: collect_non_loss_data needs the whole logits on one rank; evaluate with an "
+                            "unsplit plan")
     return head
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _WeightWork:
+    """I's work for W, and the pseudo-freed outputs (with their shapes) W's graph walk starts from."""
+
+    work: object
+    freed: tuple
 
 
 def model_device(model: Sequence[torch.nn.Module]) -> torch.device:

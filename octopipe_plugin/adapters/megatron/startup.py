@@ -9,8 +9,8 @@ on rank 0 and broadcasts the plan or rank 0's one-line error (the process group 
 when the launch provides one, as Megatron would open it, and Megatron reuses it). Rank 0 saves
 the plan next to the checkpoint (`--save`). A plan that does not match the run stops start-up
 with one message on every rank.
-A plan whose stage->rank map is not looped also installs the model-construction hooks
-(pretrain_hooks.py) so Megatron builds the plan's chunks.
+A plan whose stage->rank map is not looped, or that splits the LM head, also installs the
+model-construction hooks (pretrain_hooks.py) so Megatron builds the plan's chunks (and the head's shards).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
-from .mapping import is_looped, stage_layout_args
+from .mapping import head_split, is_looped, split_problem, stage_layout_args
 from .pretrain_hooks import MODEL_HOOKS
 from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
@@ -62,11 +62,30 @@ def resolve_octopipe_plan(args):
     facts = run_facts(args)
     plan, _ = plan_at_startup(_plan_steps(args, specs, facts))
     _apply_stages(args, plan, specs)
+    _refuse_splits(args, plan)
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
-    if not is_looped(plan):
-        # Megatron's model construction is round-robin: let the plan's map decide it (patch route included)
+    if not is_looped(plan) or plan.splits:
+        # Megatron's model construction is round-robin: let the plan's map decide it (patch route included); a
+        # split LM head's shards are built there too
         install_model_hooks(MODEL_HOOKS)
     return args
+
+
+def _refuse_splits(args, plan) -> None:
+    """Split layers this run cannot run: one line naming the plan field, on every rank, before any model is built."""
+    if not plan.splits:
+        return
+    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
+                            tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+    if problem is None and hybrid_pattern(args):
+        problem = (f"plan splits: a HybridModel's forward gives no hook for its final-norm hidden states "
+                   f"(GPTModel's output_processor); drop `splits` for --hybrid-layer-pattern models")
+    if problem is None and head_split(plan) is not None and not getattr(args, "untie_embeddings_and_output_weights",
+                                                                        False):
+        problem = (f"plan splits[{plan.splits.index(head_split(plan))}]: a split LM head tied to the word embedding "
+                   f"is not supported yet; pass --untie-embeddings-and-output-weights or drop the head's split")
+    if problem is not None:
+        raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",

@@ -41,7 +41,8 @@ def _octopipe_chunks(spec: H.TinyGPT, plan, rank: int):
     def model_provider(pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
         return H.build_chunk(spec, config, pre_process, post_process, vp_stage)
 
-    provider = plan_model_provider(plan, spec.graph(), model_provider)
+    # vocab_size: a split head's shard ranks build their HeadShard without Megatron's global arguments
+    provider = plan_model_provider(plan, spec.graph(), model_provider, vocab_size=spec.vocab)
     vp = len(plan.stages_of(rank))
     chunks = []
     for i in range(vp):  # get_model's loop and its round-robin flags, which the wrapper replaces

@@ -1,0 +1,166 @@
+"""Plans that split the LM head, inside Megatron (megatron-core 0.19.2, CPU/gloo, tiny GPT, local spec, untied).
+
+Each shard rank holds a `HeadShard` (rows of Megatron's output_layer.weight, initialised from the
+owner's Megatron-built head) attached to its chunk before DDP wrapping; the owner's chunk returns its
+final-norm hidden states with the labels and Megatron's per-token loss coefficients, the shards run
+the vocabulary-parallel cross-entropy across the shard group, and the owner's J reports through the
+forward step's own loss_func. Oracle: the same model at PP=1 in one process (Megatron's own
+no-pipelining schedule on the unsplit model), same seeds. Compared: the per-step losses (3 optimizer
+steps), every parameter's main_grad after the step-0 reduction before the optimizer (the shards' rows
+against the matching rows of the unsplit output_layer gradient; relative 1e-3, which a 1% scale
+error fails), and the weights after three steps.
+"""
+
+import random
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import megatron_harness as H
+import megatron_scenarios as S
+from octopipe_plugin.errors import OctoPipeError
+from octopipe_plugin.executor.dryrun import zero_cost_cluster
+from octopipe_plugin.executor.validate import check_runnable
+from octopipe_plugin.formats import plan_to_dict
+from octopipe_plugin.formats.splits import SplitLayer
+from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
+from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
+from test_megatron_schedule import _run, assert_same_training
+
+pytestmark = [pytest.mark.framework, pytest.mark.distributed]
+# the shards' math is the executor's VocabShards (SHARD_API.md, being built on branch w-shardcore)
+needs_vocab_shards = pytest.mark.skipif(
+    not hasattr(__import__("octopipe_plugin.executor.vocab_shard", fromlist=["x"]), "VocabShards"),
+    reason="executor.vocab_shard.VocabShards is not on this branch yet (w-shardcore)")
+
+M = 4
+DENSE = H.TinyGPT(num_layers=8)
+HEAD = 9  # graph layers: 0 = embedding, 1..8 = decoder layers, 9 = the LM head (final norm, output layer, loss)
+
+
+def split_plan(spec, bounds, devices, num_devices, seed, shard_devices, shares, m=M):
+    """A random valid order of the stages (I/W split at random) into which the LM head's shard actions, split over
+    `shard_devices`, can be placed (the first such seed from `seed` on: a random order may leave them no room)."""
+    cluster = replace(zero_cost_cluster(num_devices), memory_bytes=1 << 40)
+    split = SplitLayer(layer=HEAD, devices=tuple(shard_devices), shares=tuple(shares))
+    for s in range(seed, seed + 50):
+        plan = make_plan(stage_devices=devices, bounds=bounds, num_devices=num_devices, num_microbatches=m,
+                         schedule=sample_schedule(devices, num_devices, m, random.Random(s)), model="tiny-gpt")
+        out = insert_shards(spec.graph(), cluster, replace(plan, splits=(split,)), ShardPolicy())
+        if out is not None:
+            check_runnable(out)
+            return out
+    raise AssertionError(f"no order from seeds {seed}..{seed + 49} takes the shard actions of {split}")
+
+
+# owner = the last stage's device; it must hold a shard
+PP2 = split_plan(DENSE, [(0, 4), (4, 10)], [0, 1], 2, seed=11, shard_devices=[1, 0], shares=[0.3, 0.7])
+LOOPED = split_plan(DENSE, [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)], placement("looped", 8, 4),
+                    4, seed=12, shard_devices=[3, 0, 2], shares=[0.25, 0.45, 0.3])
+VSHAPE = split_plan(DENSE, [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10)], placement("v", 8, 4), 4,
+                    seed=13, shard_devices=[0, 1, 2, 3], shares=[0.1, 0.3, 0.2, 0.4])
+DP_PLAN = split_plan(DENSE, [(0, 3), (3, 4), (4, 8), (8, 10)], [0, 1, 0, 1], 2, seed=14, shard_devices=[1, 0],
+                     shares=[0.5, 0.5])
+
+REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M),
+             dict(name="dense_2m", spec=DENSE, pp=1, microbatches=2 * M)]
+SPLITS = [
+    dict(name="split_pp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(PP2), ref="dense", world=2),
+    dict(name="split_looped", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(LOOPED), ref="dense", world=4),
+    # V-shape: the owner (and the loss) on rank 0; every rank a shard; tensors placed on the model's device
+    dict(name="split_vshape", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE), ref="dense", world=4,
+         device_check=True),
+    # PP=2 x DP=2, each chunk's reduce-scatter overlapped (the shard's chunk reduces after the step)
+    dict(name="split_pp2_dp2_overlap", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
+         overlap_grad_reduce=True, ref="dense_2m", world=4),
+]
+
+
+def joined(values: dict) -> dict:
+    """The shards' rows of output_layer.weight ("output_layer.weight[lo:hi]") put together as the one weight."""
+    out = {k: v for k, v in values.items() if not k.startswith("output_layer.weight[")}
+    rows = sorted((int(k[len("output_layer.weight["):-1].split(":")[0]), v) for k, v in values.items()
+                  if k.startswith("output_layer.weight["))
+    if rows:
+        out["output_layer.weight"] = torch.cat([v for _, v in rows])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(1, REFERENCE, tmp_path_factory.mktemp("ref") / "ref.pt")
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    out = {}
+    for world in sorted({c["world"] for c in SPLITS}):
+        cases = [c for c in SPLITS if c["world"] == world]
+        out.update(_run(world, cases, tmp_path_factory.mktemp(f"split{world}") / "split.pt"))
+    return out
+
+
+@needs_vocab_shards
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [c["name"] for c in SPLITS])
+def test_split_head_trains_as_the_unsplit_model(case, reference, splits):
+    """Three steps under a split-head plan give the unsplit PP=1 run's losses and weights (the shards' rows
+    put together are its output_layer.weight)."""
+    spec = next(c for c in SPLITS if c["name"] == case)
+    got = dict(splits[case])
+    got["weights"] = joined(got["weights"])
+    assert_same_training(got, reference[spec["ref"]], case)
+
+
+@needs_vocab_shards
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [c["name"] for c in SPLITS])
+def test_split_head_gradients_match_before_the_optimizer(case, reference, splits):
+    """Step 0's main_grad of every parameter after the reduction (each shard's rows against the same rows of the
+    unsplit output_layer gradient): relative 1e-3 per parameter; the same gradients x1.01 fail."""
+    spec = next(c for c in SPLITS if c["name"] == case)
+    want = reference[spec["ref"]]["grads"]
+    got = splits[case]["grads"]
+    shard_keys = [k for k in got if k.startswith("output_layer.weight[")]
+    assert len(shard_keys) == len(spec["plan"]["splits"][0]["devices"]), shard_keys
+    per_rows = {k: want["output_layer.weight"][slice(*map(int, k[len("output_layer.weight["):-1].split(":")))]
+                for k in shard_keys}
+    want_split = {**{k: v for k, v in want.items() if k != "output_layer.weight"}, **per_rows}
+    bad = H.grad_mismatches(got, want_split)
+    assert not bad, f"{case}: " + "; ".join(bad[:5])
+    scaled = {k: v * 1.01 for k, v in got.items()}
+    assert len(H.grad_mismatches(scaled, want_split)) == len(want_split)
+
+
+@needs_vocab_shards
+@pytest.mark.timeout(600)
+def test_split_head_places_every_tensor_on_the_model_device(splits):
+    """The owner's hand-over, the shards' statistics and partials, the loss report: nothing made without the
+    model's device, no tensor through pickling."""
+    problems = [p for rank in splits["split_vshape"]["device_problems"] for p in rank]
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+def _config(**over):
+    return SimpleNamespace(**{"mtp_num_layers": None, "tensor_model_parallel_size": 1, **over})
+
+
+def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
+    """Owner without a shard, MTP, tensor parallelism, a split embedding, no shards: one line naming `splits`."""
+    from octopipe_plugin.adapters.megatron.stages import check_split_plan
+
+    owner_out = replace(PP2, splits=(SplitLayer(layer=HEAD, devices=(0,), shares=(1.0,)),))
+    cases = [(owner_out, _config(), "must include device 1, the LM head's owner"),
+             (PP2, _config(mtp_num_layers=1), "--mtp-num-layers 1"),
+             (PP2, _config(tensor_model_parallel_size=2), "tensor parallelism (size 2)"),
+             (replace(PP2, splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),)), _config(),
+              "a split embedding is not supported")]
+    for plan, config, words in cases:
+        with pytest.raises(OctoPipeError) as err:
+            check_split_plan(plan, 1, object(), config, False)
+        msg = str(err.value)
+        assert "splits[0]" in msg and words in msg and "\n" not in msg, msg
+    with pytest.raises(OctoPipeError, match="runs shard actions and needs its shards"):
+        check_split_plan(PP2, 1, None, _config(), False)
