@@ -292,7 +292,7 @@ def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
         m.vp_stage = v
     options = ScheduleOptions(timeout_s=timeout_s)
 
-    def rank_shards(*, rank, model, config, report):
+    def rank_shards(*, rank, model, config, report, **_):
         """make_forward_backward_func's shards factory: the rank's SleepShards, reporting through the owner's
         loss report (Megatron's loss dict of the micro-batch, from the stand-in forward step's loss_func)."""
         shards.report = report
