@@ -1,13 +1,13 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10]
-       [--models dense,moe,heavy-head]
+       [--models dense,moe,heavy-head] [--keep-heap] [--no-gc]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
 shared one), and one with a heavy LM head (large vocabulary). Each distinct layer is profiled on
 this machine with one thread (octopipe_plugin.profile: F, I and W with the executor's split
-backward), by both ranks at once, before and after the runs (the mean is used: the load of a
+backward, and the fused backward B that plans without the split are charged), by both ranks at once, before and after the runs (the mean is used: the load of a
 shared machine drifts); the link between the two local ranks is measured by a gloo ping-pong. Then each plan
 (1F1B, interleaved 1F1B with two stages per device, ZB-V, and the tuner's plan for the profiled
 model) runs through the executor on 2 local processes, one thread each (this machine has 2
@@ -16,7 +16,9 @@ costs, with the ranking of the plans by each. The executor's own host costs per 
 message are measured too (octopipe_plugin/profile/overheads.py, as `octopipe profile --overheads`
 does), and every plan gets a second, overhead-aware prediction (the simulator charging them; the
 tuner plans with them). `ranking kept` means: every pair of plans predicted more than 3% apart is
-measured in the same order. Last lines, one per prediction:
+measured in the same order. `busy dev` is the rank furthest off in time spent inside its actions against the
+simulator's busy time for its device: compute alone, so a deviation with a small busy dev is time lost between
+the actions (waiting, the host, other processes on the cores). Last lines, one per prediction:
 `plain: worst deviation X.X% over N plans, ranking kept: yes|no` and the same for `overhead-aware`.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -137,9 +140,16 @@ def _mean_model(models):
     """The ranks' profiles averaged layer by layer (both ranks profiled at once, as both compute in a step)."""
     first = models[0]
     layers = tuple(dataclasses.replace(
-        ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")})
+        ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")},
+        fused_ratio=_mean_ratio(ls))
         for ls in zip(*(m.layers for m in models)))
     return dataclasses.replace(first, layers=layers)
+
+
+def _mean_ratio(layers) -> float | None:
+    """The mean fused-B ratio of one layer's profiles (None where none measured it)."""
+    got = [l.fused_ratio for l in layers if l.fused_ratio is not None]
+    return statistics.fmean(got) if got else None
 
 
 def _profile_both(label: str, args) -> object:
@@ -182,7 +192,10 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         for _, plan in plans:
             runner = _runner(arch, layers, plan, rank)
             runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900))))
+        if args.no_gc:  # the collector off during the timed steps, collected after each round (Megatron's --manual-gc)
+            gc.disable()
         times: list[list[float]] = [[] for _ in plans]
+        busy: list[list[float]] = [[] for _ in plans]  # this rank's time inside its actions, per step
         # round-robin over the plans, so a busy spell of the shared machine hits every plan alike
         for i in range(args.warmup + args.steps):
             for k, (runner, ex) in enumerate(runs):
@@ -190,21 +203,28 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                     p.grad = None
                 dist.barrier()
                 t = time.perf_counter()
-                ex.run_step()
+                res = ex.run_step()
                 dist.barrier()
                 if i >= args.warmup:
                     times[k].append(1000 * (time.perf_counter() - t))
+                    busy[k].append(1000 * sum(t1 - t0 for _, t0, t1 in res.timeline))
+            if args.no_gc:
+                gc.collect()
+        gc.enable()
         # profile again after the runs: on a shared machine the load drifts, and the mean of the profiles
         # taken before and after describes the time the runs took place in better than either
         after = _profile_both(label, args)
         model = _mean_model([model, after])
-        report["models"].append({
-            "model": model_to_dict(model),
-            "rows": [{"plan": name, "stages": plan.num_stages, "steps_ms": ts,
-                      "measured_ms": statistics.median(ts),
-                      "predicted_ms": simulate(model, cluster, plan, detail=False).step_time_ms,
-                      "aware_ms": simulate(model, cluster, plan, aware, detail=False).step_time_ms}
-                     for (name, plan), ts in zip(plans, times)]})
+        every = [None] * DEVICES
+        dist.all_gather_object(every, [statistics.median(b) for b in busy])
+        rows = []
+        for k, ((name, plan), ts) in enumerate(zip(plans, times)):
+            sim = simulate(model, cluster, plan)
+            rows.append({"plan": name, "stages": plan.num_stages, "steps_ms": ts, "measured_ms": statistics.median(ts),
+                         "predicted_ms": sim.step_time_ms,
+                         "aware_ms": simulate(model, cluster, plan, aware, detail=False).step_time_ms,
+                         "busy_ms": [every[r][k] for r in range(DEVICES)], "predicted_busy_ms": list(sim.busy_ms)})
+        report["models"].append({"model": model_to_dict(model), "rows": rows})
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as fh:
             json.dump(report, fh)
@@ -236,14 +256,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="profiler repeats per distinct layer")
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
     ap.add_argument("--cache", action="store_true", help="reuse cached profiles (default: measure under today's load)")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="Python's garbage collector off during the steps, collected between rounds (what the "
+                         "executor would gain from managing it: benchmarks/action_costs.py --no-gc)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
+                         "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
     args = ap.parse_args()
+    if args.keep_heap:  # read by glibc when the spawned ranks start (benchmarks/action_costs.py: the same switch)
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
+                          MALLOC_TOP_PAD_=str(64 << 20))
     load0, t0 = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, DEVICES, args, tmp)
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
     load1 = os.getloadavg()
-    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each, {args.microbatches} micro-batches, median of "
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}"
+          f"{' (collector off in steps)' if args.no_gc else ''}, "
+          f"{args.microbatches} micro-batches, median of "
           f"{args.steps} steps after {args.warmup} (plans interleaved step by step); profile: both ranks at once, "
           f"median of {args.repeats} per distinct layer, mean of the profiles before and after the runs")
     torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
@@ -258,18 +289,22 @@ def main() -> None:
         kinds = {}
         for l in model.layers:
             kinds.setdefault(l.kind, l)
-        desc = ", ".join(f"{k} {l.fwd_ms:.1f}/{l.bwd_ms:.1f}/{l.wgrad_ms:.1f}" for k, l in kinds.items())
-        print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W ms: {desc}")
+        desc = ", ".join(f"{k} {l.fwd_ms:.1f}/{l.bwd_ms:.1f}/{l.wgrad_ms:.1f}/"
+                         f"{(l.bwd_ms + l.wgrad_ms) * (l.fused_ratio or 1.0):.1f}" for k, l in kinds.items())
+        print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W/B ms: {desc}")
         print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'aware ms':>10}{'measured ms':>13}{'deviation':>11}"
-              f"{'aware dev':>11}{'step spread':>13}")
+              f"{'aware dev':>11}{'step spread':>13}{'busy dev':>10}")
         for r in rows:
             devs = {key: (r["measured_ms"] - r[key]) / r[key] for key in worst}
             worst = {key: max(worst[key], abs(devs[key])) for key in worst}
             n += 1
             spread = (max(r["steps_ms"]) - min(r["steps_ms"])) / r["measured_ms"]
+            # the rank whose time inside its actions is furthest from the simulator's busy time (compute alone,
+            # no waiting): where this is small and the deviation is not, the step lost its time between actions
+            busy = max(((b - q) / q for b, q in zip(r["busy_ms"], r["predicted_busy_ms"]) if q > 0), key=abs)
             print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['aware_ms']:>10.1f}"
                   f"{r['measured_ms']:>13.1f}{100 * devs['predicted_ms']:>+10.1f}%{100 * devs['aware_ms']:>+10.1f}%"
-                  f"{100 * spread:>12.1f}%")
+                  f"{100 * spread:>12.1f}%{100 * busy:>+9.1f}%")
         print(f"  ranking by measured      : {' < '.join(ranking(rows, 'measured_ms'))}")
         for key, label in (("predicted_ms", "predicted"), ("aware_ms", "overhead-aware")):
             broken = order_broken(rows, key)

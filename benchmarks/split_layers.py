@@ -8,12 +8,14 @@ no-idle bound M * sum(work) / D, the gain (step without splits / step with), the
 (devices x shares), the fullest device's memory (peak, max over devices), and `floor`: the
 whole-layer floor over the same bound when the vocabulary layers are split (tuner/bounds.py:
 `packing_bound`, layers that stay whole land on D devices, and `fill_bound`, a whole layer runs
-all M micro-batches after the pipeline fill; deepseek-v3-mini's MTP block, a whole layer heavier
-than a device's share, keeps it far above 1).
+all M micro-batches after the pipeline fill; deepseek-v3-mini's MTP output head is the shared
+LM head's work, `costs/analytic.lm_head_block`, so only its MTP body, 4% of the work, stays whole:
+above a device's share at 32 devices only).
 
     PYTHONPATH=. python benchmarks/split_layers.py                 # 4 models x 8/16/32 devices x 2,4 per device
     PYTHONPATH=. python benchmarks/split_layers.py --budget 2 --devices 8 16
     PYTHONPATH=. python benchmarks/split_layers.py --no-split      # the "before" table
+    PYTHONPATH=. python benchmarks/split_layers.py --why           # and which split attempt won each row
     PYTHONPATH=. python benchmarks/split_layers.py --iterations 200 --budget 600   # the same table on any load
 """
 
@@ -64,19 +66,21 @@ def run_one(name: str, nd: int, factor: int, budget: float, seed: int, with_spli
         from octopipe_plugin.tuner.split import tune_split
 
         res = tune_split(model, cluster, m, time_budget_s=budget, seed=seed, unsplit=base, iterations=iterations)
-        row.update(split=res.step_ms, split_gib=max(res.peak) / 2**30, chosen=res.describe())
+        row.update(split=res.step_ms, split_gib=max(res.peak) / 2**30, chosen=res.describe(), source=res.source)
     row["time"] = time.monotonic() - t0
     return row
 
 
-def line(row: dict) -> str:
-    """One table line."""
+def line(row: dict, why: bool = False) -> str:
+    """One table line (`why`: with the split search's attempt that made the chosen plan)."""
     text = (f"{row['model']:<17} {row['D']:>3} {row['M']:>4} {row['bound']:>9.1f} {row['floor'] / row['bound']:>6.3f} "
             f"{row['base']:>9.1f} "
             f"{row['base'] / row['bound']:>6.3f} {row['base_gib']:>6.1f}")
     if "split" in row:
         text += (f" {row['split']:>9.1f} {row['split'] / row['bound']:>6.3f} {row['base'] / row['split']:>6.3f}x"
                  f" {row['split_gib']:>6.1f}  {row['chosen']}")
+        if why:
+            text += f" [{row['source']}]"
     return text + f"  ({row['time']:.0f} s)"
 
 
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
                     help="exactly this many search steps per tune (with a large --budget: the same table on a loaded "
                          "machine, where short budgets stop by the wall clock)")
     ap.add_argument("--no-split", action="store_true", help="only today's tuner (the 'before' table)")
+    ap.add_argument("--why", action="store_true", help="name the split search's attempt that made each chosen plan")
     args = ap.parse_args(argv)
     with_split = not args.no_split
     # a loaded machine stops short budgets by the wall clock; the tuner says so per run, the table is what counts
@@ -112,7 +117,7 @@ def main(argv=None) -> int:
             for name in args.models:
                 row = run_one(name, nd, factor, args.budget, args.seed, with_split, args.iterations)
                 rows.append(row)
-                print(line(row), flush=True)
+                print(line(row, args.why and with_split), flush=True)
     print()
     for nd in args.devices:
         sel = [r for r in rows if r["D"] == nd]

@@ -9,6 +9,7 @@ add to the launch and a table against the launch's current stages under Megatron
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..errors import OctoPipeError, PlanError
 from ..formats import bind_plan, plan_to_dict, write_model, write_plan
@@ -18,6 +19,9 @@ from ..tuner.compare import comparison_rows, format_table
 from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
 
 DEFAULT_PLAN = "octopipe-plan.json"
+# what the Megatron and DeepSpeed runners run of a split plan: the LM head only, its owner holding a shard
+# (the owner reports the loss through the framework's own loss function); the tuner keeps to it
+FRAMEWORK_SPLITS = {"owner_shard": True, "split_embedding": False}
 _GIB = 2**30
 
 
@@ -46,6 +50,14 @@ def run_from_megatron(args) -> int:
     check_size(model, cluster, facts.num_microbatches, args.time_budget)
     cons, added = run_constraints(view.args, constraints_of(args))
     result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
+    split_rows, split_line = None, None
+    if args.splits == "auto":
+        from ..adapters.megatron.startup import split_refusal
+        from .plan_split import with_splits
+
+        result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
+                                                     constraints=replace(cons, **FRAMEWORK_SPLITS),
+                                                     refusal=lambda p: split_refusal(view.args, p))
     plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
     model_file = model_path(output)
@@ -58,9 +70,10 @@ def run_from_megatron(args) -> int:
     add, drop = args_to_add(output, view.argv)
     costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
                   why="the launch's arguments, as Megatron's start-up costs them")
-    rows = comparison_rows(result, cluster)
+    rows = split_rows or comparison_rows(result, cluster)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          **({"split_layers": split_line} if split_line else {}),
                           "model_file": model_file,
                           "launch": {"pipeline_size": facts.pipeline_size, "data_parallel_size":
                                      facts.data_parallel_size, "num_microbatches": facts.num_microbatches,
@@ -74,6 +87,8 @@ def run_from_megatron(args) -> int:
                           "comparison": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
+        if split_line:
+            print("  " + split_line)
         print()
         print(launch_report(view, result, current, added, add, drop, output,
                             f"--model {model_file} --cluster {args.cluster}"))
@@ -82,6 +97,24 @@ def run_from_megatron(args) -> int:
     if failed:
         raise OctoPipeError("; ".join(failed))
     return 0
+
+
+def _deepspeed_splits(args, job, cluster, result):
+    """--splits auto for a DeepSpeed job: the split-aware tune, kept only where OctoPipeEngine runs its splits
+    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, the owner among its shards, no split
+    embedding); otherwise the plan without splits, with the reason."""
+    from ..adapters.deepspeed.config import parse_block
+    from ..adapters.deepspeed.head_split import split_problem
+    from .plan_split import with_splits
+
+    block = parse_block(job.config)
+    owners = block.layer_of_spec if block is not None else None
+    chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result,
+                                     constraints=replace(constraints_of(args), **FRAMEWORK_SPLITS))
+    problem = split_problem(chosen.plan, job.layers, owners) if chosen.plan.splits else None
+    if problem is None:
+        return chosen, rows, line
+    return result, None, f"{line}; not kept: {problem}"
 
 
 def run_from_deepspeed(args) -> int:
@@ -98,6 +131,9 @@ def run_from_deepspeed(args) -> int:
     model, m = job.model, job.num_microbatches
     check_size(model, cluster, m, args.time_budget)
     result = tuned(args, model, cluster, m)
+    split_rows, split_line = None, None
+    if args.splits == "auto":
+        result, split_rows, split_line = _deepspeed_splits(args, job, cluster, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
     model_file = model_path(output)
@@ -111,18 +147,22 @@ def run_from_deepspeed(args) -> int:
     costs = Costs(gpu=model.meta.get("gpu"), source=str(model.meta.get("cost_model", "analytic")),
                   why="the layer list, as the DeepSpeed start-up costs it")
     block = {"plan": output}
-    rows = comparison_rows(result, cluster)
+    rows = split_rows or comparison_rows(result, cluster)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
+                          **({"split_layers": split_line} if split_line else {}),
                           "model_file": model_file, "job": {"num_microbatches": m, "num_layers": model.num_layers,
                                                             "current": current},
                           "tuned": {"step_ms": result.step_ms, "bubble": result.bubble,
                                     "peak_bytes": list(result.peak)},
                           "memory_headroom_bytes": cluster.memory_headroom_bytes,
                           "usable_memory_bytes": cluster.usable_memory_bytes,
-                          "octopipe_block": block, "comparison": [r.as_dict() for r in rows]}, indent=1))
+                          "octopipe_block": block, "comparison": [r.as_dict() for r in rows],
+                          **({"split_layers": split_line} if split_line else {})}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
+        if split_line:
+            print("  " + split_line)
         print()
         lines = [f"Your job: {cluster.num_devices} pipeline ranks x {m} micro-batches per step "
                  f"(gradient_accumulation_steps), {model.num_layers} layers in the PipelineModule list",

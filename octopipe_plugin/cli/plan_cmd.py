@@ -62,9 +62,6 @@ def run(args) -> int:
     """Tune, write the plan (and picture) if asked, print the summary and the comparison."""
     if args.megatron_args is not None and args.deepspeed_config is not None:
         raise OctoPipeError("--megatron-args and --deepspeed-config: give one launch to plan from")
-    if args.splits != "off" and (args.megatron_args is not None or args.deepspeed_config is not None):
-        raise OctoPipeError(f"--splits {args.splits}: split plans are for --model plans (the Megatron and DeepSpeed "
-                            "runners do not run shard actions); drop --splits or plan with --model")
     if args.megatron_args is not None:
         from .launch_plan import run_from_megatron
 

@@ -14,6 +14,7 @@ of bf16 weight + 4 of fp32 gradient (main_grad) + 4 fp32 master weight + 4 Adam 
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, replace
 
 from .arch import DECODER_KINDS, Arch, layer_plan
@@ -90,19 +91,34 @@ def projector_block(arch: Arch) -> Block:
     return Block(ops=tuple(ops), params=params, activation=act)
 
 
+def lm_head_block(d: Dims, arch: Arch) -> Block:
+    """The LM head layer: the output head of the main model and of every MTP depth, one weight for all.
+
+    DeepSeek-V3 (Sec. 2.2) shares the output head between the main model and its MTP modules, so the
+    vocabulary projection and loss of each of the 1 + mtp_depth hidden states run here, where the
+    weight is (and where a split head spreads all of them over its shards): a final norm,
+    the h x V/t matmul and the cross-entropy per hidden state, logits kept per hidden state.
+    """
+    one = head_block(d, arch)
+    k = 1 + arch.mtp_depth
+    norm_params = norm(d)[1]
+    return Block(ops=one.ops * k, params=one.params + (k - 1) * norm_params, activation=k * one.activation)
+
+
 def mtp_block(d: Dims, arch: Arch, text_tokens: int) -> Block:
-    """DeepSeek-V3 MTP module (Sec. 2.2): embed shifted tokens, norm both inputs, project 2h -> h, one
-    transformer layer (MoE when the model has experts), then the shared output head and its loss."""
-    emb, head = embedding_block(d, arch, text_tokens), head_block(d, arch)
+    """DeepSeek-V3 MTP module (Sec. 2.2) without its output head: embed the shifted tokens, norm both inputs,
+    project 2h -> h, one transformer layer (MoE when the model has experts). Its output head and loss are
+    the shared head's (`lm_head_block`): this layer sends its hidden states on to the LM head."""
+    emb = embedding_block(d, arch, text_tokens)
     layer = [attention(d), moe(d, arch) if arch.num_experts else mlp(d)]
     n, h, dt, sp = d.n, d.h, d.dt, d.sp
     norm_op, norm_params, norm_act = norm(d)
     proj = matmul("eh proj", n, 2 * h, h // d.t, dt)
-    ops = [*emb.ops, norm_op, norm_op, proj, *layer[0].ops, *layer[1].ops, *head.ops]
-    # the head's weight is shared with lm_head (same stage); the embedding is a copy on this stage
+    ops = [*emb.ops, norm_op, norm_op, proj, *layer[0].ops, *layer[1].ops]
+    # the embedding is a copy on this stage (Megatron keeps one per MTP stage and sums the tied gradients)
     params = emb.params + 2 * norm_params + 2 * h * h // d.t + layer[0].params + layer[1].params
     act = emb.activation + 2 * norm_act + 2 * n * h * dt // sp + layer[0].activation + layer[1].activation
-    return Block(ops=tuple(ops), params=params, activation=act + head.activation)
+    return Block(ops=tuple(ops), params=params, activation=act)
 
 
 def kind_block(arch: Arch, kind: str) -> Block:
@@ -121,7 +137,7 @@ def kind_block(arch: Arch, kind: str) -> Block:
         "projector": lambda: (projector_block(arch),),
         "embedding": lambda: (embedding_block(d, arch, text),),
         "mtp": lambda: (mtp_block(d, arch, text),),
-        "lm_head": lambda: (head_block(d, arch),),
+        "lm_head": lambda: (lm_head_block(d, arch),),
     }
     if kind not in builders:
         raise ValueError(f"unknown layer kind {kind!r}; expected one of {sorted(builders)}")
@@ -130,8 +146,12 @@ def kind_block(arch: Arch, kind: str) -> Block:
                  activation=sum(p.activation for p in parts))
 
 
-def output_bytes(arch: Arch, kind: str) -> int:
-    """Bytes of the activation a layer sends on (per rank: sequence-sharded under SP)."""
+def output_bytes(arch: Arch, kind: str, depth: int = 0) -> int:
+    """Bytes of the activation a layer sends on (per rank: sequence-sharded under SP); `depth`: an MTP layer's.
+
+    An MTP layer of depth k (0-based) sends the main hidden states and those of depths 0..k on: the
+    shared output head (the `lm_head` layer) takes all 1 + mtp_depth of them.
+    """
     dt, sp, b = arch.dtype_bytes, arch.sp_div, arch.micro_batch_size
     if kind == "vision":
         return arch.vision_tokens * b * arch.vision_hidden * dt // sp
@@ -142,7 +162,7 @@ def output_bytes(arch: Arch, kind: str) -> int:
     if kind == "lm_head":
         return 4 * arch.tokens // sp  # fp32 per-token loss, never sent on
     if kind == "mtp":
-        return 2 * arch.tokens * arch.hidden * dt // sp  # main hidden states + this depth's hidden states
+        return (2 + depth) * arch.tokens * arch.hidden * dt // sp
     return arch.tokens * arch.hidden * dt // sp
 
 
@@ -172,6 +192,15 @@ def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100", *, calibrated
                      recompute_activation_bytes=rec_act, output_bytes=out, flops=total_flops(list(block.ops)))
 
 
+def layer_output_bytes(arch: Arch, kind: str, name: str, default: int) -> int:
+    """A layer's `output_bytes` by position: an MTP layer's depth is the number its name ends in (`mtp1`,
+    `mtp.layers.1`), every other layer sends what its kind does (`default`)."""
+    if kind != "mtp":
+        return default
+    tail = re.search(r"(\d+)$", name)
+    return output_bytes(arch, kind, int(tail.group(1)) if tail else 0)
+
+
 def build_model(arch: Arch, gpu: GpuSpec | str = "H100", *, calibrated: bool = True) -> Model:
     """The cost-annotated Model of an architecture: one Layer per partitioning unit, branches in `inputs`."""
     gpu = get_gpu(gpu)
@@ -180,7 +209,7 @@ def build_model(arch: Arch, gpu: GpuSpec | str = "H100", *, calibrated: bool = T
     costs = {kind: layer_cost(arch, kind, gpu, calibrated=calibrated) for kind in kinds}
     layers = tuple(
         Layer(name=name, kind=kind, fwd_ms=c.fwd_ms, bwd_ms=c.bwd_ms, wgrad_ms=c.wgrad_ms, state_bytes=c.state_bytes,
-              activation_bytes=c.activation_bytes, output_bytes=c.output_bytes,
+              activation_bytes=c.activation_bytes, output_bytes=layer_output_bytes(arch, kind, name, c.output_bytes),
               recompute_activation_bytes=c.recompute_activation_bytes)
         for name, kind in plan for c in (costs[kind],)
     )
@@ -193,4 +222,12 @@ def build_model(arch: Arch, gpu: GpuSpec | str = "H100", *, calibrated: bool = T
     fitted = [k for k in kinds if calibrated and kind_scale(gpu.name, k).samples]
     if fitted:
         meta["calibrated_kinds"] = fitted
-    return Model(name=arch.name, layers=layers, inputs=inputs, meta=meta)
+    return Model(name=arch.name, layers=layers, inputs=inputs, meta=meta, tied=tied_pair(arch, plan))
+
+
+def tied_pair(arch: Arch, plan) -> tuple[tuple[int, int], ...]:
+    """`Model.tied` of a layer plan ((name, kind) in order): the embedding and the LM head when `tie_embeddings`."""
+    kinds = [kind for _, kind in plan]
+    if not arch.tie_embeddings or "embedding" not in kinds or kinds[-1] != "lm_head":
+        return ()
+    return ((kinds.index("embedding"), len(kinds) - 1),)

@@ -61,6 +61,7 @@ class Arch:
     mamba_chunk: int = 256
     # multi-token prediction (DeepSeek-V3)
     mtp_depth: int = 0
+    tie_embeddings: bool = False  # the LM head reuses the embedding's weight (Gemma; Megatron's default)
     # vision encoder + projector (LLaVA style); vision_tokens of the LLM sequence are image tokens
     vision_layers: int = 0
     vision_hidden: int = 0

@@ -17,7 +17,9 @@ from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
 from .errors import ExecutorError
-from .interface import FORWARD_ONLY, LAST_BACKWARD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_runner
+from .interface import (
+    FORWARD_ONLY, LAST_BACKWARD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_evaluation, check_runner,
+)
 from .lowered import LoweredPlan, forward_plan, lowered_plan
 from .nccl_rules import check_nccl_rules
 from .program import RankProgram, local_input_key, local_output_key
@@ -175,6 +177,8 @@ class PipelineExecutor:
         """
         forward_only = forward_only or self.evaluation_only  # a plan of forwards only is an evaluation plan
         low = self._lowered_for(forward_only, num_microbatches)
+        if forward_only and self.plan.splits:  # a shard method without forward_only= fails here, not mid-step
+            check_evaluation(self.runner, self.binding, {st.action.kind for st in low.program.steps})
         ns = self.plan.num_stages
         result = StepResult(forward_only=forward_only)
         batches = StepData(data, self.plan.stages_of(self.rank), low.plan.num_microbatches, self.rank)

@@ -150,13 +150,16 @@ LAST_BACKWARD = "last_backward"  # passed where the method accepts it
 _TAKES_LAST = ("backward", "backward_input", "backward_weight", "head_backward_weight", "embedding_backward")
 FORWARD_ONLY = "forward_only"  # passed (True) to H, J and E in an evaluation step only
 _SHARD_NAMES = frozenset(SHARD_METHODS.values()) | {"split_meta"}
+_EVAL_SHARD = (SHARD_METHODS[Kind.H], SHARD_METHODS[Kind.J], SHARD_METHODS[Kind.E])  # what evaluation runs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunnerBinding:
-    """What `check_runner` found: the methods that take `last_backward=`."""
+    """What `check_runner` found: the methods that take `last_backward=`, and the shard methods that cannot take
+    an evaluation step's `forward_only=` (an evaluation of a split plan refuses them by name)."""
 
     takes_last_backward: frozenset[str]
+    no_forward_only: frozenset[str] = frozenset()
 
 
 def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
@@ -168,7 +171,7 @@ def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
     names = ["boundary_meta"] + [RUNNER_METHODS[k] for k in Kind if k in kinds]
     if split or kinds & set(SHARD_METHODS):
         names.append("split_meta")
-    takes = set()
+    takes, no_eval = set(), set()
     for name in names:
         method = getattr(runner, name, None)
         # a StageCore runner has the shard methods, but runs them only with the shards it was built with
@@ -187,7 +190,28 @@ def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
                                        f"{_call(name)} (see executor.interface.StageRunner)")
         if name in _TAKES_LAST and _accepts(sig, LAST_BACKWARD):
             takes.add(name)
-    return RunnerBinding(takes_last_backward=frozenset(takes))
+        if name in _EVAL_SHARD and not _accepts(sig, FORWARD_ONLY):
+            no_eval.add(name)
+    return RunnerBinding(takes_last_backward=frozenset(takes), no_forward_only=frozenset(no_eval))
+
+
+def check_evaluation(runner, binding: RunnerBinding, kinds) -> None:
+    """Refuse (RunnerInterfaceError, one line) an evaluation step whose shard actions of `kinds` call a method
+    that cannot take `forward_only=True`: the runner's, or that of the `shards` a StageCore runner hands it to."""
+    shards = getattr(runner, "shards", None)
+    for k in (k for k in SHARD_METHODS if k in kinds):
+        name = SHARD_METHODS[k]
+        owner = runner if name in binding.no_forward_only else None
+        if owner is None and shards is not None:
+            try:
+                sig = inspect.signature(getattr(shards, name))
+            except (AttributeError, TypeError, ValueError):
+                sig = None
+            owner = shards if sig is not None and not _accepts(sig, FORWARD_ONLY) else None
+        if owner is not None:
+            raise RunnerInterfaceError(f"stage runner {type(runner).__name__}: {type(owner).__name__}.{name}() lacks "
+                                       f"the keyword forward_only=: an evaluation step of a split plan calls "
+                                       f"{name}(..., forward_only=True) (see executor.interface.StageRunner)")
 
 
 def _call(name: str) -> str:

@@ -65,17 +65,57 @@ def split_sides(plan) -> tuple[bool, bool]:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorParallel:
     """Reductions over the tensor-parallel ranks of one shard (each holding a slice of the shard's rows):
-    `all_reduce(tensor, op)` in place, op "max" or "sum"; every rank of the group calls it in the same order."""
+    `all_reduce(tensor, op)` in place, op "max" or "sum"; every rank of the group calls it in the same order.
+
+    Sequence parallelism (`all_gather` given): each rank's head input holds its block of the tokens
+    (rank `rank` of the group, blocks in rank order along the rows of hidden.reshape(-1, h), as
+    Megatron's sequence-parallel hidden states [s/tp, b, h]); H gathers every block (the rank's
+    vocabulary slice needs every token), the statistics messages carry the rank's own block, J
+    gathers the global statistics and `reduce_scatter` gives each rank its block of the partial.
+    `all_gather(t)` -> the ranks' `t` concatenated along dim 0; `reduce_scatter(t)` -> this rank's
+    block of dim 0 of the sum over ranks.
+    """
 
     all_reduce: Callable[[torch.Tensor, str], None]
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce_scatter: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rank: int = 0
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether each rank holds a block of the tokens (module docstring)."""
+        return self.all_gather is not None
 
     @staticmethod
-    def over(group) -> "TensorParallel":
-        """The reductions over a torch.distributed process group."""
+    def over(group, *, sequence_parallel: bool = False) -> "TensorParallel":
+        """The reductions over a torch.distributed process group (gloo, which has no reduce-scatter, sums whole
+        and keeps its block)."""
         import torch.distributed as dist
 
         ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-        return TensorParallel(all_reduce=lambda t, op: dist.all_reduce(t, op=ops[op], group=group))
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+
+        def all_reduce(t: torch.Tensor, op: str) -> None:
+            dist.all_reduce(t, op=ops[op], group=group)
+
+        if not sequence_parallel:
+            return TensorParallel(all_reduce=all_reduce, rank=rank)
+
+        def all_gather(t: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            return torch.cat(parts)
+
+        def reduce_scatter(t: torch.Tensor) -> torch.Tensor:
+            t = t.contiguous()
+            if dist.get_backend(group) == "gloo":
+                dist.all_reduce(t, group=group)
+                return t.chunk(size)[rank].clone()
+            out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.reduce_scatter_tensor(out, t, group=group)
+            return out
+
+        return TensorParallel(all_reduce=all_reduce, all_gather=all_gather, reduce_scatter=reduce_scatter, rank=rank)
 
 
 def default_report(mb: int, per_token: torch.Tensor, coef: torch.Tensor) -> LossOutput:
@@ -130,6 +170,10 @@ class VocabShards:
         self.report = report or default_report
         self.grad_sink = grad_sink
         self.tp = tp
+        if tp is not None and tp.sequence_parallel and (tp.reduce_scatter is None or self.embedding_rows is not None):
+            raise ValueError(f"rank {rank}: tp: sequence parallelism takes all_gather and reduce_scatter, and a head "
+                             f"shard only (a split embedding under sequence parallelism is not supported: split the "
+                             f"head only, or run without sequence parallelism)")
         self._head: dict[int, dict] = {}
         self._emb: dict[int, dict] = {}
 
@@ -162,10 +206,15 @@ class VocabShards:
         given = as_head_input(hidden)
         h = given.hidden
         sdt = coef_dtype(h.dtype)
+        sp = self.tp is not None and self.tp.sequence_parallel
         with torch.no_grad():
             x = h.detach().reshape(-1, h.shape[-1])
-            z = (x @ self.head_weight.detach().t()).to(sdt)
             t = given.targets.reshape(-1)
+            coef = given.coef.reshape(-1).to(sdt)
+            block = x.shape[0]  # this rank's tokens (all of them without sequence parallelism)
+            if sp:  # every token, the tensor-parallel ranks' blocks in rank order
+                x, t, coef = self.tp.all_gather(x), self.tp.all_gather(t), self.tp.all_gather(coef)
+            z = (x @ self.head_weight.detach().t()).to(sdt)
             local_max = z.max(dim=1).values
             if self.tp is not None:
                 self.tp.all_reduce(local_max, "max")  # the shard's max over its tensor-parallel slices
@@ -177,8 +226,9 @@ class VocabShards:
                 self.tp.all_reduce(sum_exp, "sum")
                 self.tp.all_reduce(target, "sum")
             stats = torch.stack([local_max, sum_exp, target], dim=1)
-        self._head[mb] = {"x": x, "z": z, "stats": stats, "t": t, "coef": given.coef.reshape(-1).to(sdt),
-                          "shape": tuple(h.shape)}
+            if sp:  # the messages carry this rank's block; J gathers the global statistics
+                stats = stats[self.tp.rank * block:(self.tp.rank + 1) * block].contiguous()
+        self._head[mb] = {"x": x, "z": z, "stats": stats, "t": t, "coef": coef, "shape": tuple(h.shape)}
         return stats
 
     def head_backward_input(self, stage: int, mb: int, peer_stats, *,
@@ -193,6 +243,8 @@ class VocabShards:
             gmax = every[:, :, 0].max(dim=0).values
             total = (every[:, :, 1] * torch.exp(every[:, :, 0] - gmax)).sum(dim=0)
             target = every[:, :, 2].sum(dim=0)  # one shard holds each target, the others add 0
+            if self.tp is not None and self.tp.sequence_parallel:  # this rank's block: gather every token's
+                gmax, total, target = self.tp.all_gather(torch.stack([gmax, total, target], dim=1)).unbind(1)
             known = (t >= 0) & (t < self.vocab_size)
             per_token = torch.where(known, torch.log(total) + gmax - target, torch.zeros_like(total))
         out = self.report(mb, per_token, coef)
@@ -209,7 +261,9 @@ class VocabShards:
             # cross-entropy computes in float32, autograd casts back): half the kept bytes under bf16
             dz = dz.to(w.dtype)
             partial = dz @ w.detach()
-            if self.tp is not None:
+            if self.tp is not None and self.tp.sequence_parallel:
+                partial = self.tp.reduce_scatter(partial)  # the slices' parts summed, this rank's block of tokens
+            elif self.tp is not None:
                 self.tp.all_reduce(partial, "sum")  # every tensor-parallel slice's part of the input gradient
             partial = partial.reshape(saved["shape"])
         saved["dz"] = dz

@@ -32,6 +32,10 @@ class Layer:
     recompute_activation_bytes: int | None = None
     # "measured" (profiled on a device) or "analytic" (cost model); None when not recorded.
     source: str | None = None
+    # The fused backward B's measured time over bwd_ms + wgrad_ms (the split backward's second graph walk and
+    # bookkeeping make I + W dearer than B); None: B costs bwd_ms + wgrad_ms. A ratio, so scaling the layer's
+    # times keeps B's share (simulator/costs.py `stage_costs` is the rule that reads it).
+    fused_ratio: float | None = None
 
     @property
     def total_ms(self) -> float:
@@ -58,6 +62,21 @@ class Model:
         return len(self.layers)
 
 
+def head_inputs(model: Model) -> int:
+    """Hidden states the model's LM head takes: 1 + the `mtp` layers right before a last `lm_head` layer.
+
+    Multi-token prediction (DeepSeek-V3 Sec. 2.2) shares the main model's output head: each MTP
+    depth's hidden states go through the same weight, in the `lm_head` layer (docs/formats.md).
+    """
+    kinds = [layer.kind for layer in model.layers]
+    if len(kinds) < 2 or kinds[-1] != "lm_head":
+        return 1
+    depth = 0
+    while depth < len(kinds) - 1 and kinds[-2 - depth] == "mtp":
+        depth += 1
+    return 1 + depth
+
+
 def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     """Build a Model from a parsed `octopipe-model/1` document, refusing bad input."""
     check_format(data, src, "octopipe-model")
@@ -68,6 +87,8 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
         sizes = {k: field(raw, k, src, path, int, minimum=0, maximum=L.MAX_BYTES) for k in _BYTE_FIELDS}
         rec = field(raw, "recompute_activation_bytes", src, path, int, minimum=0, maximum=L.MAX_BYTES, default=None)
         source = field(raw, "source", src, path, str, default=None)
+        fused_ratio = field(raw, "fused_ratio", src, path, float, positive=True, maximum=L.MAX_FUSED_RATIO,
+                            default=None)
         if source is not None and source not in SOURCES:
             raise FormatError(src, f"{path}.source", " or ".join(repr(x) for x in SOURCES), source)
         layers.append(
@@ -76,6 +97,7 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
                 kind=field(raw, "kind", src, path, str, default="layer"),
                 recompute_activation_bytes=rec,
                 source=source,
+                fused_ratio=fused_ratio,
                 **costs,
                 **sizes,
             )
@@ -121,7 +143,7 @@ def model_to_dict(model: Model) -> dict:
     layers = []
     for layer in model.layers:
         d = asdict(layer)
-        for optional in ("recompute_activation_bytes", "source"):
+        for optional in ("recompute_activation_bytes", "source", "fused_ratio"):
             if d[optional] is None:
                 del d[optional]
         layers.append(d)

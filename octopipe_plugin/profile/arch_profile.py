@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # Arch fields that do not change one layer of a kind: a model with more layers reuses the cache.
 _NOT_PER_LAYER = ("name", "num_layers", "hybrid_pattern", "first_dense_layers", "moe_layer_freq",
-                  "local_per_global", "mtp_depth", "dp", "recompute")
+                  "local_per_global", "mtp_depth", "dp", "recompute", "tie_embeddings")
 REFERENCE_GPU = "H100"  # analytic figures on a CPU are scaled from this GPU's
 
 

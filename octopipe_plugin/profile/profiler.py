@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .. import limits as L
 from ..errors import OctoPipeError
 from ..formats.model import Layer, Model
 from .cache import ProfileCache, cache_key
@@ -55,6 +56,19 @@ class ProfileSettings:
     cache_dir: str | None = None
     use_cache: bool = True
     progress: bool | None = None  # None: a bar when stderr is a terminal
+
+
+def fused_ratio(prof: LayerProfile) -> float | None:
+    """The layer's measured fused backward B over its split halves I + W (medians), what the simulator charges B
+    with (Layer.fused_ratio); None when the split halves took no time (nothing to scale).
+
+    The executor's fused B runs one autograd pass where I + W run two plus the split's bookkeeping: on the 2-core
+    CPU machine B came to 0.87-0.94 of I + W, profile and executor alike (benchmarks/action_costs.py).
+    """
+    split = prof.bwd.median_ms + prof.wgrad.median_ms
+    if split <= 0 or prof.fused.median_ms <= 0:
+        return None
+    return min(prof.fused.median_ms / split, L.MAX_FUSED_RATIO)
 
 
 def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
@@ -124,7 +138,7 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
     model_layers = tuple(
         Layer(name=l.name, kind=l.kind, fwd_ms=p.fwd.median_ms, bwd_ms=p.bwd.median_ms, wgrad_ms=p.wgrad.median_ms,
               state_bytes=p.state_bytes, activation_bytes=p.activation_bytes, output_bytes=p.output_bytes,
-              source="measured")
+              source="measured", fused_ratio=fused_ratio(p))
         for l, p in zip(layers, profiles))
     info = {"device": dev_name, "device_type": device.type, "warmup": s.warmup, "repeats": s.repeats,
             "parallel": parallel, "versions": versions, "layers": records}

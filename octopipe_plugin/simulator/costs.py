@@ -9,7 +9,7 @@ from ..actions import RULES, Kind
 
 @dataclass(frozen=True, slots=True)
 class StageCosts:
-    """Per-stage F/I/W time, activation bytes, output bytes, and per-device static state."""
+    """Per-stage F/I/W time (and B's where it was measured), activation bytes, output bytes, per-stage state."""
 
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
@@ -17,6 +17,8 @@ class StageCosts:
     activation: tuple[int, ...]
     output: tuple[int, ...]
     state: tuple[int, ...]  # per stage
+    # per stage the fused backward B's time where some layer measured it (Layer.fused_ratio); None: B = bwd + wgrad
+    fused: tuple[float, ...] | None = None
 
     def device_state(self, stages, num_devices: int) -> list[int]:
         """Static bytes of each device: the state of every layer it owns."""
@@ -30,11 +32,15 @@ def kind_durations(costs, extra: dict | None = None) -> dict[Kind, tuple[float, 
     """Per kind, each stage's action time: the table's cost fields summed (B = bwd + wgrad, I = bwd...).
 
     `costs` is anything with per-stage `fwd`, `bwd` and `wgrad` tuples (StageCosts, the tuner's Job);
+    where it also has `fused` (not None) the fused backward B costs that instead (measured B: `stage_costs`).
     `extra` (simulator/overheads.py `overhead_ms`) adds each kind's host overhead per stage.
     """
+    fused = getattr(costs, "fused", None)
     out = {}
     for kind, rule in RULES.items():
         fields = [getattr(costs, name) for name in rule.cost]
+        if kind is Kind.B and fused is not None:
+            fields = [fused]
         if rule.side is not None:  # a shard kind costs its share of the split layer (simulator/split.py), not the stage
             fields = [tuple(0.0 for _ in fields[0])]
         if extra is not None and rule.side is None:
@@ -57,15 +63,24 @@ def hop_times(cluster, devices, output, launch_ms: float = 0.0) -> tuple[float |
 
 
 def stage_costs(model, stages) -> StageCosts:
-    """Sum layer costs over each stage's range; an empty stage forwards its input unchanged."""
+    """Sum layer costs over each stage's range; an empty stage forwards its input unchanged.
+
+    The one rule for B's cost: a layer's `fused_ratio` (measured B over its I + W) scales its share of its
+    stage's B; without one anywhere, B is bwd + wgrad (no `fused` tuple).
+    """
     layers = model.layers
     cut = _cut_bytes(model)
     fwd, bwd, wgrad, act, out, state = [], [], [], [], [], []
+    measured_b = any(l.fused_ratio is not None for l in layers)
+    fused = []
     for st in stages:
         chunk = layers[st.start:st.end]
         fwd.append(sum(l.fwd_ms for l in chunk))
         bwd.append(sum(l.bwd_ms for l in chunk))
         wgrad.append(sum(l.wgrad_ms for l in chunk))
+        # B as measured where a layer measured it (the executor's fused backward is cheaper than its I + W)
+        fused.append(sum((l.bwd_ms + l.wgrad_ms) * (l.fused_ratio if l.fused_ratio is not None else 1.0)
+                         for l in chunk))
         act.append(sum(l.activation_bytes for l in chunk))
         state.append(sum(l.state_bytes for l in chunk))
         if cut is not None:
@@ -73,7 +88,8 @@ def stage_costs(model, stages) -> StageCosts:
         else:
             last = st.end - 1 if st.end > st.start else st.start - 1
             out.append(layers[last].output_bytes if last >= 0 else 0)
-    return StageCosts(tuple(fwd), tuple(bwd), tuple(wgrad), tuple(act), tuple(out), tuple(state))
+    return StageCosts(tuple(fwd), tuple(bwd), tuple(wgrad), tuple(act), tuple(out), tuple(state),
+                      fused=tuple(fused) if measured_b else None)
 
 
 def _cut_bytes(model) -> list[int] | None:

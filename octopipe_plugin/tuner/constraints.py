@@ -10,6 +10,12 @@ and the returned plan (checked once more before it is returned). Runtimes that n
   torchtitan schedules, Megatron's virtual pipeline).
 - `max_stages_per_device`: at most N model chunks on a rank.
 - `split_backward=False`: runtimes without a separate input-gradient (I) / weight-gradient (W).
+- `owner_shard`: a split LM head's owner (the last stage's device) holds a shard of it: the
+  Megatron and DeepSpeed runners report the loss through the framework's own loss function on
+  the owner, from its shard's J (docs: /work/wt/SHARD_API.md's framework-side rules). Off for
+  OctoPipe's executor (`SplitTorchStages` lets any shard report the loss).
+- `split_embedding=False`: runners that split the LM head only (the Megatron and DeepSpeed
+  runners this round): the split search tries no embedding split.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Constraints:
     max_stages_per_device: int | None = None
     uniform_stages_per_device: bool = False
     split_backward: bool = True
+    owner_shard: bool = False  # a split head's owner device holds one of its shards
+    split_embedding: bool = True  # the runner runs a split input embedding
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
@@ -86,7 +94,23 @@ class Constraints:
             out.append(problem)
         if not self.split_backward and any(a.kind in _SPLIT_KINDS for row in plan.schedule for a in row):
             out.append("the schedule splits backwards into I and W")
+        problem = self.owner_shard_problem(plan)
+        if problem:
+            out.append(problem)
+        if not self.split_embedding and any(sp.layer != plan.stages[-1].end - 1 for sp in plan.splits):
+            out.append("the plan splits the input embedding (the runner splits the LM head only)")
         return out
+
+    def owner_shard_problem(self, plan) -> str | None:
+        """Why a plan's split LM head breaks `owner_shard` (its owner device holds no shard), or None."""
+        if not self.owner_shard or not plan.splits:
+            return None
+        last, owner = plan.stages[-1].end - 1, plan.stages[-1].device
+        for sp in plan.splits:
+            if sp.layer == last and owner not in sp.devices:
+                return (f"the split LM head (layer {last}) has no shard on its owner's device {owner} "
+                        f"(shards on {list(sp.devices)[:12]})")
+        return None
 
     def allows_plan(self, plan) -> bool:
         """Whether a plan keeps to the constraints (cheap when none is set)."""
@@ -115,9 +139,14 @@ class Constraints:
             parts.append("--uniform-stages-per-device")
         if not self.split_backward:
             parts.append("--no-split-backward")
+        if self.owner_shard:
+            parts.append("owner-shard (a split head's owner holds a shard: framework runners)")
+        if not self.split_embedding:
+            parts.append("no-split-embedding (the runner splits the LM head only)")
         return " ".join(parts) or "none"
 
     def as_dict(self) -> dict:
         """JSON form."""
         return {"placement": self.placement, "max_stages_per_device": self.max_stages_per_device,
-                "uniform_stages_per_device": self.uniform_stages_per_device, "split_backward": self.split_backward}
+                "uniform_stages_per_device": self.uniform_stages_per_device, "split_backward": self.split_backward,
+                "owner_shard": self.owner_shard, "split_embedding": self.split_embedding}

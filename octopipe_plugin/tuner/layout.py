@@ -54,7 +54,7 @@ def make_job(model, cluster, num_microbatches: int, layout: Layout,
     cap = tuple(float(cluster.usable_memory_bytes - static[d]) for d in range(nd))
     job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
               wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap,
-              extra=overhead_ms(overheads, devs, sc.output))
+              extra=overhead_ms(overheads, devs, sc.output), fused=sc.fused)
     return job, sc, static
 
 

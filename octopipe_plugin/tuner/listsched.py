@@ -80,6 +80,7 @@ class Job:
     hop: tuple[float | None, ...]  # transfer time over the boundary s -> s+1 (None on one device): hop_times
     act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
     extra: dict | None = None  # per kind, each stage's host overhead (simulator/overheads.py); None: none
+    fused: tuple[float, ...] | None = None  # per stage B's measured time (StageCosts.fused); None: bwd + wgrad
 
 
 # Below this many actions the Python scheduler takes milliseconds; above it the compiled one pays for its load.

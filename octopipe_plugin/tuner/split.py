@@ -11,6 +11,7 @@ the search also picks which devices), then the other policies. The insertions of
 stop when their work units (`attempt_units`) pass INSERT_SHARE times the variant's budget.
 Every candidate is judged by the simulator with its communication; one whose messages cost
 more than its split saves simply loses to the plan without splits, which is kept.
+`constraints.owner_shard` (framework runners) keeps a shard on the owner's device in every one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from ..errors import OctoPipeError
+from ..formats.model import head_inputs
 from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
@@ -44,6 +46,9 @@ INSERT_UNITS_PER_ACTION_DEVICE = 12
 LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, on the best shares found
 INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
 REFINE_ROUNDS = 4  # share refinements from the simulated idle time, after the fixed share sets
+REBALANCE_ROUNDS = 3  # boundary re-balancings against the loads with the shards, each judged by the simulator
+MOVES_PER_ROUND = 2  # single-layer cut moves judged per round, the most uneven cuts first
+MIN_SHARE = 0.002  # a device with less of the head's rows drops out of the split
 REFINE_STEP = 0.5  # how far each refinement moves the shares towards the room-proportional ones
 
 
@@ -68,6 +73,14 @@ class SplitTuneResult:
         """The chosen plan's split head, None when the plan has no split."""
         return next((sp for sp in self.plan.splits if sp.layer > 0), None)
 
+    @property
+    def source(self) -> str:
+        """The label of the attempt that made the chosen plan ('no split' when it has none)."""
+        if not self.plan.splits:
+            return "no split"
+        fits = [t for t in self.tried if t[1] is not None and t[2] and t[0] != "no split"]
+        return min(fits, key=lambda t: t[1])[0] if fits else "split"
+
     def describe(self) -> str:
         """'no split' or 'head over 16 devices (shares 0.031-0.073), embedding over 8'."""
         sp = self.split
@@ -79,11 +92,12 @@ class SplitTuneResult:
 
 
 def stats_bytes(model) -> int:
-    """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch)."""
+    """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch):
+    per token and per hidden state the head takes (1 + the MTP depths, `formats.model.head_inputs`)."""
     arch = (model.meta or {}).get("arch") or {}
     tokens = int(arch.get("seq_len", 0)) * int(arch.get("micro_batch_size", 1))
     if tokens > 0:
-        return STATS_BYTES_PER_TOKEN * tokens
+        return STATS_BYTES_PER_TOKEN * tokens * head_inputs(model)
     return max(1, link_bytes(model, model.num_layers - 1) // 64)  # unknown width: a generous guess from the input
 
 
@@ -116,7 +130,8 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
         for out in _split_candidates(model, cluster, num_microbatches, head, vbudget, seed, iterations, opts,
                                      constraints):
             label, res, plan = out
-            fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes
+            fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
+                constraints is None or constraints.allows_plan(plan))
             tried.append((label, None if res is None else res.step_time_ms, fits))
             if not fits:
                 continue
@@ -148,6 +163,11 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
     nd = cluster.num_devices
     lay = model.layers[head]
     emb = splittable_embedding(model)
+    owner_shard = constraints is not None and constraints.owner_shard
+    if owner_shard:  # the plans of the rest have no splits: the inner tunes need not know
+        constraints = replace(constraints, owner_shard=False)
+    if constraints is not None and not constraints.split_embedding:
+        emb = None  # the runner splits the head only: no variant with the embedding split
     for stand_in, with_emb in VARIANTS:
         if with_emb and emb is None:
             continue
@@ -166,7 +186,8 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
             continue
         label = f"stand-in {stand_in:g}/D" + (" +embedding" if with_emb else "")
         units = float("inf") if iterations is not None else budget * WORK_RATE * INSERT_SHARE
-        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units)
+        yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units,
+                               owner_shard)
 
 
 def splittable_embedding(model) -> int | None:
@@ -190,11 +211,11 @@ def _with_layer_scaled(model, index: int, factor: float):
     return replace(model, layers=tuple(layers))
 
 
-def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf")):
+def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf"), owner_shard=False):
     """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated.
 
     Attempts, most promising first, while their work (`attempt_units`) stays within `units`; the first
-    always runs.
+    always runs. `owner_shard`: the owner's device keeps a shard (at least MIN_SHARE) in every attempt.
     """
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
@@ -206,37 +227,71 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         first = plan.first_device
         node = tuple(d for d in range(nd) if cluster.same_node(d, first))
         extra = (SplitLayer(layer=emb, devices=node, shares=_exact([1.0 / len(node)] * len(node))),)
-    work = _device_work(without_split_layers(model, tuple(gone)), plan)
+    rest = without_split_layers(model, tuple(gone))
+    work = _device_work(rest, plan)
     stats = stats_bytes(model)
     head_ms = model.layers[head].total_ms
     balanced = _balance(work, head_ms)
     equal = [1.0 / nd] * nd
-    best = None  # (step, shares, policy, SimResult) of the fastest fitting insertion so far
+    best = None  # (step, shares, policy, SimResult, stages) of the fastest fitting insertion so far
     cost = attempt_units(plan, nd)
     spent = 0.0
 
     def affordable() -> bool:
         return spent == 0.0 or spent + cost <= units
 
-    def attempt(label, shares, pol):
+    def attempt(label, shares, pol, stages=plan.stages):
         nonlocal best, spent
         spent += cost
-        splits = extra + (_split_of(head, shares, stats),)
-        cand = insert_shards(model, cluster, replace(plan, splits=splits, meta=_meta(plan, pol)), pol, opts.launch_ms)
+        splits = extra + (_split_of(head, shares, stats, stages[-1].device if owner_shard else None),)
+        base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
+        cand = insert_shards(model, cluster, base, pol, opts.launch_ms)
         res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 best is None or res.step_time_ms < best[0]):
-            best = (res.step_time_ms, list(shares), pol, res)
+            best = (res.step_time_ms, list(shares), pol, res, stages)
         return f"{label0} {label} {pol.describe()}", res, cand
 
-    # the policies on the work-balancing shares, then the other share sets under the best policy
-    for pol in POLICIES[:LEAD_POLICIES]:
-        if affordable():
-            yield attempt("balance work", balanced, pol)
-    pol = best[2] if best is not None else POLICIES[0]
-    for label, shares in (("equal", equal), ("half-balance", [(a + b) / 2 for a, b in zip(equal, balanced)])):
-        if affordable():
-            yield attempt(label, shares, pol)
+    def best_stages():
+        return plan.stages if best is None else best[4]
+
+    def best_balanced():
+        return _balance(_device_work(rest, replace(plan, stages=best_stages())), head_ms)
+
+    def boundaries():
+        """Boundaries chosen with the split (hill-climbing from the best insertion so far): each move keeps
+        every device's load (its stages' work plus its shard share) where the best put it, so the shares
+        follow the moved layers (`_follow`), and is judged by the simulator; a move that pays is kept and
+        the moves start again from it, with one share step towards the room on its boundaries."""
+        tried = {best_stages()}
+        for _ in range(REBALANCE_ROUNDS):
+            if best is None:
+                return
+            base, shares = best[4], best[1]
+            old = _device_work(rest, replace(plan, stages=base))
+            paid = False
+            for label, stages in _boundary_moves(rest, base, shares, head_ms, keep_first=emb is not None):
+                if stages in tried:
+                    continue
+                if not affordable():
+                    return
+                tried.add(stages)
+                before = best[0]
+                new = _device_work(rest, replace(plan, stages=stages))
+                yield attempt(label, _follow(shares, old, new, head_ms), best[2], stages)
+                if best[0] < before:
+                    paid = True
+                    break
+            if not paid:
+                return
+            if affordable():
+                target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
+                yield attempt("moved room", [(a + b) / 2 for a, b in zip(best[1], target)], best[2], best[4])
+
+    # the lead policy on the work-balancing shares, the shares moved towards each device's room, the
+    # boundaries chosen with the split, then the other share sets and policies (measured on the zoo at
+    # --budget 2, benchmarks/split_layers.py: the room steps pay most, the other policies seldom)
+    yield attempt("balance work", balanced, POLICIES[0])
     # shares proportional to bubble room: a device's room is its shard work plus its idle time in the
     # simulated step; move part of the way towards the room-proportional shares, keep what is faster,
     # and take smaller steps once a step did not pay
@@ -247,12 +302,101 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         before = best[0]
         target = _room_shares(best[1], best[3], head_ms * plan.num_microbatches)
         shares = [(1 - step) * a + step * b for a, b in zip(best[1], target)]
-        yield attempt(f"room {k + 1}", shares, best[2])
+        yield attempt(f"room {k + 1}", shares, best[2], best[4])
         if best[0] >= before:
             step /= 2
-    for pol in POLICIES[LEAD_POLICIES:]:  # the other policies on the best shares, budget permitting
+    yield from boundaries()
+    if affordable():
+        yield attempt("half-balance", [(a + b) / 2 for a, b in zip(equal, best_balanced())], POLICIES[0], best_stages())
+    for pol in POLICIES[1:]:  # the other policies on the best shares, budget permitting
         if best is not None and affordable():
-            yield attempt("best shares", best[1], pol)
+            yield attempt("best shares", best[1], pol, best[4])
+    if best is not None and affordable():
+        yield attempt("equal", equal, best[2], best[4])
+
+
+def _follow(shares, old_work, new_work, head_ms: float) -> list[float]:
+    """Shares after a boundary move that keep each device's load: a device that gained stage work gives up
+    as much head work, one that lost some takes it (none below 0; renormalised)."""
+    raw = [max(0.0, s + (o - n) / head_ms) for s, o, n in zip(shares, old_work, new_work)] if head_ms > 0 \
+        else list(shares)
+    tot = sum(raw)
+    return [x / tot for x in raw] if tot > 0 else list(shares)
+
+
+def _boundary_moves(rest, stages, shares, head_ms: float, keep_first: bool = False):
+    """(label, stages) of the boundary moves worth judging from `stages`, most promising first: the rest's
+    layers re-balanced against each device's load with its shard share (`_rebalanced`), then one layer
+    across each cut, off the device with the larger load (its stages plus its share) first."""
+    moved = _rebalanced(rest, stages, shares, head_ms, keep_first)
+    if moved is not None:
+        yield "rebalance", moved
+    n = len(rest.layers)
+    costs = [layer.total_ms for layer in rest.layers]
+    bounds = [st.start for st in stages] + [stages[-1].end]
+    load = [shares[d] * head_ms if d < len(shares) else 0.0 for d in range(len(shares))]
+    for s, st in enumerate(stages):
+        load[st.device] += sum(costs[bounds[s]:bounds[s + 1]])
+    moves = []
+    for c in range(1, len(stages)):
+        a, b = stages[c - 1].device, stages[c].device
+        if a == b:
+            continue
+        # the cut moves towards the lighter device's stage: -1 gives stage c-1's last layer to stage c
+        delta = -1 if load[a] > load[b] else 1
+        moves.append((-abs(load[a] - load[b]), c, delta))
+    for _, c, delta in sorted(moves)[:MOVES_PER_ROUND]:
+        nb = list(bounds)
+        nb[c] += delta
+        if not all(nb[i] <= nb[i + 1] for i in range(len(stages))) or (keep_first and nb[1] < 1) or nb[-2] > n - 1:
+            continue
+        yield f"cut {c} {delta:+d}", tuple(replace(st, start=nb[s], end=nb[s + 1]) for s, st in enumerate(stages))
+
+
+def _rebalanced(rest, stages, shares, head_ms: float, keep_first: bool = False):
+    """Stage boundaries that lower the heaviest device's load (its stages' work in `rest` plus its share of the
+    head's `head_ms`), moving one layer at a time across a cut between stages of different devices; the
+    same devices and stage order (so the same schedule). None when no move lowers it.
+
+    The last stage keeps at least the head (its last layer), the first stage layer 0 when `keep_first`.
+    """
+    costs = [layer.total_ms for layer in rest.layers]
+    bounds = [st.start for st in stages] + [stages[-1].end]
+    dev = [st.device for st in stages]
+    nd = max(len(shares), max(dev) + 1)
+    extra = [shares[d] * head_ms if d < len(shares) else 0.0 for d in range(nd)]
+
+    def loads(b):
+        out = list(extra)
+        for s, d in enumerate(dev):
+            out[d] += sum(costs[b[s]:b[s + 1]])
+        return out
+
+    def key(b):
+        ld = sorted(loads(b), reverse=True)
+        return ld[:3]  # the heaviest device first, then the next ones (ties broken towards evening out)
+
+    cur = key(bounds)
+    moved = False
+    for _ in range(len(costs)):  # each round moves one layer; at most one pass of layers
+        best = None
+        for c in range(1, len(stages)):  # cut c sits between stages c-1 and c
+            if dev[c - 1] == dev[c]:
+                continue
+            for delta in (-1, 1):
+                b = list(bounds)
+                b[c] += delta
+                if not b[c - 1] <= b[c] <= b[c + 1] or (keep_first and b[1] < 1) or b[-2] > len(costs) - 1:
+                    continue
+                k = key(b)
+                if k < cur and (best is None or k < best[0]):
+                    best = (k, b)
+        if best is None:
+            break
+        cur, bounds, moved = best[0], best[1], True
+    if not moved:
+        return None
+    return tuple(replace(st, start=bounds[s], end=bounds[s + 1]) for s, st in enumerate(stages))
 
 
 def attempt_units(plan, num_devices: int) -> float:
@@ -307,9 +451,11 @@ def _balance(work: list[float], head: float) -> list[float]:
     return [x / s for x in raw] if s > 0 else [1.0 / len(work)] * len(work)
 
 
-def _split_of(head: int, shares, stats: int) -> SplitLayer:
-    """The split record over the devices with a share worth keeping (at least 0.2% of the rows)."""
-    keep = [(d, s) for d, s in enumerate(shares) if s >= 0.002]
+def _split_of(head: int, shares, stats: int, owner: int | None = None) -> SplitLayer:
+    """The split record over the devices with a share worth keeping (at least MIN_SHARE of the rows), and the
+    `owner` device (when given) with at least MIN_SHARE."""
+    keep = [(d, max(s, MIN_SHARE) if d == owner else s) for d, s in enumerate(shares)
+            if s >= MIN_SHARE or d == owner]
     tot = sum(s for _, s in keep)
     devices = tuple(d for d, _ in keep)
     return SplitLayer(layer=head, devices=devices, shares=_exact([s / tot for _, s in keep]), stats_bytes=stats)

@@ -66,10 +66,44 @@ def test_auto_json_names_the_split_and_keeps_the_unsplit_row(tmp_path, capsys):
     assert labels[:2] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
 
 
-def test_auto_with_a_framework_launch_is_refused_in_one_line(tmp_path, capsys):
-    rc = main(["plan", "--cluster", "h100x8", "--no-progress", "--splits", "auto", "--megatron-args", "--num-layers 4"])
-    err = capsys.readouterr().err
-    assert rc != 0 and "--splits auto: split plans are for --model plans" in err
+# a 256k-vocabulary GPT whose LM head is the heaviest layer by far: a split pays
+BIG_VOCAB = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "2048",
+             "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--vocab-size", "256000",
+             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+             "--pipeline-model-parallel-size", "4", "--global-batch-size", "16"]
+
+
+@pytest.mark.framework
+@pytest.mark.parametrize("tied", [False, True])
+def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, capsys, tied):
+    """--megatron-args --splits auto: the split-aware tune under the launch's constraints; the written plan is one
+    the launch's Megatron run takes (adapters/megatron/startup.split_refusal), else the plan without splits with
+    the reason on the split line (a tied head: Megatron's default)."""
+    from types import SimpleNamespace
+
+    from octopipe_plugin.adapters.megatron.startup import split_refusal
+
+    launch = BIG_VOCAB + ([] if tied else ["--untie-embeddings-and-output-weights"])
+    out = tmp_path / "plan.json"
+    # --iterations bounds the search; the generous --time-budget only keeps the wall-clock guard off on a busy machine
+    rc = main(["plan", "--cluster", "h100x4", "--iterations", "30", "--no-progress", "--time-budget", "60",
+               "--splits", "auto", "-o", str(out), "--megatron-args", " ".join(launch)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    line = next(x for x in text.splitlines() if x.strip().startswith("split layers"))
+    plan = read_plan(out)
+    args = SimpleNamespace(untie_embeddings_and_output_weights=not tied, mtp_num_layers=None,
+                           tensor_model_parallel_size=1, hybrid_layer_pattern=None, hybrid_override_pattern=None)
+    if plan.splits:
+        assert split_refusal(args, plan) is None, line
+        assert "head over" in line
+    else:
+        assert "the launch cannot run it" in line or "none" in line, line
+    if tied:  # refused for its first reason (a split embedding, if the tuner chose one; else the tied head)
+        assert not plan.splits and ("the launch cannot run it" in line or "none" in line), line
+    else:  # the tune keeps to what the runner runs (head only, the owner holding a shard): the split is kept
+        assert plan.splits and all(sp.layer == plan.stages[-1].end - 1 for sp in plan.splits), line
+        assert plan.stages[-1].device in plan.splits[0].devices
 
 
 def test_auto_on_a_model_without_a_head_says_so_and_keeps_the_plain_table(tmp_path, capsys):

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from octopipe_plugin.costs import Arch, get_gpu, layer_cost
+from octopipe_plugin.costs.analytic import build_model, output_bytes
 from octopipe_plugin.costs.mamba import ssd_flops
 
 H100 = get_gpu("H100")
@@ -167,12 +168,25 @@ def test_vision_layer_is_bidirectional_and_projector_is_two_matmuls():
     assert layer_cost(a, "projector").flops[0] == pytest.approx(2 * 1024 * hv * a.hidden + 2 * 1024 * a.hidden ** 2)
 
 
-def test_mtp_holds_a_transformer_layer_and_a_second_output_head():
+def test_mtp_holds_a_transformer_layer_and_the_lm_head_every_depths_output_head():
+    # DeepSeek-V3 Sec. 2.2: the MTP modules share the main model's output head, so its projection and loss
+    # for every depth's hidden states are the lm_head layer's work (one weight, 1 + depth hidden inputs)
     a = llama(num_experts=8, top_k=2, moe_ffn=256, mtp_depth=1)
+    plain = dataclasses.replace(a, mtp_depth=0)
     mtp, head, moe = (layer_cost(a, k) for k in ("mtp", "lm_head", "moe"))
+    one = layer_cost(plain, "lm_head")
     n, h = a.tokens, a.hidden
-    assert mtp.flops[0] == pytest.approx(head.flops[0] + moe.flops[0] + 2 * n * 2 * h * h)
-    assert mtp.fwd_ms > head.fwd_ms + moe.fwd_ms
+    assert mtp.flops[0] == pytest.approx(moe.flops[0] + 2 * n * 2 * h * h)  # + the eh projection 2h -> h
+    assert mtp.fwd_ms > moe.fwd_ms
+    assert head.flops == pytest.approx(tuple(2 * f for f in one.flops))
+    assert head.fwd_ms == pytest.approx(2 * one.fwd_ms) and head.activation_bytes == 2 * one.activation_bytes
+    assert one.state_bytes < head.state_bytes < 1.001 * one.state_bytes  # one weight; a final norm per depth
+    # the MTP layer of depth k sends the main hidden states and those of depths 0..k on to the head
+    assert mtp.output_bytes == 2 * n * h * a.dtype_bytes
+    assert output_bytes(dataclasses.replace(a, mtp_depth=2), "mtp", 1) == 3 * n * h * a.dtype_bytes
+    deep = build_model(dataclasses.replace(a, mtp_depth=2))
+    assert [x.output_bytes // (n * h * a.dtype_bytes) for x in deep.layers[-3:-1]] == [2, 3]
+    assert deep.layers[-1].fwd_ms == pytest.approx(3 * one.fwd_ms)
 
 
 def test_roofline_bounds_and_recompute_moves_forward_into_input_grad():

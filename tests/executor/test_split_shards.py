@@ -204,6 +204,28 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
     for s in shards:
         lo, hi = s.head_rows
         torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
+    # sequence parallelism: each rank hands over its block of the tokens, gets its block of the input gradient
+    sp = TensorParallel.over(dist.group.WORLD, sequence_parallel=True)
+    blk = slice(rank * TOKENS // 2, (rank + 1) * TOKENS // 2)
+    shards = []
+    for r in (0, 1):
+        lo, hi = shard_rows(plan, "output", V, r)
+        mid = (lo + hi) // 2
+        mine = (lo, mid) if rank == 0 else (mid, hi)
+        shards.append(VocabShards(plan=plan, rank=r, vocab_size=V, head_weight=nn.Parameter(w[mine[0]:mine[1]].clone()),
+                                  head_rows=mine, tp=sp, grad_sink="direct"))
+    rows = x.reshape(-1, H)
+    stats = [s.head_forward(1, 0, HeadInput(rows[blk], t[blk], coef[blk])) for s in shards]
+    assert stats[0].shape == (TOKENS // 2, 3)  # the statistics messages carry the rank's block
+    out = [s.head_backward_input(1, 0, [stats[1 - i]]) for i, s in enumerate(shards)]
+    for s in shards:
+        s.head_backward_weight(1, 0)
+    for partial, rep in out:
+        torch.testing.assert_close(rep.loss, loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[0][0] + out[1][0], dx.reshape(-1, H)[blk], rtol=1e-12, atol=1e-15)
+    for s in shards:
+        lo, hi = s.head_rows
+        torch.testing.assert_close(s.head_weight.grad, dw[lo:hi], rtol=1e-12, atol=1e-15)
     # the embedding's shard, cut the same way: its lookup summed over the slices, each slice's rows' gradient
     emb_plan = _plan(embedding=True)
     tokens = t.reshape(2, TOKENS // 2)
@@ -227,6 +249,7 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_tensor_parallel_slices_of_a_shard_reduce_statistics_then_shards_and_all_reduce_the_partial():
+    """Also under sequence parallelism (each rank a block of the tokens), and the embedding's shard."""
     from octopipe_plugin.executor.launch import spawn
 
     spawn(_tp_worker, 2)
@@ -258,3 +281,23 @@ def test_bf16_shards_compute_statistics_in_float32_and_give_gradients_in_the_wei
     for s in shards:
         lo, hi = s.head_rows
         torch.testing.assert_close(s.head_weight.grad.float(), wr.grad[lo:hi].float(), rtol=2e-2, atol=2e-3)
+
+
+def test_an_evaluation_of_a_split_plan_refuses_shards_without_forward_only_in_one_line():
+    from octopipe_plugin.executor import RunnerInterfaceError, TorchStages, check_runner
+    from octopipe_plugin.executor.interface import check_evaluation
+
+    class OldShards(VocabShards):
+        def head_forward(self, stage, mb, hidden):  # a stand-in written before evaluation steps existed
+            return super().head_forward(stage, mb, hidden)
+
+    plan = _plan()
+    runner = TorchStages(modules={}, num_stages=2, num_microbatches=1, shards=_shards(plan, _data()[1], 0))
+    binding = check_runner(runner, {Kind.F, Kind.B, Kind.H, Kind.J, Kind.K})
+    check_evaluation(runner, binding, {Kind.F, Kind.H, Kind.J})  # VocabShards takes it
+    rows = shard_rows(plan, "output", V, 0)
+    runner.shards = OldShards(plan=plan, rank=0, vocab_size=V,
+                              head_weight=nn.Parameter(_data()[1][rows[0]:rows[1]].clone()))
+    with pytest.raises(RunnerInterfaceError, match=r"OldShards.head_forward\(\) lacks the keyword forward_only=") as e:
+        check_evaluation(runner, binding, {Kind.F, Kind.H, Kind.J})
+    assert "\n" not in str(e.value)

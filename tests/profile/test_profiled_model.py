@@ -49,7 +49,12 @@ def test_profiled_model_plans_and_simulates(profiled, schedule):
     plan = build_plan(model, schedule, num_devices=2, num_microbatches=4, split="balanced",
                       stages_per_device=2 if schedule == "interleaved-1f1b" else None)
     res = simulate(model, named_cluster("H100", 2), plan)
-    busy = sum(st.fwd_ms + st.bwd_ms + st.wgrad_ms for st in model.layers) * 4
+    # every action costs its layers' figures; a fused B its measured share (Layer.fused_ratio), not I + W
+    per_kind = {"F": lambda l: l.fwd_ms, "I": lambda l: l.bwd_ms, "W": lambda l: l.wgrad_ms,
+                "B": lambda l: (l.bwd_ms + l.wgrad_ms) * (l.fused_ratio if l.fused_ratio is not None else 1.0)}
+    busy = sum(per_kind[a.kind.value](l) for row in plan.schedule for a in row
+               for l in model.layers[plan.stages[a.stage].start:plan.stages[a.stage].end])
+    assert all(l.fused_ratio is not None for l in model.layers)  # the profiler measured B of every layer
     assert res.step_time_ms >= busy / 2 and sum(res.busy_ms) == pytest.approx(busy)
 
 

@@ -62,3 +62,40 @@ def test_the_comparison_table_shows_the_best_plan_with_and_without_splits():
     assert [rows[0].label, rows[1].label] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
     assert rows[0].step_ms == r.split_ms and rows[1].step_ms == r.unsplit_ms
     assert "head over" in format_table(rows, cluster().memory_bytes)
+
+
+def test_owner_shard_keeps_a_shard_on_the_heads_owner_device():
+    from dataclasses import replace
+
+    from octopipe_plugin.tuner.constraints import Constraints
+
+    m = model(3.0)
+    cons = Constraints(owner_shard=True)
+    r = tune_split(m, cluster(), 8, iterations=20, time_budget_s=120, seed=1, constraints=cons)
+    assert r.plan.splits, r.tried
+    sp = next(x for x in r.plan.splits if x.layer == m.num_layers - 1)
+    assert r.plan.stages[-1].device in sp.devices and cons.allows_plan(r.plan)
+    assert r.step_ms <= r.unsplit_ms
+    # a plan whose owner holds no shard is named
+    others = tuple(d for d in range(4) if d != r.plan.stages[-1].device)
+    bad = replace(r.plan, splits=(replace(sp, devices=others, shares=(0.25, 0.25, 0.5)),))
+    assert "no shard on its owner's device" in " ".join(cons.plan_problems(bad))
+    assert Constraints().allows_plan(bad) and "owner-shard" in cons.describe() and cons.as_dict()["owner_shard"]
+
+
+def test_split_embedding_off_keeps_the_embedding_whole_and_names_a_plan_that_splits_it():
+    from dataclasses import replace
+
+    from octopipe_plugin.formats.splits import SplitLayer
+    from octopipe_plugin.tuner.constraints import Constraints
+
+    m = model(3.0)
+    cons = Constraints(owner_shard=True, split_embedding=False)
+    r = tune_split(m, cluster(), 8, iterations=20, time_budget_s=120, seed=1, constraints=cons)
+    assert r.plan.splits and all(sp.layer == m.num_layers - 1 for sp in r.plan.splits), r.tried
+    assert not any("+embedding" in label for label, *_ in r.tried)
+    emb = SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5))
+    bad = replace(r.plan, splits=r.plan.splits + (emb,))
+    assert "splits the input embedding" in " ".join(cons.plan_problems(bad))
+    assert Constraints().allows_plan(bad) and "no-split-embedding" in cons.describe()
+    assert cons.as_dict()["split_embedding"] is False

@@ -77,8 +77,9 @@ class OctoPipeEngine(PipelineEngine):
         """The object running this rank's shard actions of a split plan (None without splits)."""
         if not self.plan.splits:
             return None
-        if self.module.octopipe_shards is not None:  # stand-ins (the benchmarks)
-            return self.module.octopipe_shards(self)
+        given = self.module.octopipe_shards
+        if given is not None:  # stand-ins (the benchmarks): the object, or a callable building it for this engine
+            return given if hasattr(given, "head_forward") else given(self)
         head, shard = self.module.octopipe_head, self.module.head_shard()
         # the head input's meta is learned per step (the shard ranks see no data); J reports through the runner
         return VocabShards(plan=self.plan, rank=self.module.stage_id, vocab_size=head.vocab,

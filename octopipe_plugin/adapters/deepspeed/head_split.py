@@ -87,6 +87,15 @@ def head_placement(plan, specs, layer_of_spec, rank: int) -> HeadPlacement | Non
                          rows=rows)
 
 
+def split_problem(plan, specs, layer_of_spec) -> str | None:
+    """Why OctoPipeEngine cannot run `plan`'s split layers on the layer list `specs` (one sentence), or None."""
+    try:
+        head_placement(plan, specs, layer_of_spec, -1)
+    except OctoPipeError as exc:
+        return str(exc)
+    return None
+
+
 def splittable_head(spec) -> bool:
     """Whether a list entry, as the last of the list, can be a split LM head (the rule of `_linear_head`)."""
     try:

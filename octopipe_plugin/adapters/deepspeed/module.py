@@ -33,8 +33,9 @@ class OctoPipePipelineModule(PipelineModule):
     `config`: a DeepSpeed config with an enabled "octopipe" block (its plan, or tuning on rank 0);
     `layer_costs`: costs of list entries the analytic model cannot cost, or measured ones, for
     that tuning (graph.model_from_specs).
-    `shards`: for a plan that splits the LM head, a callable `(engine) -> shards object` running the
-    shard actions instead of the real head shards (the benchmarks' stand-ins); None: the real ones.
+    `shards`: for a plan that splits the LM head, the object running the shard actions instead of the
+    real head shards (the benchmarks' stand-ins), or a callable `(engine) -> that object`; None: the
+    real ones.
     A split head (head_split.py) is built as this rank's rows of it, not in the owner stage.
 
     PipelineModule.__init__ partitions (via `_partition_layers`) before it builds any layer, so the

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ...costs import Arch, get_gpu, layer_cost
+from ...costs.analytic import layer_output_bytes, tied_pair
 from ...costs.arch import check_arch
 from ...errors import OctoPipeError
 from ...formats.model import Layer, Model
@@ -70,13 +71,29 @@ def layer_specs(src) -> list[LayerSpec]:
                                     f"for layer 'decoder.layers.{i}' (model_from_megatron(measured=...))")
             kind, cost_kind = HYBRID_KINDS[sym]
             specs.append(LayerSpec(name=f"decoder.layers.{i}", kind=kind, cost_kind=cost_kind))
-        depths = parsed.mtp_num_depths
     else:
         specs += _gpt_decoder(src)
-        depths = int(_get(src, "mtp_num_layers", 0) or 0)
-    specs += [LayerSpec(name=f"mtp.layers.{j}", kind="mtp", cost_kind="mtp") for j in range(depths)]
+    specs += [LayerSpec(name=f"mtp.layers.{j}", kind="mtp", cost_kind="mtp") for j in range(mtp_depths(src))]
     specs.append(LayerSpec(name="output_layer", kind="lm_head", cost_kind="lm_head"))
     return specs
+
+
+def mtp_depths(src) -> int:
+    """MTP depths of the run: the hybrid pattern's (after its '/') or --mtp-num-layers."""
+    pattern = hybrid_pattern(src)
+    if pattern:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+
+        return int(parse_hybrid_pattern(pattern).mtp_num_depths or 0)
+    return int(_get(src, "mtp_num_layers", 0) or 0)
+
+
+def _tied(src) -> bool:
+    """Whether the run shares the embedding and output weights: the training arguments' default (pretrain_gpt's
+    `share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights`); a TransformerConfig
+    does not say, and GPTModel's own default is untied."""
+    untie = getattr(src, "untie_embeddings_and_output_weights", None)
+    return untie is not None and not untie
 
 
 def _gpt_decoder(src) -> list[LayerSpec]:
@@ -153,6 +170,8 @@ def arch_from_megatron(src, *, name: str = "megatron", vocab_size: int | None = 
         mamba_state=int(_get(src, "mamba_state_dim", 128)), mamba_heads=int(_get(src, "mamba_num_heads", 0) or 0),
         mamba_head_dim=int(_get(src, "mamba_head_dim", 64)), mamba_groups=int(_get(src, "mamba_num_groups", 8)),
         num_layers=int(_get(src, "num_layers", 0) or len(pattern.split("/")[0].replace("|", "")) or 1),
+        mtp_depth=mtp_depths(src),  # the LM head's cost counts the shared output head of every depth
+        tie_embeddings=_tied(src),
     )
     arch = Arch(**{**fields, **dict(arch_overrides or {})})
     check_arch(arch, f"Megatron arguments of {name!r}")
@@ -178,10 +197,12 @@ def model_from_megatron(src, *, gpu: str = "H100", name: str = "megatron",
         if spec.cost_kind not in analytic:
             analytic[spec.cost_kind] = _analytic(arch, spec.cost_kind, gpu_spec)
         costs = {**analytic[spec.cost_kind], **given}
+        if "output_bytes" not in given:  # an MTP layer sends on the hidden states of every depth so far
+            costs["output_bytes"] = layer_output_bytes(arch, spec.kind, spec.name, costs["output_bytes"])
         layers.append(Layer(name=spec.name, kind=spec.kind, **costs))
     meta = {"cost_model": "analytic+measured" if measured else "analytic", "gpu": gpu_spec.name,
             "arch": dataclasses.asdict(arch), "source": "megatron"}
-    return Model(name=name, layers=tuple(layers), meta=meta)
+    return Model(name=name, layers=tuple(layers), meta=meta, tied=tied_pair(arch, [(s.name, s.kind) for s in specs]))
 
 
 def _analytic(arch: Arch, cost_kind: str, gpu) -> dict:

@@ -209,11 +209,14 @@ def plan_float16_wrappers(model, plan, rank: int) -> int:
 
     stages = plan.stages_of(rank)
     count = 0
+    # under a split LM head the last stage hands on the head's input, not the loss: it stays in half precision, as
+    # Megatron's output layer receives it (the shards' statistics and the loss are computed in fp32)
+    split = head_split(plan) is not None
     for chunk, stage in zip(model, stages):
         wrapper = next((m for m in chunk.modules() if isinstance(m, Float16Module)), None)
         if wrapper is None:
             continue
-        first, last = stage == 0, stage == plan.num_stages - 1
+        first, last = stage == 0, stage == plan.num_stages - 1 and not split
 
         def make(_megatron, _w=wrapper, _first=first, _last=last):
             def forward(*inputs, fp32_output=True, **kwargs):

@@ -10,10 +10,11 @@ on `(hidden, targets, coef)`:
 - `coef` float32 [seq * mbs] = d(the backward's root)/d(per-token loss): the `loss_func` that
   `forward_step` returned, then Megatron's own scaling (`forward_step_calc_loss`: / num_tokens
   and / num_microbatches unless `calculate_per_token_loss`, x cp size for a 2-tuple loss) and
-  `config.grad_scale_func`, applied to a probe per-token leaf (`loss_rule`). The rule is linear in
-  the per-token losses for Megatron's loss functions; a second probe checks it.
+  `config.grad_scale_func` (`loss_rule`), differentiated at a probe by the executor's
+  `loss_coefficients` (StageCore.head_input; linear for Megatron's loss functions, a second probe
+  checks it).
 The shards' J gives the real per-token losses back; the owner's J reports them through the same
-`loss_func` and `forward_step_calc_loss` (`report_head_loss`), so Megatron's logged loss dict and
+`loss_func` and `forward_step_calc_loss` (MegatronStages.head_loss), so Megatron's logged loss dict and
 token count are the ones the unsplit run makes.
 """
 
@@ -127,37 +128,15 @@ def calc_loss(model, per_token: torch.Tensor, loss_func, config, vp_stage, num_m
                                                 num_microbatches, store, cp_size, True)
 
 
-def loss_rule(model, loss_func, config, vp_stage, num_microbatches: int, cp_size: int):
-    """The step's backward root as a function of the micro-batch's per-token losses [mbs, seq]."""
-    def rule(per_token: torch.Tensor) -> torch.Tensor:
+def loss_rule(model, loss_func, config, vp_stage, num_microbatches: int, cp_size: int, labels_shape):
+    """The step's backward root as a function of the micro-batch's per-token losses ([seq * mbs], the hidden
+    states' row order): the forward step's loss_func, Megatron's scaling, config.grad_scale_func."""
+    def rule(losses: torch.Tensor) -> torch.Tensor:
+        per_token = per_token_losses(losses.to(PROBE_DTYPE), labels_shape)
         out, _ = calc_loss(model, per_token, loss_func, config, vp_stage, num_microbatches, cp_size, [])
         return config.grad_scale_func(out) if config.grad_scale_func is not None else out
 
     return rule
-
-
-def coefficients(rule, shape, device) -> torch.Tensor:
-    """d rule / d per-token loss at two probes (zeros and ones); refuses a rule whose derivative differs (not linear)."""
-    grads = []
-    for fill in (0.0, 1.0):
-        probe = torch.full(tuple(shape), fill, dtype=PROBE_DTYPE, device=device, requires_grad=True)
-        with torch.enable_grad():
-            root = rule(probe)
-            (g,) = torch.autograd.grad(root, probe, allow_unused=True)
-        grads.append(torch.zeros_like(probe) if g is None else g.detach())
-    if not torch.allclose(grads[0], grads[1], rtol=1e-6, atol=0.0):
-        raise OctoPipeError("the forward step's loss_func is not linear in the per-token losses (its derivative "
-                            "differs between two probes): a split LM head hands its shards one coefficient per "
-                            "token; run this loss without `splits` in the plan")
-    return grads[0]
-
-
-def head_input(hidden: torch.Tensor, labels, coef) -> tuple:
-    """(hidden, targets, coef) in the hidden states' token order ([seq, mbs] flattened), or (hidden, None, None)."""
-    if labels is None:
-        return hidden, None, None
-    # labels and coef are [mbs, seq]; the hidden states [seq, mbs, h] (compute_language_model_loss transposes)
-    return hidden, labels.t().reshape(-1).to(torch.int64), coef.t().reshape(-1)
 
 
 def per_token_losses(losses: torch.Tensor, labels_shape) -> torch.Tensor:

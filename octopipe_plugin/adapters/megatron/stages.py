@@ -163,10 +163,10 @@ class MegatronStages(StageCore):
                  forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
                  phases: Sequence[Phase] | None = None, shards=None):
         super().__init__(num_stages=plan.num_stages, num_microbatches=num_microbatches,
-                         grad_scale=config.grad_scale_func)
+                         grad_scale=config.grad_scale_func, shards=shards)
         self.plan = plan
         self.rank = rank
-        self.shards = shards
+        # from the plan (a stand-in shards object need not say): the owner's backward starts from the partials
         self.head_split = check_split_plan(plan, rank, shards, config, collect_non_loss_data)
         self.stages = plan.stages_of(rank)
         if len(model) != len(self.stages):
@@ -233,35 +233,11 @@ class MegatronStages(StageCore):
         """
         return super().forward(stage, mb, inputs, batch=batch, forward_only=forward_only or self.forward_only)
 
-    # -- split layers: the shard actions run in `shards` ---------------------------------------------
-
-    def split_meta(self, what: str):
-        """Meta of a split hand-over (the shards' answer)."""
-        return self.shards.split_meta(what)
-
-    def head_forward(self, stage: int, mb: int, hidden, **kw):
-        """H: the shard's logits and statistics."""
-        return self.shards.head_forward(stage, mb, hidden, **kw)
-
-    def head_backward_input(self, stage: int, mb: int, peer_stats, **kw):
-        """J: the shard's partial input gradient and the micro-batch's loss."""
-        return self.shards.head_backward_input(stage, mb, peer_stats, **kw)
-
-    def head_backward_weight(self, stage: int, mb: int, *, last_backward: bool = False) -> None:
-        """K: the shard rows' weight gradient (its chunk reduces after the step: `last_backward` changes nothing)."""
-        self.shards.head_backward_weight(stage, mb)
-
-    def embedding_forward(self, stage: int, mb: int, **kw):
-        """E: the embedding shard's partial lookup."""
-        return self.shards.embedding_forward(stage, mb, **kw)
-
-    def embedding_backward(self, stage: int, mb: int, grad_output, *, last_backward: bool = False) -> None:
-        """G: the embedding shard rows' weight gradient."""
-        self.shards.embedding_backward(stage, mb, grad_output)
+    # -- split layers: the shard actions run in `shards` (StageCore delegates them) ---------------------
 
     def pending(self) -> int:
         """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""
-        return super().pending() + (self.shards.pending() if self.shards is not None else 0) + len(self.owner_loss)
+        return super().pending() + len(self.owner_loss)
 
     def head_loss(self, mb: int, losses: torch.Tensor, coef: torch.Tensor) -> LossOutput:
         """The owner's J report: the shards' per-token losses through the forward step's loss_func and Megatron's
@@ -324,19 +300,13 @@ class MegatronStages(StageCore):
         per-token coefficients (split_head); keeps the loss_func for the micro-batch's report at J."""
         labels = self.capture.take() if self.capture is not None else None
         if labels is None:  # a chunk without Megatron's output_processor (a stand-in): its output as it is
-            return split_head.head_input(hidden, None, None)
-        rule = split_head.loss_rule(self.model[c], loss_func, self.config, c, self.num_microbatches, self.cp_size)
-        coef = split_head.coefficients(rule, labels.shape, self.device)
-        if not self.forward_only:
-            self.owner_loss[mb] = split_head.OwnerLoss(loss_func=loss_func, labels_shape=tuple(labels.shape))
-        return split_head.head_input(hidden, labels, coef)
-
-    def _roots(self, stage: int, out, grad_output):
-        # the split head's owner is no loss stage: its backward starts from the shards' summed partials, as a
-        # middle stage's does from its received gradient (StageCore's rule for stage != last)
-        if self.head_split and stage == self.num_stages - 1:
-            return super()._roots(-1, out, grad_output)
-        return super()._roots(stage, out, grad_output)
+            return hidden, None, None
+        shape = tuple(labels.shape)
+        rule = split_head.loss_rule(self.model[c], loss_func, self.config, c, self.num_microbatches, self.cp_size,
+                                    shape)
+        self.owner_loss[mb] = split_head.OwnerLoss(loss_func=loss_func, labels_shape=shape)
+        # targets in the hidden states' row order ([seq, mbs]: compute_language_model_loss transposes the labels)
+        return self.head_input(hidden, labels.t(), rule)
 
     def _params(self, stage: int) -> list:
         return [p for p in self.model[self.chunk_of[stage]].parameters() if p.requires_grad]

@@ -73,8 +73,15 @@ def resolve_octopipe_plan(args):
 
 def _refuse_splits(args, plan) -> None:
     """Split layers this run cannot run: one line naming the plan field, on every rank, before any model is built."""
+    problem = split_refusal(args, plan)
+    if problem is not None:
+        raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
+
+
+def split_refusal(args, plan) -> str | None:
+    """Why a Megatron run of `args` cannot run the plan's split layers (one line naming the plan field), or None."""
     if not plan.splits:
-        return
+        return None
     problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
                             tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
     if problem is None and hybrid_pattern(args):
@@ -84,8 +91,7 @@ def _refuse_splits(args, plan) -> None:
                                                                         False):
         problem = (f"plan splits[{plan.splits.index(head_split(plan))}]: a split LM head tied to the word embedding "
                    f"is not supported yet; pass --untie-embeddings-and-output-weights or drop the head's split")
-    if problem is not None:
-        raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
+    return problem
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",

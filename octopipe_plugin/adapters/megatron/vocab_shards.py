@@ -4,7 +4,7 @@ Under a plan that splits the LM head (formats/splits.py), each shard rank of the
 [lo, hi) of Megatron's `output_layer.weight` (global padded vocabulary x hidden). The vocabulary is
 cut first as Megatron cuts it over tensor parallelism (VocabUtility: V/tp rows per TP rank), then
 each TP slice by the plan's shares (`row_range`), so TP rank t of shard device d holds global rows
-t*V/tp + row_range(split, V/tp, d) (`shard_rows`).
+t*V/tp + row_range(split, V/tp, d) (`head_rows`).
 
 Initial values. Megatron draws output_layer.weight inside ColumnParallelLinear: with
 `use_cpu_initialization` from the default torch generator (the whole [V, h] master weight, then
@@ -18,7 +18,8 @@ weight, point to point inside the pipeline group. Shard ranks allocate without d
 own modules keep the values of the unsplit run too.
 
 Checkpoints. `HeadShard.sharded_state_dict` saves the rows as their slice of the ONE global tensor
-under Megatron's own key (`output_layer.weight`; another key, e.g. a tied embedding's, by `key=`),
+under Megatron's own key (`output_layer.weight`; rows of the word embedding under
+`embedding.word_embeddings.weight` by `key=`, `extra_state=False`, and `copy=True` for a tied copy),
 with irregular global offsets (axis_fragmentations=None: the uneven sharding dist-ckpt supports
 and leaves to torch DCP to check, strategies/torch.py). Megatron's distributed optimizer builds
 its model-space state from the same ShardedTensor, so Adam's moments travel the same way, and a
@@ -31,10 +32,10 @@ import torch
 
 from octopipe_plugin.formats.splits import SplitLayer, row_range
 
-__all__ = ["HeadShard", "build_head_shard", "shard_rows"]
+__all__ = ["HeadShard", "build_head_shard", "head_rows"]
 
 
-def shard_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
+def head_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
                tp_size: int = 1) -> tuple[int, int] | None:
     """Global rows [lo, hi) of the padded vocabulary that pipeline rank `device` holds at TP rank `tp_rank`
     (None when the device holds no shard)."""
@@ -58,7 +59,7 @@ class HeadShard(torch.nn.Module):
 
     def __init__(self, config, *, vocab_size: int, hidden_size: int, rows: tuple[int, int],
                  tp_rank: int = 0, tp_size: int = 1, key: str | None = None, copy: bool = False,
-                 weight: torch.Tensor | None = None):
+                 extra_state: bool = True, weight: torch.Tensor | None = None):
         super().__init__()
         lo, hi = rows
         per_tp = vocab_size // tp_size if tp_size > 0 else 0
@@ -72,6 +73,9 @@ class HeadShard(torch.nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.key = key  # checkpoint key; None: the prefix Megatron's sharded_state_dict passes + "weight"
         self.copy = copy  # a non-main replica in checkpoints (e.g. a tied head's copy of embedding rows)
+        # ColumnParallelLinear saves an `_extra_state` object beside its weight, VocabParallelEmbedding none:
+        # False for rows of the word embedding, so either layout finds exactly the entries it asks for
+        self.extra_state = extra_state
         if weight is None:
             # ColumnParallelLinear's placement rule; torch.empty draws nothing (the rank's RNG stream stays put)
             where = (torch.device("cpu") if getattr(config, "use_cpu_initialization", True)
@@ -120,6 +124,8 @@ class HeadShard(torch.nn.Module):
                                (self.vocab_size, self.hidden_size), (lo, 0), axis_fragmentations=None,
                                replica_id=(int(self.copy), 0, dp_rank),
                                allow_shape_mismatch=True)  # LanguageModule's rule for the head: padded vocabulary
+        if not self.extra_state:
+            return {f"{prefix}weight": weight}
         first = lo == self.tp_rank * (self.vocab_size // self.tp_size)
         extra_key = key[:-len("weight")] + "_extra_state" if key.endswith("weight") else key + "._extra_state"
         extra = make_sharded_object_for_checkpoint(None, extra_key, (),
@@ -133,13 +139,14 @@ class HeadShard(torch.nn.Module):
 
 def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, vocab_size: int, hidden_size: int,
                      owner_weight: torch.Tensor | None, pp_group=None, tp_rank: int | None = None,
-                     tp_size: int | None = None, key: str | None = None) -> HeadShard | None:
+                     tp_size: int | None = None, key: str | None = None, copy: bool = False,
+                     extra_state: bool = True) -> HeadShard | None:
     """This pipeline rank's HeadShard (None off the shard set), its rows copied from the owner's Megatron-built head.
 
     Collective over the owner and the split's devices of one pipeline group (the others return at once):
     `owner_weight` is, on the owner (pipeline rank `owner`), the output_layer.weight its chunk built as the
     unsplit run builds it (this TP rank's slice), and None elsewhere. Call it before Float16Module / DDP
-    wrapping; the owner then drops its own `output_layer`.
+    wrapping; the owner then drops its own `output_layer`. `key`, `copy`, `extra_state`: HeadShard's.
     """
     import torch.distributed as dist
 
@@ -170,9 +177,9 @@ def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, voca
         mine = None
     else:
         return None
-    rows = shard_rows(split, vocab_size, device, tp_rank, tp_size)
+    rows = head_rows(split, vocab_size, device, tp_rank, tp_size)
     shard = HeadShard(config, vocab_size=vocab_size, hidden_size=hidden_size, rows=rows, tp_rank=tp_rank,
-                      tp_size=tp_size, key=key, weight=mine)
+                      tp_size=tp_size, key=key, copy=copy, extra_state=extra_state, weight=mine)
     if mine is None:
         with torch.no_grad():
             dist.recv(shard.weight.data, src=ranks[owner], group=pp_group)

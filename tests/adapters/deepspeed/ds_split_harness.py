@@ -108,7 +108,19 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
                                load_optimizer_states=sc["load"].get("optimizer", True))
     dp_rank = engine.grid.data_parallel_id
     m = engine.micro_batches
-    report = {"engine": type(engine).__name__, "losses": [], "eval": []}
+    report = {"engine": type(engine).__name__, "losses": [], "eval": [], "grads": []}
+    if sc.get("grads"):  # every gradient the optimizer is given, by partition-free name, before each step
+        from octopipe_plugin.adapters.deepspeed.checkpoint import parameter_names
+
+        names, optimizer_step = parameter_names(engine.module), engine.optimizer.step
+
+        def recording_step(*args, **kwargs):
+            report["grads"].append({names[id(p)]: p.grad.detach().float().clone()
+                                    for g in engine.optimizer.param_groups for p in g["params"]
+                                    if p.grad is not None})
+            return optimizer_step(*args, **kwargs)
+
+        engine.optimizer.step = recording_step
     first = sc.get("first_step", 0)
     for step in range(first, first + sc.get("steps", H.STEPS)):
         if sc.get("eval"):  # the forward-only plan of the split plan (F, H, J's loss) on the step's data
@@ -166,6 +178,24 @@ def head_weight(reports) -> torch.Tensor:
             full[lo:hi] = w
     assert full is not None and not torch.isnan(full).any(), "some head rows are held by no rank"
     return full
+
+
+def all_grads(reports, step: int) -> dict:
+    """Name -> gradient before optimizer step `step`, the head's rows put together (copies identical)."""
+    merged, rows = {}, {}
+    for rep in reports:
+        for name, g in rep["grads"][step].items():
+            base, _, span = name.partition("[")
+            if span:  # a shard: layer_08.weight[lo:hi]
+                lo, hi = (int(x) for x in span.rstrip("]").split(":"))
+                rows.setdefault(base, {})[(lo, hi)] = g
+            elif name in merged:
+                assert torch.equal(merged[name], g), f"copies of the gradient of {name} differ"
+            else:
+                merged[name] = g
+    for base, parts in rows.items():
+        merged[base] = torch.cat([parts[k] for k in sorted(parts)])
+    return merged
 
 
 def all_weights(reports) -> dict:

@@ -41,7 +41,7 @@ def _scenarios(tmp):
     ck = str(tmp / "ck")
     resume = lambda tag: dict(first_step=H.STEPS, load=dict(dir=ck, tag=tag))  # noqa: E731
     return [
-        dict(name="stock", config=cfg(None), parts=[0, 4, S.NUM_LAYERS]),
+        dict(name="stock", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], grads=True),
         dict(name="stock_long", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], steps=2 * H.STEPS),
         dict(name="split_flat", config=cfg(flat), save=dict(dir=ck, tag="split")),
         dict(name="unsplit_octopipe", config=cfg(str(unsplit)), save=dict(dir=ck, tag="unsplit")),
@@ -49,8 +49,8 @@ def _scenarios(tmp):
         dict(name="stock_resumes_split", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], **resume("split")),
         dict(name="split_resumes_unsplit", config=cfg(v), **resume("unsplit")),
         dict(name="split_resumes_other_split", config=cfg(v), **resume("split")),
-        dict(name="split_v", config=cfg(v), eval=True),
-        dict(name="split_v_scaled", config=cfg(v), grad_scale=1.01),
+        dict(name="split_v", config=cfg(v), eval=True, grads=True),
+        dict(name="split_v_scaled", config=cfg(v), grad_scale=1.01, grads=True),
         dict(name="split_plain", config=cfg(flat), plain=True, pp=2),
         dict(name="stock_masked_sum", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], loss="masked_sum"),
         dict(name="split_masked_sum", config=cfg(v), loss="masked_sum"),
@@ -94,6 +94,23 @@ def test_split_head_matches_deepspeeds_engine_on_the_unsplit_model(runs):
         assert all(str(S.HEAD) not in r["weights"] for r in ours), f"{name}: no rank built the whole head"
     rows = sorted(r["shard"][0] for r in _load(runs, "split_flat"))
     assert rows == [(0, 5), (5, H.VOCAB)]  # shares 0.3 / 0.7 of 16 rows
+
+
+def _same_grads(ours, stock):
+    """Every gradient handed to the optimizer, at every step, equal to DeepSpeed's own engine's."""
+    for step in range(H.STEPS):
+        ga, gb = S.all_grads(ours, step), S.all_grads(stock, step)
+        assert sorted(ga) == sorted(gb) and f"layer_{S.HEAD:02d}.weight" in gb
+        for name in gb:
+            torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5, msg=f"step {step}: {name}")
+
+
+@pytest.mark.timeout(60)
+def test_gradients_before_the_optimizer_equal_deepspeeds(runs):
+    stock = _load(runs, "stock")
+    _same_grads(_load(runs, "split_v"), stock)
+    with pytest.raises(AssertionError):
+        _same_grads(_load(runs, "split_v_scaled"), stock)
 
 
 @pytest.mark.timeout(60)

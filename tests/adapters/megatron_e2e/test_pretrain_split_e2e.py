@@ -10,12 +10,12 @@ Three launches, same seeds, probe script train_gpt_grads.py saving the first ste
   each rank's HeadShard is attached by the model-construction hooks before DDP wrapping, initialised
   from the owner's Megatron-built head.
 
-Checked: the split run's logged training losses equal the unsplit runs' per iteration (relative 1e-5:
-the shards sum the softmax in another order than Megatron's vocab-parallel cross-entropy), and
-every parameter's main_grad before the first optimizer step equals Megatron's (the shards' rows
-against the same rows of Megatron's output_layer gradient) at a tolerance a 1% scale error fails.
-Evaluation: --eval-iters 0 (an evaluation step of a split plan needs the executor's forward-only
-split program, not there yet).
+Checked: the split run's logged training and validation losses (evaluation every 3 iterations on 2
+micro-batches: the executor's forward-only split program, H and J's loss) equal the unsplit runs'
+per iteration (relative 1e-5: the shards sum the softmax in another order than Megatron's
+vocab-parallel cross-entropy), and every parameter's main_grad before the first optimizer step
+equals Megatron's (the shards' rows against the same rows of Megatron's output_layer gradient) at a
+tolerance a 1% scale error fails.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ M = 4
 BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
 KINDS = ["embedding", "dense", "moe", "dense", "moe", "lm_head"]  # --moe-layer-freq [0,1,0,1]
 MEGATRON_LAYOUT = "Et|t|t|tL"
-ARGS = [*MODEL, "--global-batch-size", str(M), "--untie-embeddings-and-output-weights", "--eval-iters", "0"]
+ARGS = [*MODEL, "--global-batch-size", str(M), "--eval-global-batch-size", "2", "--untie-embeddings-and-output-weights"]
 
 
 def _graph() -> Model:
@@ -89,7 +89,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.timeout(1800)
 def test_split_plan_logs_the_unsplit_losses(runs):
-    """Every iteration's logged training loss of the split run equals Megatron's and the unsplit plan's."""
+    """Every iteration's logged training loss, and every validation loss, of the split run equal Megatron's."""
     losses = runs["losses"]
     meg, octo, split = losses["megatron"]["train"], losses["octopipe"]["train"], losses["split"]["train"]
     assert sorted(meg) == list(range(1, 7))
@@ -97,6 +97,10 @@ def test_split_plan_logs_the_unsplit_losses(runs):
     assert sorted(split) == sorted(meg)
     for it in meg:
         assert split[it] == pytest.approx(meg[it], rel=1e-5, abs=0), f"iteration {it}: {split[it]} vs {meg[it]}"
+    valid, want = losses["split"]["valid"], losses["megatron"]["valid"]
+    assert sorted(want) == [3, 6] and sorted(valid) == [3, 6]
+    for it in want:
+        assert valid[it] == pytest.approx(want[it], rel=1e-5, abs=0), f"validation {it}: {valid[it]} vs {want[it]}"
 
 
 @pytest.mark.timeout(1800)

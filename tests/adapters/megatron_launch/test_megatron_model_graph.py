@@ -94,3 +94,13 @@ def test_hybrid_pattern_with_moe_and_mtp_and_an_unpriced_symbol():
     args.hybrid_layer_pattern = "M*G-"
     with pytest.raises(OctoPipeError, match="'G'.*measured"):
         layer_specs(args)
+
+
+def test_tied_embedding_and_output_weights_follow_megatrons_untie_flag_and_mtp_depth_prices_the_head():
+    tied = model_from_megatron(parse(DEEPSEEK, world=1, octopipe=False), name="deepseek-v3-mini")
+    assert tied.tied == ((0, tied.num_layers - 1),)  # Megatron's default shares them
+    untied = model_from_megatron(parse(DEEPSEEK + ["--untie-embeddings-and-output-weights"], world=1, octopipe=False))
+    assert untied.tied == ()
+    # --mtp-num-layers 1: the output layer projects the main and the MTP hidden states (the shared head)
+    arch = arch_from_megatron(parse(DEEPSEEK, world=1, octopipe=False))
+    assert arch.mtp_depth == 1 and tied.layers[-2].output_bytes == 2 * tied.layers[-3].output_bytes

@@ -1,0 +1,66 @@
+"""`octopipe plan --deepspeed-config --module --splits auto`: split plans for the DeepSpeed job, kept only where
+OctoPipeEngine runs them (an untied bias-free Linear head, its owner among the shards)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import deepspeed  # noqa: F401  (its first import prints an accelerator line to stdout: done before the captured runs)
+import pytest
+
+from octopipe_plugin.cli import main
+from octopipe_plugin.formats import read_plan
+
+pytestmark = [pytest.mark.framework, pytest.mark.timeout(600)]
+
+MODULE = '''
+import sys
+sys.path.insert(0, {examples!r})
+from torch import nn
+from deepspeed.pipe import LayerSpec
+from train_gpt import Block, gpt_specs
+
+def untied():
+    return ([LayerSpec(nn.Embedding, 64000, 256)] + [LayerSpec(Block, 256, 4) for _ in range(6)]
+            + [LayerSpec(nn.LayerNorm, 256), LayerSpec(nn.Linear, 256, 64000, bias=False)])
+
+def tied():
+    return gpt_specs(vocab=64000, hidden=256, heads=4, layers=6)
+'''
+
+
+@pytest.fixture()
+def job(tmp_path, monkeypatch):
+    examples = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "examples", "deepspeed")
+    (tmp_path / "splitjob.py").write_text(MODULE.format(examples=os.path.abspath(examples)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+                                "octopipe": {"tune": {"cluster": "h100x4", "seq_len": 1024}}}))
+    return tmp_path, str(path)
+
+
+def _plan(capsys, cfg, target, out):
+    rc = main(["plan", "--cluster", "h100x4", "--time-budget", "3", "--seed", "1", "--no-progress",
+               "--deepspeed-config", cfg, "--module", target, "--splits", "auto", "--json", "-o", out])
+    text, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(text)
+
+
+def test_an_untied_linear_head_is_split_with_its_owner_among_the_shards(capsys, job):
+    tmp, cfg = job
+    doc = _plan(capsys, cfg, "splitjob:untied", str(tmp / "p.json"))
+    plan = read_plan(tmp / "p.json")
+    assert doc["split_layers"].startswith("split layers   head over") and "not kept" not in doc["split_layers"]
+    (split,) = plan.splits
+    assert split.layer == 8 and plan.stages[-1].device in split.devices
+    assert [r["label"] for r in doc["comparison"]][:2] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
+
+
+def test_a_head_tied_to_the_embedding_keeps_the_plan_without_splits_and_says_why(capsys, job):
+    tmp, cfg = job
+    doc = _plan(capsys, cfg, "splitjob:tied", str(tmp / "p.json"))
+    assert "not kept: list entry 8 (the split LM head) is TiedLayerSpec 'embed'" in doc["split_layers"]
+    assert not read_plan(tmp / "p.json").splits

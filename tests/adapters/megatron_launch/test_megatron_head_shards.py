@@ -1,0 +1,168 @@
+"""HeadShard (adapters/megatron/vocab_shards.py): a split plan's LM-head rows start as Megatron's, and checkpoint.
+
+Initial values: Megatron's own initialisation (seeded per pipeline rank as megatron.training seeds it) of a
+plan built whole, against the same plan with its head split: the shards' rows put together are the whole
+run's output_layer.weight, every other parameter unchanged (the shard ranks drew nothing).
+
+Checkpoints: torch_dist checkpoints (model chunks and distributed Adam, fully reshardable, as
+megatron.training writes them) saved under one layout load under another: split plan -> Megatron's own
+layout (unsplit output_layer), Megatron -> split plan, split plan -> another split plan (other owner, shard
+order, shares and placement), at PP=2, TP=2 x PP=2, DP=2 x PP=2 and in bf16; the word embedding's rows
+load as HeadShards under its own key. The oracle is the same run without a checkpoint: weights, fp32 main
+weights and Adam's step and moments identical at load, and after one more step the same weights.
+Shards that overlap or leave rows uncovered are refused at save.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from octopipe_plugin.executor.launch import spawn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "megatron"))
+sys.path.insert(0, HERE)
+
+import megatron_harness as H  # noqa: E402
+import megatron_head_shard_scenarios as HS  # noqa: E402
+
+pytestmark = [pytest.mark.framework, pytest.mark.distributed]
+
+SPEC = H.TinyGPT(num_layers=4)  # graph layers: 0 embedding, 1..4 decoder layers, 5 LM head
+# owner rank 1 (last stage), shards in order (1, 0): rank 1 rows [0, 40), rank 0 rows [40, 64)
+SPLIT_A = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 3), (3, 6)], [0, 1], (1, 0), (0.625, 0.375), seed=1)}
+# V-shape, owner rank 0: rank 0 rows [0, 19), rank 1 rows [19, 64)
+SPLIT_B = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 2), (2, 3), (3, 4), (4, 6)], [0, 1, 1, 0], (0, 1), (0.3, 0.7),
+                                          seed=2)}
+MEGATRON = {"pp": 2, "layout": "Ett|ttL"}
+CASES = [
+    # and the word embedding's rows, as HeadShards under its key, load from the same checkpoint
+    {"name": "split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON,
+     "embedding_rows": [(0, 27), (27, 64)]},
+    {"name": "megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
+    {"name": "split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
+]
+INIT = [{"name": "init A", "init": True, "split": SPLIT_A}, {"name": "init B", "init": True, "split": SPLIT_B}]
+
+
+# tensor parallelism 2 x pipeline 2 (4 ranks): each TP slice of the vocabulary cut by the shares
+SPEC_TP = H.TinyGPT(num_layers=4, args=("--tensor-model-parallel-size", "2"))
+TP_CASES = [
+    {"name": "tp2 init", "init": True, "split": SPLIT_A},
+    {"name": "tp2 split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    {"name": "tp2 megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},
+]
+
+
+# bf16 (Megatron's Float16Module, fp32 main parameters in the distributed optimizer)
+SPEC_BF16 = H.TinyGPT(num_layers=4, bf16=True)
+BF16_CASES = [
+    {"name": "bf16 split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
+    {"name": "bf16 megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
+]
+
+
+# data parallelism 2 x pipeline 2 (4 ranks): the distributed optimizer shards each parameter's state over DP
+DP_CASES = [
+    {"name": "dp2 split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    {"name": "dp2 megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},
+]
+
+
+def _run(tmp_path, cases, spec=SPEC, world=2):
+    out = tmp_path / "results.pt"
+    spawn(HS.worker, world, spec, cases, str(tmp_path / "ckpt"), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _check_init(r, name):
+    assert "error" not in r, r.get("error")
+    assert set(r["split"]) == set(r["whole"]), name
+    assert r["whole"][HS.HEAD].std() > 0  # Megatron's init_method drew it (not a zero-filled copy)
+    for key, w in r["whole"].items():
+        assert torch.equal(r["split"][key], w), (name, key)
+
+
+def _check_round_trip(r, name):
+    assert "error" not in r, r.get("error")
+    assert set(r["loaded_w"]) == set(r["saved_w"]), name
+    for key, w in r["saved_w"].items():  # every weight (the head's rows included) arrives where the other keeps it
+        assert torch.equal(r["loaded_w"][key], w), (name, key)
+    assert r["loaded_adam"]["steps"] == r["saved_adam"]["steps"] == [1.0], name
+    for part in ("exp_avg", "exp_avg_sq", "param"):  # Adam's moments and fp32 main weights, element by element
+        for key, t in r["saved_adam"][part].items():
+            assert torch.equal(r["loaded_adam"][part][key], t), (name, part, key)
+    if r.get("embedding") is not None:
+        assert torch.equal(r["embedding"], r["saved_w"]["embedding.word_embeddings.weight"]), name
+    # one more step on the same gradients: the same weights (the clipping norm sums in another order; a head
+    # row counted twice or missed in the norm changes every weight by the clip factor)
+    for key, w in r["straight"].items():
+        torch.testing.assert_close(r["resumed"][key], w, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
+
+
+@pytest.mark.timeout(300)
+def test_head_shards_start_from_megatrons_own_output_layer(tmp_path):
+    results = _run(tmp_path, INIT)
+    for case in INIT:
+        _check_init(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(420)
+def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(tmp_path):
+    results = _run(tmp_path, CASES)
+    for case in CASES:
+        _check_round_trip(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(600)
+def test_head_shards_under_tensor_parallelism(tmp_path):
+    results = _run(tmp_path, TP_CASES, SPEC_TP, world=4)
+    for case in TP_CASES:
+        check = _check_init if case.get("init") else _check_round_trip
+        check(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(600)
+def test_head_shard_checkpoints_under_data_parallelism(tmp_path):
+    results = _run(tmp_path, DP_CASES, world=4)
+    for case in DP_CASES:
+        _check_round_trip(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(420)
+def test_head_shard_checkpoints_in_bf16(tmp_path):
+    results = _run(tmp_path, BF16_CASES, SPEC_BF16)
+    for case in BF16_CASES:
+        _check_round_trip(results[case["name"]], case["name"])
+
+
+def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
+    from octopipe_plugin.adapters.megatron.vocab_shards import head_rows
+    from octopipe_plugin.formats.splits import SplitLayer
+
+    split = SplitLayer(layer=5, devices=(3, 0, 2), shares=(0.5, 0.2, 0.3))
+    rows = {(t, d): head_rows(split, 256, d, t, 2) for t in range(2) for d in range(4)}
+    assert rows[(0, 3)] == (0, 64) and rows[(0, 0)] == (64, 90) and rows[(0, 2)] == (90, 128)
+    assert rows[(1, 3)] == (128, 192) and rows[(1, 2)] == (218, 256)
+    assert rows[(0, 1)] is None and rows[(1, 1)] is None  # device 1 holds no shard
+    with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
+        head_rows(split, 256, 3, 0, 3)
+
+
+@pytest.mark.timeout(300)
+def test_head_shards_that_overlap_or_leave_a_gap_are_refused_at_save(tmp_path):
+    """Irregular shards are checked by torch DCP's global plan (Megatron's own check skips uneven grids): rows that
+    cover the head once save; rows that overlap or miss some are refused, naming the key."""
+    said = {}
+    for name, rows in {"once": [(40, 64), (0, 40)], "overlap": [(0, 40), (30, 64)], "gap": [(0, 30), (40, 64)]}.items():
+        out = tmp_path / f"{name}.pt"
+        try:
+            spawn(HS.save_rows_worker, 2, SPEC, rows, str(tmp_path / name), str(out))
+        except Exception:  # noqa: BLE001 - a refused save ends the other rank's collectives too
+            pass
+        said[name] = torch.load(f"{out}.rank0", weights_only=False)
+    assert said["once"] == "ok"
+    assert "overlapping chunks" in said["overlap"] and "output_layer.weight" in said["overlap"], said["overlap"]
+    assert "invalid fill" in said["gap"] and "output_layer.weight" in said["gap"], said["gap"]
