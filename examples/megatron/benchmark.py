@@ -115,6 +115,7 @@ def octopipe_plans(model, cluster, args):
     """(the plan without splits, the plan with splits or None): given files, else tuned now (`tune`, then
     `tune_split` on top of it); None also where the split-aware tuner keeps the plan without splits."""
     from octopipe_plugin.tuner import tune
+    from octopipe_plugin.tuner.constraints import Constraints
     from octopipe_plugin.tuner.split import VARIANTS, tune_split
 
     res = None
@@ -133,8 +134,10 @@ def octopipe_plans(model, cluster, args):
             raise OctoPipeError(f"{args.split_plan}: 'splits' is empty: expected a plan with split layers "
                                 "(e.g. from `octopipe plan --splits auto`)")
         return plain, split
+    # Megatron's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
     split = tune_split(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed,
-                       unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS)).plan
+                       unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS),
+                       constraints=Constraints(owner_shard=True)).plan
     return plain, split if split.splits else None
 
 
