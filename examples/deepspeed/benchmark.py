@@ -7,7 +7,12 @@ Runs DeepSpeed's PipelineEngine (its 1F1B on its `parameters` partition), its Du
 (2 stages per rank, `parameters` partition) and OctoPipeEngine (a plan tuned for the model and
 cluster, or --plan), one local process per device, and prints each one's simulated and measured
 step time and samples/s, ending with `measured speedup X.XXx (simulated Y.YYx)` of OctoPipe
-over the stock 1F1B engine.
+over the stock 1F1B engine. Unless --splits off, OctoPipeEngine also runs a plan with split
+layers (--split-plan, or the split-aware tuner's on top of the plan without splits): the LM
+head's rows over several ranks, its shard passes and hand-overs slept in each rank's
+`SleepShards` (executor/standin.py, the dry run's stand-in; the engine's `shards=`), the owner's
+stage ending in the hand-over to them; the last line is then
+`measured split gain X.XXx (simulated Y.YYx)` (with splits over without).
 
 --stand-in (the CPU mode): every layer of the model (zoo name or model file, any layer kinds)
 becomes a SleepLayer (octopipe_plugin/testing/sleep_layer.py, the same layer and DeviceClock
@@ -34,6 +39,8 @@ import tempfile
 
 import torch
 
+from octopipe_plugin.testing.sleep_layer import add_standin_options, check_standin_scale
+
 
 def parse_args(argv=None):
     """Command-line options."""
@@ -48,17 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=8000.0,
                    help="stand-ins: the stock 1F1B engine's simulated step, scaled to this (default 8000)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per engine after one warm-up (default 2)")
-    p.add_argument("--clock", default="device", choices=("device", "wall"),
-                   help="device: stand-ins on the simulator's timing rule, free transfers; wall: host delays count "
-                        "and activations of the model's bytes really travel (octopipe_plugin/executor/clock.py)")
-    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
-                                   "pricing the transfers in the prediction (default: --cluster's)")
-    p.add_argument("--overheads", metavar="FILE",
-                   help="octopipe-overheads/1 file the scale is checked against (default: this machine's, measured "
-                        "once by `octopipe profile --overheads` and cached)")
-    p.add_argument("--strict-host-share", action="store_true",
-                   help="refuse a --target-ms at which the executor's host overhead exceeds 5%% of a modelled step "
-                        "(default: warn)")
+    add_standin_options(p, clock_help="device: stand-ins on the simulator's timing rule, free transfers; wall: host "
+                                      "delays count and activations of the model's bytes really travel "
+                                      "(octopipe_plugin/executor/clock.py)")
     return p.parse_args(argv)
 
 
@@ -73,23 +72,57 @@ def deepspeed_parts(model, num_stages: int, param_divisor: float) -> list[int]:
 
 
 def plans(args, model, cluster, param_divisor):
-    """(label, plan) of the three engines, for the simulator."""
+    """(label, plan) of the engines, for the simulator: DeepSpeed's two, OctoPipe's without splits and, unless
+    --splits off, OctoPipe's with split layers (given, or tuned on top of the plan without; left out where the
+    split-aware tuner keeps the plan without splits)."""
+    from octopipe_plugin.errors import OctoPipeError
     from octopipe_plugin.formats import read_plan
     from octopipe_plugin.schedules.registry import build_plan
+    from octopipe_plugin.tuner import tune
+    from octopipe_plugin.tuner.constraints import Constraints
+    from octopipe_plugin.tuner.split import VARIANTS, tune_split
 
     p, m = cluster.num_devices, args.microbatches
     stock = build_plan(model, "1f1b", p, m, boundaries=deepspeed_parts(model, p, param_divisor))
     dualpipev = build_plan(model, "dualpipev", p, m, boundaries=deepspeed_parts(model, 2 * p, param_divisor))
+    res = None
     if args.plan:
         ours = read_plan(args.plan, num_layers=model.num_layers)
     else:
-        from octopipe_plugin.tuner import tune
+        res = tune(model, cluster, m, time_budget_s=args.tune_budget)
+        ours = res.plan
+    out = {"stock": stock, "dualpipev": dualpipev, "octopipe": ours}
+    if args.splits == "off":
+        return out
+    if args.split_plan:
+        split = read_plan(args.split_plan, num_layers=model.num_layers)
+        if not split.splits:
+            raise OctoPipeError(f"{args.split_plan}: 'splits' is empty: expected a plan with split layers "
+                                "(e.g. from `octopipe plan --splits auto`)")
+    else:
+        # DeepSpeed's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
+        split = tune_split(model, cluster, m, time_budget_s=args.tune_budget, unsplit=res,
+                           variant_budget_s=args.tune_budget / len(VARIANTS),
+                           constraints=Constraints(owner_shard=True)).plan
+    if split.splits:
+        out["octopipe-split"] = split
+    return out
 
-        ours = tune(model, cluster, m, time_budget_s=args.tune_budget).plan
-    return {"stock": stock, "dualpipev": dualpipev, "octopipe": ours}
+
+def split_specs(specs, model, shards):
+    """The stand-in list of a split plan's engine and its layer_of_spec: the owner's HeadHandOver as one more
+    entry of the layer before the head (DeepSpeed builds the owner stage without the head's entry)."""
+    from deepspeed.pipe import LayerSpec
+
+    from octopipe_plugin.testing.sleep_layer import HeadHandOver
+
+    n = model.num_layers
+    return (list(specs[:-1]) + [LayerSpec(HeadHandOver, shards), specs[-1]],
+            list(range(n - 1)) + [n - 2, n - 1])
 
 
-def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, clock_mode, out_dir):
+def _worker(rank, world, port, model_doc, plan_doc, split_doc, shard_costs, scale, divisor, m, steps, clock_mode,
+            width, out_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -99,16 +132,15 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, cl
 
     import octopipe_plugin.deepspeed  # noqa: F401  (deepspeed.initialize builds OctoPipeEngine for a planned module)
     from octopipe_plugin.adapters.deepspeed import OctoPipePipelineModule
-    from octopipe_plugin.testing.deepspeed_standin import (
-        standin_loss, standin_specs, standin_width, timed_train_batches,
-    )
+    from octopipe_plugin.testing.deepspeed_standin import standin_loss, standin_specs, timed_train_batches
     from octopipe_plugin.executor.clock import DeviceClock
+    from octopipe_plugin.executor.interface import TensorMeta
+    from octopipe_plugin.executor.standin import SleepShards
     from octopipe_plugin.formats import model_from_dict, plan_from_dict
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = model_from_dict(model_doc)
-    clock = DeviceClock(clock_mode)  # the rank's modelled device, shared by all its stand-in layers
-    width = standin_width(clock_mode, model)
+    clock = DeviceClock(clock_mode)  # the rank's modelled device, shared by all its stand-in layers and shards
     specs = standin_specs(model, scale, divisor, clock)
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": m, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0}
@@ -118,6 +150,28 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, cl
                                              loss_fn=standin_loss),
         "octopipe": lambda: OctoPipePipelineModule(specs, plan=plan_from_dict(plan_doc), loss_fn=standin_loss),
     }
+    if split_doc is not None:
+        # the shard passes on the rank's clock; hand-overs of the activation's shape ([micro-batch, width]); the
+        # owner hands on (hidden, None, None): the head input is declared as that one payload
+        shards = SleepShards(shards=shard_costs, rank=rank, device=clock, num_devices=world,
+                             hand_over=TensorMeta(shape=(1, width), dtype=torch.float64, requires_grad=False))
+        entries, layer_of_spec = split_specs(specs, model, shards)
+
+        def rank_shards(engine):
+            """OctoPipeEngine's shards factory: the rank's SleepShards, reporting through the engine's runner."""
+            def report(mb, losses, coef):
+                out = engine._runner.report(mb, losses, coef)
+                # the stand-in owner has no loss_fn value to report (it hands on (hidden, None, None)): its
+                # micro-batch's loss for DeepSpeed's total_loss is the reported (zero) one
+                engine._runner.losses.setdefault(mb, out.loss)
+                return out
+
+            shards.report = report
+            return shards
+
+        builders["octopipe-split"] = lambda: OctoPipePipelineModule(
+            entries, plan=plan_from_dict(split_doc), loss_fn=standin_loss, layer_of_spec=layer_of_spec,
+            shards=rank_shards)
     times = {}
     for name, build in builders.items():
         module = build()
@@ -129,17 +183,6 @@ def _worker(rank, world, port, model_doc, plan_doc, scale, divisor, m, steps, cl
     deepspeed.comm.barrier()
 
 
-def check_scale(args, runs) -> bool:
-    """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures."""
-    from octopipe_plugin.profile.overheads import machine_overheads
-    from octopipe_plugin.simulator.overheads import scale_warnings
-
-    lines = scale_warnings(runs, machine_overheads(args.overheads), "--target-ms", args.target_ms)
-    for line in lines:
-        print(f"{'error' if args.strict_host_share else 'warning'}: {line}", file=sys.stderr)
-    return bool(lines) and args.strict_host_share
-
-
 def main(argv=None) -> int:
     """Run the three engines and print the comparison."""
     args = parse_args(argv)
@@ -147,15 +190,23 @@ def main(argv=None) -> int:
         print("real layers need GPUs and your own PipelineModule; on CPU run with --stand-in", file=sys.stderr)
         return 2
     from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
-    from octopipe_plugin.executor.dryrun import host_links, scaled_costs, zero_cost_cluster
+    from octopipe_plugin.errors import OctoPipeError
+    from octopipe_plugin.executor.dryrun import host_links, scaled_costs, scaled_model, zero_cost_cluster
     from octopipe_plugin.executor.launch import free_port
+    from octopipe_plugin.executor.standin import split_numel, standin_shards
     from octopipe_plugin.formats import model_to_dict, plan_to_dict
     from octopipe_plugin.simulator import simulate
+    from octopipe_plugin.testing.deepspeed_standin import standin_width
 
     cluster = resolve_cluster(args.cluster)
     model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
     divisor = max(1.0, sum(layer.state_bytes for layer in model.layers) / 18 / 2e6)  # ~2M stand-in parameters
-    chosen = plans(args, model, cluster, divisor)
+    try:
+        chosen = plans(args, model, cluster, divisor)
+    except OctoPipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    split = chosen.get("octopipe-split")
     # The stand-ins pass tiny tensors on one host: links cost nothing there, so the figure to compare the
     # measurement with is the simulation without transfer costs; the cluster's own is printed beside it.
     free = zero_cost_cluster(cluster.num_devices)
@@ -165,23 +216,37 @@ def main(argv=None) -> int:
     scaled = {k: v * scale for k, v in sim.items()}
     if args.clock == "wall":  # compute scaled, the model's bytes over this host's links as they are
         wire = host_links(cluster, resolve_cluster(args.links) if args.links else None)
-        scaled = {k: simulate(None, wire, p, costs=scaled_costs(model, p, scale), detail=False).step_time_ms
+        scaled = {k: simulate(scaled_model(model, scale) if p.splits else None, wire, p,
+                              costs=scaled_costs(model, p, scale), detail=False).step_time_ms
                   for k, p in chosen.items()}
-    if check_scale(args, [(k, p, scaled[k]) for k, p in chosen.items()]):
+    if check_standin_scale(args, [(k, p, scaled[k]) for k, p in chosen.items()]):
         return 2
     world = cluster.num_devices
     print(f"model {model.name} ({model.num_layers} layers), cluster {args.cluster} ({world} devices), "
           f"{args.microbatches} micro-batches; stand-in time scale {scale:.4g} (sleeping layers on {world} local "
           f"processes, gloo, {args.clock} clock), load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    if split is not None:
+        print(f"OctoPipe with splits: {split.num_stages} stages, " + ", ".join(
+            f"layer {sp.layer} over {len(sp.devices)} ranks (shares {min(sp.shares):.3f}-{max(sp.shares):.3f})"
+            for sp in split.splits), flush=True)
+    elif args.splits == "auto":
+        print("OctoPipe with splits: none (the split-aware tuner kept the plan without splits)", flush=True)
     import torch.multiprocessing as mp
 
+    # a split head's hand-over is one summable stamp with a slot per rank: the activation is at least that wide
+    width = max(standin_width(args.clock, model), split_numel(world) if split is not None else 0)
+    # the shards sleep on the stand-ins' clock: free transfers as the stages' (the wall clock waits for none)
+    shard_costs = standin_shards(scaled_model(model, scale), split, free) if split is not None else ()
     with tempfile.TemporaryDirectory(prefix="octopipe-ds-bench-") as out:
-        mp.spawn(_worker, args=(world, free_port(), model_to_dict(model), plan_to_dict(chosen["octopipe"]), scale,
-                                divisor, args.microbatches, args.steps, args.clock, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), model_to_dict(model), plan_to_dict(chosen["octopipe"]),
+                                plan_to_dict(split) if split is not None else None, shard_costs, scale, divisor,
+                                args.microbatches, args.steps, args.clock, width, out), nprocs=world, join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     labels = {"stock": "DeepSpeed PipelineEngine (1F1B, parameters partition)",
               "dualpipev": "DeepSpeed DualPipeVEngine (parameters partition)",
               "octopipe": f"OctoPipeEngine ({chosen['octopipe'].num_stages} stages, tuned plan)"}
+    if split is not None:
+        labels["octopipe-split"] = f"OctoPipeEngine with splits ({split.num_stages} stages, split head)"
     measured = {}
     print(f"{'engine':58s} {'simulated ms':>13s} {'measured ms':>12s} {'samples/s':>10s}")
     for key, label in labels.items():
@@ -194,6 +259,9 @@ def main(argv=None) -> int:
           f"unscaled ({linked['stock'] / linked['octopipe']:.2f}x)")
     print(f"measured speedup {measured['stock'] / measured['octopipe']:.2f}x "
           f"(simulated {scaled['stock'] / scaled['octopipe']:.2f}x)")
+    if split is not None:
+        print(f"measured split gain {measured['octopipe'] / measured['octopipe-split']:.2f}x "
+              f"(simulated {scaled['octopipe'] / scaled['octopipe-split']:.2f}x)")
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python examples/megatron/benchmark.py --stand-in --model nemotron-h --cluster h100x8 --microbatches 32
     python examples/megatron/benchmark.py --stand-in --model my-model.json --plan plan.json
+    python examples/megatron/benchmark.py --stand-in --model gemma3 --cluster h100x16 --split-plan split.json
 
 With --stand-in (CPU), every layer of the model (a zoo name, an architecture file or any
 octopipe-model/1 file) becomes a stand-in layer that sleeps its scaled F, I and W time inside
@@ -12,13 +13,19 @@ data, first Megatron's schedule code (`get_forward_backward_func()` of megatron.
 interleaved 1F1B on Megatron's even split at its best virtual-stage count) and then OctoPipe's
 (the tuned or given plan: its stages, stage->rank map and per-rank F/B/I/W order, through
 `make_forward_backward_func`, the schedule `--pipeline-schedule octopipe` swaps into Megatron). Both are timed from a common start instant; the simulator's
-predictions for both plans at the same scale give the simulated speedup. With --clock wall
+predictions for both plans at the same scale give the simulated speedup. Unless --splits off,
+a third run is OctoPipe with split layers (--split-plan, or the split-aware tuner's plan on top of
+the plan without splits): the LM head's rows divided over several ranks, whose shard passes
+(H, J, K) and their hand-overs sleep their modelled costs in the rank's `SleepShards` (the dry
+run's stand-in, executor/standin.py), the owner chunk ending in the hand-over to them; Megatron's
+runner (`MegatronStages(shards=)`) runs the owner's F and backward. With --clock wall
 nothing is modelled but the compute: the boundaries are as large as the model's bytes across a
 cut and Megatron's and OctoPipe's p2p move them over gloo, every host delay counts, and the
 prediction prices transfers unscaled by the links of --links (this host's: the file
 `octopipe cluster --measure --ranks N` wrote), else --cluster's. The last line is
 
     measured speedup X.XXx (simulated Y.YYx)
+    measured split gain X.XXx (simulated Y.YYx)      (OctoPipe with splits over without; unless --splits off)
 
 Real layers on GPUs: launch your pretrain script twice with examples/megatron/launch.py
 (`--pipeline-schedule default`, then `octopipe`) and compare Megatron's logged iteration times;
@@ -41,11 +48,12 @@ import torch
 import torch.distributed as dist
 
 from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, DTYPE, StandInStage, boundary_shape
+from octopipe_plugin.testing.sleep_layer import add_standin_options, check_standin_scale
 from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
-from octopipe_plugin.executor.dryrun import host_links, scaled_cluster, scaled_costs
+from octopipe_plugin.executor.dryrun import host_links, scaled_cluster, scaled_costs, scaled_model
 from octopipe_plugin.executor.launch import init_gloo, spawn
-from octopipe_plugin.executor.standin import standin_costs
+from octopipe_plugin.executor.standin import split_numel, standin_costs, standin_shards
 from octopipe_plugin.formats import plan_from_dict, plan_to_dict, read_plan
 from octopipe_plugin.schedules.registry import build_plan
 from octopipe_plugin.simulator import simulate
@@ -68,17 +76,9 @@ def parse_args(argv=None):
                    help="Megatron's virtual stages per rank (default: its fastest in simulation)")
     p.add_argument("--target-ms", type=float, default=3000.0,
                    help="scale costs so Megatron's simulated step lasts this long (default 3000)")
-    p.add_argument("--clock", default="device", choices=("device", "wall"),
-                   help="device: stand-ins on the simulator's timing rule, transfers stamped from the model; wall: "
-                        "host delays count and boundaries of the model's bytes really travel (executor/clock.py)")
-    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
-                                   "pricing the transfers in the prediction (default: --cluster's)")
-    p.add_argument("--overheads", metavar="FILE",
-                   help="octopipe-overheads/1 file the scale is checked against (default: this machine's, measured "
-                        "once by `octopipe profile --overheads` and cached)")
-    p.add_argument("--strict-host-share", action="store_true",
-                   help="refuse a --target-ms at which the executor's host overhead exceeds 5%% of a modelled step "
-                        "(default: warn)")
+    add_standin_options(p, clock_help="device: stand-ins on the simulator's timing rule, transfers stamped from the "
+                                      "model; wall: host delays count and boundaries of the model's bytes really "
+                                      "travel (executor/clock.py)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout in seconds")
     return p.parse_args(argv)
 
@@ -90,6 +90,7 @@ class Run:
     label: str
     plan_doc: dict
     stages: tuple[StandInStage, ...]
+    shards: tuple = ()  # the split layers' ShardCosts (executor/standin.py), slept by the rank's SleepShards
 
 
 def megatron_plan(model, cluster, microbatches: int, vp: int | None):
@@ -110,31 +111,59 @@ def megatron_plan(model, cluster, microbatches: int, vp: int | None):
     return best[1]
 
 
-def octopipe_plan(model, cluster, args):
-    """The plan to compare: the given file, or one tuned now."""
-    if args.plan:
-        return read_plan(args.plan, model.num_layers)
+def octopipe_plans(model, cluster, args):
+    """(the plan without splits, the plan with splits or None): given files, else tuned now (`tune`, then
+    `tune_split` on top of it); None also where the split-aware tuner keeps the plan without splits."""
     from octopipe_plugin.tuner import tune
+    from octopipe_plugin.tuner.constraints import Constraints
+    from octopipe_plugin.tuner.split import VARIANTS, tune_split
 
-    return tune(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed).plan
+    res = None
+    if args.plan:
+        plain = read_plan(args.plan, model.num_layers)
+    else:
+        res = tune(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed)
+        plain = res.plan
+    if plain.splits:
+        raise OctoPipeError(f"{args.plan}: the plan without splits has split layers; give it with --split-plan")
+    if args.splits == "off":
+        return plain, None
+    if args.split_plan:
+        split = read_plan(args.split_plan, model.num_layers)
+        if not split.splits:
+            raise OctoPipeError(f"{args.split_plan}: 'splits' is empty: expected a plan with split layers "
+                                "(e.g. from `octopipe plan --splits auto`)")
+        return plain, split
+    # Megatron's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
+    split = tune_split(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed,
+                       unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS),
+                       constraints=Constraints(owner_shard=True)).plan
+    return plain, split if split.splits else None
 
 
 def stand_in_stages(model, plan, scale: float, fast_cluster, boundary=BOUNDARY_SHAPE) -> tuple[StandInStage, ...]:
-    """Per-stage stand-in layers (scaled per-layer F/I/W), the scaled transfer time of each cut, the boundary."""
+    """Per-stage stand-in layers (scaled per-layer F/I/W), the scaled transfer time of each cut, the boundary.
+
+    A split layer is not in its owner stage (its shards sleep its work); the owner of a split head ends in
+    the hand-over to its shards (megatron_standin.StandInStage.split_head)."""
     sc = scaled_costs(model, plan, scale)
     hops = standin_costs(sc, [st.device for st in plan.stages], fast_cluster).hop
     last = plan.num_stages - 1
+    split = {sp.layer for sp in plan.splits}
     return tuple(
         StandInStage(stage=s, layers=tuple((layer.fwd_ms * scale, layer.bwd_ms * scale, layer.wgrad_ms * scale)
-                                           for layer in model.layers[st.start:st.end]),
+                                           for i, layer in enumerate(model.layers[st.start:st.end], st.start)
+                                           if i not in split),
                      hop_in_ms=hops[s - 1] if s > 0 else 0.0, hop_out_ms=hops[s] if s < last else 0.0,
-                     first=s == 0, last=s == last, boundary=boundary)
+                     first=s == 0, last=s == last, boundary=boundary,
+                     split_head=s == last and model.num_layers - 1 in split)
         for s, st in enumerate(plan.stages))
 
 
 def simulated_ms(model, plan, scale: float, fast_cluster) -> float:
-    """The simulator's step time of `plan` at the stand-ins' scale."""
-    return simulate(None, fast_cluster, plan, costs=scaled_costs(model, plan, scale), detail=False).step_time_ms
+    """The simulator's step time of `plan` at the stand-ins' scale (a split plan's shards from the scaled model)."""
+    return simulate(scaled_model(model, scale) if plan.splits else None, fast_cluster, plan,
+                    costs=scaled_costs(model, plan, scale), detail=False).step_time_ms
 
 
 def measure(runs: list[Run], microbatches: int, clock: str, timeout_s: float) -> dict[str, float]:
@@ -185,12 +214,25 @@ def _timed(prepared, clock: str) -> dict:
     return {"start": t0, "end": end, "busy": device_clock.busy_s}
 
 
-def _chunks(rank: int, world: int, run: Run, config, device_clock):
+def _chunks(rank: int, world: int, run: Run, config, device_clock, shards=None):
     from octopipe_plugin.testing.megatron_standin import standin_chunk_class
 
     plan = plan_from_dict(run.plan_doc)
     chunk = standin_chunk_class()
-    return plan, {s: chunk(config, run.stages[s], device_clock) for s in plan.stages_of(rank)}
+    return plan, {s: chunk(config, run.stages[s], device_clock, shards) for s in plan.stages_of(rank)}
+
+
+def _sleep_shards(rank: int, world: int, run: Run, device_clock, hidden: int):
+    """The rank's SleepShards of a split plan (None without splits): the shard passes on the rank's clock,
+    hand-overs of the boundary's shape (what the owner chunk's HeadHandOver makes and its backward reads)."""
+    if not run.shards:
+        return None
+    from octopipe_plugin.executor.interface import TensorMeta
+    from octopipe_plugin.executor.standin import SleepShards
+
+    meta = TensorMeta(shape=BOUNDARY_SHAPE[:2] + (hidden,), dtype=DTYPE, requires_grad=False)
+    return SleepShards(shards=run.shards, rank=rank, device=device_clock, num_devices=world, hand_over=meta,
+                       learn_head_input=True)
 
 
 def _config(world: int, vp: int | None, hidden: int):
@@ -224,7 +266,7 @@ def _megatron_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     forward_backward = get_forward_backward_func()
 
     def step():
-        data = [itertools.repeat(0) for _ in model]
+        data = [itertools.count() for _ in model]  # each chunk reads micro-batch numbers, in order
         forward_backward(forward_step_func=standin_forward_step, data_iterator=data if vp > 1 else data[0],
                          model=model if vp > 1 else model[0], num_microbatches=microbatches,
                          seq_length=BOUNDARY_SHAPE[0], micro_batch_size=BOUNDARY_SHAPE[1], forward_only=False)
@@ -239,14 +281,24 @@ def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     from octopipe_plugin.executor.clock import DeviceClock
 
     device_clock = DeviceClock("off")
-    plan, chunks = _chunks(rank, world, run, _config(world, None, hidden), device_clock)
+    shards = _sleep_shards(rank, world, run, device_clock, hidden)
+    plan, chunks = _chunks(rank, world, run, _config(world, None, hidden), device_clock, shards)
     model = [chunks[s] for s in plan.stages_of(rank)]  # the rank's chunks in model order = its vp stages
     for v, m in enumerate(model):
         m.vp_stage = v
-    forward_backward = make_forward_backward_func(plan, options=ScheduleOptions(timeout_s=timeout_s))
+    options = ScheduleOptions(timeout_s=timeout_s)
+
+    def rank_shards(*, rank, model, config, report, **_):
+        """make_forward_backward_func's shards factory: the rank's SleepShards, reporting through the owner's
+        loss report (Megatron's loss dict of the micro-batch, from the stand-in forward step's loss_func)."""
+        shards.report = report
+        return shards
+
+    forward_backward = make_forward_backward_func(plan, options=options,
+                                                  shards=rank_shards if shards is not None else None)
 
     def step():
-        data = [itertools.repeat(0) for _ in model]
+        data = [itertools.count() for _ in model]  # the first and the last stage read micro-batch numbers
         forward_backward(forward_step_func=standin_forward_step, data_iterator=data, model=model,
                          num_microbatches=microbatches, seq_length=BOUNDARY_SHAPE[0],
                          micro_batch_size=BOUNDARY_SHAPE[1], forward_only=False)
@@ -254,19 +306,11 @@ def _octopipe_step(rank: int, world: int, run: Run, microbatches: int, timeout_s
     return step, device_clock
 
 
-def check_scale(args, runs) -> bool:
-    """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures."""
-    from octopipe_plugin.profile.overheads import machine_overheads
-    from octopipe_plugin.simulator.overheads import scale_warnings
-
-    lines = scale_warnings(runs, machine_overheads(args.overheads), "--target-ms", args.target_ms)
-    for line in lines:
-        print(f"{'error' if args.strict_host_share else 'warning'}: {line}", file=sys.stderr)
-    return bool(lines) and args.strict_host_share
+LABELS = {"megatron": "megatron", "octopipe": "octopipe", "octopipe-split": "octopipe with splits"}
 
 
 def main(argv=None) -> int:
-    """Plan both schedules, run them on stand-ins, print measured and simulated figures."""
+    """Plan every schedule, run them on stand-ins, print measured and simulated figures."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
     if not args.stand_in:
@@ -278,36 +322,53 @@ def main(argv=None) -> int:
         links = resolve_cluster(args.links) if args.links else None
         model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
-        ours = octopipe_plan(model, cluster, args)
+        ours, split = octopipe_plans(model, cluster, args)
     except OctoPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     scale = args.target_ms / simulate(model, cluster, base, detail=False).step_time_ms
     # wall clock: the model's bytes travel over this host's links, so transfers keep the cluster's own times
     fast = host_links(cluster, links) if args.clock == "wall" else scaled_cluster(cluster, scale)
-    shape = boundary_shape(args.clock, model)
-    runs = [Run(label=label, plan_doc=plan_to_dict(plan), stages=stand_in_stages(model, plan, scale, fast, shape))
-            for label, plan in (("megatron", base), ("octopipe", ours))]
-    sim = {"megatron": simulated_ms(model, base, scale, fast), "octopipe": simulated_ms(model, ours, scale, fast)}
-    if check_scale(args, [("megatron", base, sim["megatron"]), ("octopipe", ours, sim["octopipe"])]):
+    plans = {"megatron": base, "octopipe": ours, **({"octopipe-split": split} if split is not None else {})}
+    # a split head's hand-over is one summable stamp with a slot per rank: every boundary is at least that wide
+    shape = boundary_shape(args.clock, model, split_numel(cluster.num_devices) if split is not None else 0)
+    runs = [Run(label=label, plan_doc=plan_to_dict(plan), stages=stand_in_stages(model, plan, scale, fast, shape),
+                shards=standin_shards(scaled_model(model, scale), plan, fast) if plan.splits else ())
+            for label, plan in plans.items()]
+    sim = {label: simulated_ms(model, plan, scale, fast) for label, plan in plans.items()}
+    if check_standin_scale(args, [(label, plan, sim[label]) for label, plan in plans.items()]):
         return 2
     print(f"model {model.name}: {model.num_layers} layers, cluster {args.cluster}, {args.microbatches} micro-batches, "
           f"costs x{scale:.3g} (stand-ins, {args.clock} clock), load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(f"megatron: interleaved 1F1B, {base.num_stages // base.num_devices} virtual stages per rank, even split")
     print(f"octopipe: {ours.num_stages} stages, stage->rank {[st.device for st in ours.stages]}")
+    if split is not None:
+        print(f"octopipe with splits: {split.num_stages} stages, stage->rank {[st.device for st in split.stages]}, "
+              f"{_describe_splits(split)}")
+    elif args.splits == "auto":
+        print("octopipe with splits: none (the split-aware tuner kept the plan without splits)")
     if args.clock == "wall":
         print(f"transfers: boundaries of {shape[2] * 8 / 2**20:.2f} MiB over gloo, predicted with "
               f"{args.links or args.cluster}'s links unscaled")
     measured = measure(runs, args.microbatches, args.clock, args.timeout)
     tokens = args.microbatches * _tokens_per_microbatch(model)
-    for label in ("megatron", "octopipe"):
+    for label in plans:
         real_ms = measured[label] / scale  # the stand-ins sleep `scale` times the modelled GPU time
-        print(f"{label:9s} measured step {measured[label]:8.1f} ms  simulated {sim[label]:8.1f} ms  "
+        print(f"{LABELS[label]:9s} measured step {measured[label]:8.1f} ms  simulated {sim[label]:8.1f} ms  "
               f"tokens/s {tokens / (measured[label] / 1000.0):,.0f} (on the modelled GPUs: step {real_ms:.1f} ms, "
               f"{tokens / (real_ms / 1000.0):,.0f} tokens/s)")
     print(f"measured speedup {measured['megatron'] / measured['octopipe']:.2f}x "
           f"(simulated {sim['megatron'] / sim['octopipe']:.2f}x)")
+    if split is not None:
+        print(f"measured split gain {measured['octopipe'] / measured['octopipe-split']:.2f}x "
+              f"(simulated {sim['octopipe'] / sim['octopipe-split']:.2f}x)")
     return 0
+
+
+def _describe_splits(plan) -> str:
+    """'layer 34 over 16 ranks (shares 0.031-0.073)' per split layer."""
+    return ", ".join(f"layer {sp.layer} over {len(sp.devices)} ranks (shares {min(sp.shares):.3f}-"
+                     f"{max(sp.shares):.3f})" for sp in plan.splits)
 
 
 def _tokens_per_microbatch(model) -> int:

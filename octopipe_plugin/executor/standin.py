@@ -13,6 +13,12 @@ layer's costs, and its hand-overs travel as messages too. The executor sums the 
 owner takes, so a split payload is summable: [micro-batch, what, count, 0, 0, then one slot per
 device holding the send time of the device that made it]; the consumer checks micro-batch and
 kind (divided by the count) and waits for the latest slot plus that sender's transfer time.
+The shard half is `SleepShards`, one object any runner takes as its `shards=` (the dry run's
+SleepStages, and the Megatron and DeepSpeed stand-in benchmarks beside their framework's own
+stage runner), so every stand-in shard pass and hand-over follows one rule. A framework's
+hand-over has the framework's shape (its hidden state, `hand_over=`): the same summable layout
+sits in its first elements (`split_stamp`, `split_ready`); a producer that does not know the
+micro-batch (a framework layer) writes -1 there and the consumer checks the kind only.
 
 On the 'wall' clock nothing is stamped from the model: the first payload of a boundary
 between devices is as large as the model's bytes across that cut (`payload_bytes`; the header
@@ -63,6 +69,8 @@ class ShardCosts:
     wgrad: float
     link_ms: tuple[tuple[float, ...], ...]  # [src][dst]: the owner <-> shard hand-over (0 on one device)
     stats_ms: tuple[tuple[float, ...], ...]  # [src][dst]: one head shard's statistics to another
+    # [src][dst]: the head's input with its loss terms (simulator.split.message_bytes); empty: link_ms
+    input_ms: tuple[tuple[float, ...], ...] = ()
 
     def share(self, device: int) -> float:
         """The device's share of the layer."""
@@ -71,6 +79,164 @@ class ShardCosts:
 
 _SIDE = {"head-input": "output", "stats": "output", "head-partial": "output", "embedding-partial": "input",
          "embedding-grad": "input"}
+_SPLIT_HEADER = 5  # [micro-batch (-1: not known to the producer), kind, count, 0, 0], then one slot per device
+
+
+def split_numel(num_devices: int) -> int:
+    """Elements a summable hand-over needs: the header and one send-time slot per device."""
+    return _SPLIT_HEADER + num_devices
+
+
+def split_stamp(what: str, mb: int, device: int, sent: float, num_devices: int, shape=None,
+                dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A summable hand-over of `what` made by `device` at `sent` (in the first elements of a tensor of `shape`)."""
+    t = torch.zeros(shape if shape is not None else (split_numel(num_devices),), dtype=dtype)
+    flat = t.view(-1)
+    if flat.numel() < split_numel(num_devices):
+        raise ValueError(f"a split hand-over over {num_devices} devices needs {split_numel(num_devices)} elements, "
+                         f"shape {tuple(t.shape)} has {flat.numel()}")
+    flat[0], flat[1], flat[2], flat[_SPLIT_HEADER + device] = mb, WHATS.index(what), 1.0, sent
+    return t
+
+
+def split_ready(value, what: str, mb: int, link_ms, *, rank: int, action: str) -> float:
+    """Check a (possibly summed) hand-over of `what`; when its last part lands (`link_ms(j)`: ms from device j).
+
+    `mb` < 0 (the consumer does not know it) or a producer's -1 leaves the micro-batch unchecked."""
+    flat = _tensor_of(value).detach().reshape(-1).to(torch.float64)
+    n = float(flat[2]) if flat.numel() > 2 else 0.0
+    got = (round(float(flat[0]) / n), round(float(flat[1]) / n)) if n > 0 else None
+    unknown = got is not None and (mb < 0 or got[0] < 0)
+    if got is None or got[1] != WHATS.index(what) or (not unknown and got[0] != mb):
+        raise ExecutorError(f"rank {rank}: {action} received split payload {got} (micro-batch, kind), "
+                            f"expected micro-batch {mb} of {what!r}", rank=rank, action=action)
+    slots = flat[_SPLIT_HEADER:].tolist()
+    return max((t + link_ms(j) / 1000.0 for j, t in enumerate(slots) if t > 0), default=0.0)
+
+
+def _coef_of(value) -> torch.Tensor | None:
+    """The loss coefficients a HeadInput-like hand-over carries (its third field), None when it has none."""
+    coef = getattr(value, "coef", None)
+    if coef is None and isinstance(value, (tuple, list)) and len(value) > 2:
+        coef = value[2]
+    return coef.detach() if isinstance(coef, torch.Tensor) else None
+
+
+def _tensor_of(value) -> torch.Tensor:
+    """The hand-over tensor of a value: itself, or the first field of a HeadInput-like tuple / object (hidden)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    hidden = getattr(value, "hidden", None)
+    if isinstance(hidden, torch.Tensor):
+        return hidden
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    raise TypeError(f"a split hand-over: expected a tensor or a (hidden, ...) value, got {type(value).__name__}")
+
+
+class SleepShards:
+    """The shard actions of a split plan's stand-ins (H, J, K, E, G): each sleeps the device's share of its
+    layer's cost on the rank's DeviceClock, every hand-over is a summable stamp (`split_stamp`).
+
+    Any runner takes it as `shards=` (executor/interface.py SHARD_METHODS): the dry run's SleepStages,
+    and the framework benchmarks' runners beside their stand-in stages (the owner's stand-in layers
+    make the head's input and read the summed partials with the same `split_stamp` / `split_ready`).
+    `hand_over`: the meta of the hand-overs that meet a framework's tensors (the head's input, its
+    partial input gradient, the embedding's partials: the framework's activation, float64, at least
+    `split_numel` elements); default the bare summable payload; `learn_head_input`: the head's input
+    is the framework owner's (hidden, targets, coef), its meta learned by the transport's handshake
+    (the stamp in `hidden`). `report(mb, per_token_losses, coef)`:
+    the runner's loss report a J makes (SHARD_API item 2; the owner's, which gives the framework its
+    loss dict), here on zero per-token losses, one per token of the head's input (`coef`'s length, as
+    the owner handed it on, else 1); default a zero loss (the stand-ins' loss value is not measured).
+    """
+
+    def __init__(self, *, shards: Sequence[ShardCosts], rank: int, device: DeviceClock, num_devices: int,
+                 hand_over: TensorMeta | None = None, learn_head_input: bool = False, report=None):
+        self.split = {c.side: c for c in shards}
+        # what StageCore reads to start the owner's backward from the partials and give stage 0's their gradient
+        self.head_split = "output" in self.split
+        self.embedding_split = "input" in self.split
+        # a framework owner hands on (hidden, targets, coef) in its own dtypes, or (hidden, None, None): its meta is
+        # then learned by the transport's handshake (executor/comm.py), the hidden states carrying the stamp
+        self.learn_head_input = learn_head_input
+        self.rank = rank
+        self.device = device
+        self.num_devices = num_devices
+        self.hand_over = hand_over
+        self.report = report
+        self.checked = 0
+        self._owed: dict[tuple[str, int, int], object] = {}  # (kind, stage, mb) of an H / E whose J / G is due
+
+    def split_meta(self, what: str):
+        """The statistics are the bare summable payload; the other hand-overs have `hand_over`'s shape (the head's
+        input: None, learned by handshake, under `learn_head_input`)."""
+        if what == "head-input" and self.learn_head_input:
+            return None
+        if what == "stats" or self.hand_over is None:
+            return TensorMeta(shape=(split_numel(self.num_devices),), dtype=torch.float64, requires_grad=False)
+        return TensorMeta(shape=tuple(self.hand_over.shape), dtype=self.hand_over.dtype, requires_grad=False)
+
+    def _stamp(self, what: str, mb: int, sent: float) -> torch.Tensor:
+        meta = self.split_meta(what) if what != "head-input" else self.hand_over  # the hidden states carry the stamp
+        meta = meta or TensorMeta(shape=(split_numel(self.num_devices),), dtype=torch.float64)
+        return split_stamp(what, mb, self.rank, sent, self.num_devices, meta.shape, meta.dtype)
+
+    def ready_at(self, value, action: str, mb: int, what: str) -> float:
+        """When `value`, a hand-over of `what` to this rank, has landed (checked: micro-batch and kind)."""
+        c = self.split[_SIDE[what]]
+        table = c.stats_ms if what == "stats" else c.input_ms if what == "head-input" and c.input_ms else c.link_ms
+        ready = split_ready(value, what, mb, lambda j: table[j][self.rank], rank=self.rank, action=action)
+        self.checked += 1
+        return ready
+
+    def stamp(self, what: str, mb: int, sent: float) -> torch.Tensor:
+        """The hand-over of `what` this rank sends at `sent` (the owner's head input, stage 0's embedding grad)."""
+        return self._stamp(what, mb, sent)
+
+    def pending(self) -> int:
+        """H / E whose J / G has not run yet (0 after a complete step)."""
+        return len(self._owed)
+
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False) -> torch.Tensor:
+        """H: wait for the head's input, sleep the share of F; the statistics go to every other shard."""
+        c = self.split["output"]
+        end = self.device.work(c.share(self.rank) * c.fwd, self.ready_at(hidden, f"{stage}H{mb}", mb, "head-input"))
+        self._owed[("H", stage, mb)] = _coef_of(hidden)  # the owner's loss coefficients, for J's report
+        return self._stamp("stats", mb, end)
+
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *, forward_only: bool = False):
+        """J: wait for every other shard's statistics, sleep the share of I (an evaluation step: of nothing, the
+        loss only); the partial goes to the owner."""
+        c = self.split["output"]
+        ready = max([self.ready_at(p, f"{stage}J{mb}", mb, "stats") for p in peer_stats], default=0.0)
+        end = self.device.work(0.0 if forward_only else c.share(self.rank) * c.bwd, ready)
+        coef = self._owed.pop(("H", stage, mb), None)
+        partial = None if forward_only else self._stamp("head-partial", mb, end)
+        if self.report is None:
+            return partial, LossOutput(loss=torch.zeros((), dtype=torch.float64))
+        if coef is None:
+            coef = torch.zeros(1, dtype=torch.float32)
+        return partial, self.report(mb, torch.zeros_like(coef), coef)
+
+    def head_backward_weight(self, stage: int, mb: int, **_) -> None:
+        """K: sleep the share of W."""
+        c = self.split["output"]
+        self.device.work(c.share(self.rank) * c.wgrad)
+
+    def embedding_forward(self, stage: int, mb: int, *, forward_only: bool = False) -> torch.Tensor:
+        """E: sleep the share of F; the partial goes to stage 0."""
+        c = self.split["input"]
+        if not forward_only:  # an evaluation step runs no G
+            self._owed[("E", stage, mb)] = None
+        return self._stamp("embedding-partial", mb, self.device.work(c.share(self.rank) * c.fwd))
+
+    def embedding_backward(self, stage: int, mb: int, grad_output, **_) -> None:
+        """G: wait for stage 0's input gradient, sleep the share of I + W."""
+        c = self.split["input"]
+        self.device.work(c.share(self.rank) * (c.bwd + c.wgrad),
+                         self.ready_at(grad_output, f"{stage}G{mb}", mb, "embedding-grad"))
+        self._owed.pop(("E", stage, mb), None)
 
 
 class SleepStages:
@@ -82,6 +248,7 @@ class SleepStages:
     action unless it exceeds it, and then the lateness shows. clock='wall' charges every
     host delay: each action sleeps its full cost from the moment the host reaches it, and
     boundaries carry payloads of the modelled size that really travel (no stamped arrival).
+    A split plan's shard actions are its `SleepShards` (`self.shards`, on the same clock).
     """
 
     def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device",
@@ -95,9 +262,22 @@ class SleepStages:
         self.num_stages = len(costs.fwd)
         # live[s]: the layers whose outputs cross the boundary after stage s (one payload each)
         self.live = live if live is not None else tuple((s,) for s in range(self.num_stages))
-        self.checked = 0
+        self._checked = 0
         self.split = {c.side: c for c in costs.shards}
         self.num_devices = len(costs.shards[0].link_ms) if costs.shards else 0
+        self.shards = SleepShards(shards=costs.shards, rank=rank, device=self.device,
+                                  num_devices=self.num_devices) if costs.shards else None
+
+    @property
+    def checked(self) -> int:
+        """Messages checked so far (stage boundaries and split hand-overs)."""
+        return self._checked + (self.shards.checked if self.shards is not None else 0)
+
+    @checked.setter
+    def checked(self, value: int) -> None:
+        self._checked = value
+        if self.shards is not None:
+            self.shards.checked = 0
 
     @property
     def busy_s(self) -> float:
@@ -140,7 +320,7 @@ class SleepStages:
                     f"{got[0]} from stage {got[1]} (direction {got[2]}, layer {got[3]}), expected micro-batch {mb} "
                     f"from stage {stage} (layer {layer})", rank=self.rank, action=action)
             arrival = max(arrival, float(head[3]))
-        self.checked += 1
+        self._checked += 1
         return arrival + self.costs.hop[boundary] / 1000.0  # when the input lands on this device
 
     def _work(self, ms: float, ready_at: float = 0.0) -> float:
@@ -161,12 +341,14 @@ class SleepStages:
         """Check the incoming activation (stage 0 of a split embedding: the partials), sleep F."""
         if stage > 0:
             ready = self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False)
+        elif "input" in self.split:
+            ready = self.shards.ready_at(inputs, f"{stage}F{mb}", mb, "embedding-partial")
         else:
-            ready = self._arrival(inputs, f"{stage}F{mb}", mb, "embedding-partial") if "input" in self.split else 0.0
+            ready = 0.0
         end = self._work(self.costs.fwd[stage], ready)
         if stage == self.num_stages - 1:
             if "output" in self.split:
-                return self._split_payload("head-input", mb, end)
+                return self.shards.stamp("head-input", mb, end)
             return torch.zeros((), dtype=torch.float64)
         return self._payload(mb, stage, False, end)
 
@@ -175,64 +357,37 @@ class SleepStages:
         if stage < self.num_stages - 1:
             ready = self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
         elif "output" in self.split:
-            ready = self._arrival(grad_output, f"{stage}{kind}{mb}", mb, "head-partial")
+            ready = self.shards.ready_at(grad_output, f"{stage}{kind}{mb}", mb, "head-partial")
         end = self._work(ms, ready)
         if stage > 0:
             return self._payload(mb, stage, True, end)
-        return self._split_payload("embedding-grad", mb, end) if "input" in self.split else None
+        return self.shards.stamp("embedding-grad", mb, end) if "input" in self.split else None
 
-    # ----- split layers' shards
+    # ----- split layers' shards: SleepShards' (the one stand-in of shard passes and their hand-overs)
 
     def split_meta(self, what: str) -> TensorMeta:
         """Every split hand-over is one summable payload (module docstring)."""
-        return TensorMeta(shape=(5 + self.num_devices,), dtype=torch.float64, requires_grad=False)
+        return self.shards.split_meta(what)
 
-    def _split_payload(self, what: str, mb: int, sent: float) -> torch.Tensor:
-        t = torch.zeros(5 + self.num_devices, dtype=torch.float64)
-        t[0], t[1], t[2], t[5 + self.rank] = mb, WHATS.index(what), 1.0, sent
-        return t
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False) -> torch.Tensor:
+        """H: SleepShards'."""
+        return self.shards.head_forward(stage, mb, hidden, forward_only=forward_only)
 
-    def _arrival(self, value, action: str, mb: int, what: str) -> float:
-        """Check a (possibly summed) split payload; when its last part lands on this device."""
-        n = float(value[2])
-        got = (round(float(value[0]) / n), round(float(value[1]) / n)) if n > 0 else None
-        if got != (mb, WHATS.index(what)):
-            raise ExecutorError(f"rank {self.rank}: {action} received split payload {got} (micro-batch, kind), "
-                                f"expected micro-batch {mb} of {what!r}", rank=self.rank, action=action)
-        c = self.split[_SIDE[what]]
-        table = c.stats_ms if what == "stats" else c.link_ms
-        self.checked += 1
-        return max(float(value[5 + j]) + table[j][self.rank] / 1000.0
-                   for j in range(self.num_devices) if float(value[5 + j]) > 0)
-
-    def head_forward(self, stage: int, mb: int, hidden) -> torch.Tensor:
-        """H: wait for the head's input, sleep the share of F; the statistics go to every other shard."""
-        c = self.split["output"]
-        end = self._work(c.share(self.rank) * c.fwd, self._arrival(hidden, f"{stage}H{mb}", mb, "head-input"))
-        return self._split_payload("stats", mb, end)
-
-    def head_backward_input(self, stage: int, mb: int, peer_stats):
-        """J: wait for every other shard's statistics, sleep the share of I; the partial goes to the owner."""
-        c = self.split["output"]
-        ready = max([self._arrival(p, f"{stage}J{mb}", mb, "stats") for p in peer_stats], default=0.0)
-        end = self._work(c.share(self.rank) * c.bwd, ready)
-        return self._split_payload("head-partial", mb, end), LossOutput(loss=torch.zeros((), dtype=torch.float64))
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *, forward_only: bool = False):
+        """J: SleepShards'."""
+        return self.shards.head_backward_input(stage, mb, peer_stats, forward_only=forward_only)
 
     def head_backward_weight(self, stage: int, mb: int) -> None:
-        """K: sleep the share of W."""
-        c = self.split["output"]
-        self._work(c.share(self.rank) * c.wgrad)
+        """K: SleepShards'."""
+        self.shards.head_backward_weight(stage, mb)
 
-    def embedding_forward(self, stage: int, mb: int) -> torch.Tensor:
-        """E: sleep the share of F; the partial goes to stage 0."""
-        c = self.split["input"]
-        return self._split_payload("embedding-partial", mb, self._work(c.share(self.rank) * c.fwd))
+    def embedding_forward(self, stage: int, mb: int, *, forward_only: bool = False) -> torch.Tensor:
+        """E: SleepShards'."""
+        return self.shards.embedding_forward(stage, mb, forward_only=forward_only)
 
     def embedding_backward(self, stage: int, mb: int, grad_output) -> None:
-        """G: wait for stage 0's input gradient, sleep the share of I + W."""
-        c = self.split["input"]
-        self._work(c.share(self.rank) * (c.bwd + c.wgrad),
-                   self._arrival(grad_output, f"{stage}G{mb}", mb, "embedding-grad"))
+        """G: SleepShards'."""
+        self.shards.embedding_backward(stage, mb, grad_output)
 
     def backward_input(self, stage: int, mb: int, grad_output):
         """Check the output gradient, sleep I."""
@@ -260,7 +415,7 @@ def stage_live_outputs(model, stages) -> tuple[tuple[int, ...], ...]:
 
 def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
     """The stand-in figures of `plan`'s split layers from the (scaled) model and cluster, as the simulator's."""
-    from ..simulator.split import split_costs
+    from ..simulator.split import message_bytes, split_costs
 
     nd = plan.num_devices
 
@@ -269,7 +424,8 @@ def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
                      for a in range(nd))
 
     return tuple(ShardCosts(side=c.side, owner=c.owner, devices=c.split.devices, shares=c.split.shares, fwd=c.fwd,
-                            bwd=c.bwd, wgrad=c.wgrad, link_ms=times(c.link_bytes), stats_ms=times(c.split.stats_bytes))
+                            bwd=c.bwd, wgrad=c.wgrad, link_ms=times(message_bytes(c, "head-partial")),
+                            stats_ms=times(message_bytes(c, "stats")), input_ms=times(message_bytes(c, "head-input")))
                  for c in split_costs(model, plan))
 
 

@@ -9,6 +9,9 @@ and the executor's timing rule use, so both benchmarks compare executors, not st
 The first layer of a chunk waits for the transfer into it, the last charges the one out.
 On the wall clock the boundary is as large as the model's bytes across a cut
 (`boundary_shape`): Megatron's p2p moves it for real, and only a chunk's last layer makes it.
+Under a plan that splits the LM head, the head's layer is not in the owner chunk (its rows are
+the rank's SleepShards'): the owner chunk ends in a `HeadHandOver` whose output is the head's
+input, and reads its micro-batch from the data iterator as Megatron's last stage reads labels.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import torch
 from torch import nn
 
 from ..executor.clock import DeviceClock, wall_numel
-from .sleep_layer import DTYPE, SleepLayer
+from .sleep_layer import DTYPE, HeadHandOver, SleepLayer
 
 BOUNDARY_SHAPE = (1, 1, 4)  # (sequence, micro-batch, hidden) of every stand-in boundary: the stamp is element 0
 
 
-def boundary_shape(clock: str, model) -> tuple[int, int, int]:
-    """The (sequence, micro-batch, hidden) every boundary has: the stamp's 4 numbers, or on the wall clock the
-    model's largest layer output in float64 elements (Megatron sends one shape across every cut)."""
+def boundary_shape(clock: str, model, at_least: int = 0) -> tuple[int, int, int]:
+    """The (sequence, micro-batch, hidden) every boundary has: the stamp's 4 numbers (`at_least` elements: a
+    split head's hand-over, `split_numel`), or on the wall clock the model's largest layer output in float64
+    elements (Megatron sends one shape across every cut)."""
+    width = max(BOUNDARY_SHAPE[2], at_least)
     if clock != "wall":
-        return BOUNDARY_SHAPE
-    return (1, 1, wall_numel(max(layer.output_bytes for layer in model.layers), BOUNDARY_SHAPE[2]))
+        return BOUNDARY_SHAPE[:2] + (width,)
+    return (1, 1, wall_numel(max(layer.output_bytes for layer in model.layers), width))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +48,7 @@ class StandInStage:
     first: bool
     last: bool
     boundary: tuple[int, ...] = BOUNDARY_SHAPE  # the shape this chunk sends on (boundary_shape)
+    split_head: bool = False  # the last stage of a plan that splits the LM head: ends in a HeadHandOver
 
 
 def standin_chunk_class():
@@ -53,7 +59,7 @@ def standin_chunk_class():
     class StandInChunk(MegatronModule):
         """A Megatron model chunk of stand-in layers (pre_process on the first stage, post_process on the last)."""
 
-        def __init__(self, config, spec: StandInStage, clock: DeviceClock):
+        def __init__(self, config, spec: StandInStage, clock: DeviceClock, shards=None):
             super().__init__(config=config)
             self.spec = spec
             self.pre_process, self.post_process = spec.first, spec.last
@@ -70,6 +76,12 @@ def standin_chunk_class():
             if not n:
                 self.layers.append(SleepLayer(clock, 0.0, 0.0, 0.0, spec.hop_in_ms, spec.hop_out_ms,
                                               out_shape=out(0)))
+            self.microbatch = None  # what the forward step read (the owner of a split head stamps it)
+            if spec.split_head:
+                if shards is None:
+                    raise ValueError(f"stage {spec.stage} owns a split LM head: its chunk needs the rank's "
+                                     "SleepShards (shards=)")
+                self.layers.append(HeadHandOver(shards, mb=lambda: -1 if self.microbatch is None else self.microbatch))
 
         share_embeddings_and_output_weights = False  # stand-ins tie no weights (what GPTModel answers untied)
 
@@ -83,22 +95,30 @@ def standin_chunk_class():
                 input_tensor = input_tensor[0]
             self.input_tensor = input_tensor
 
-        def forward(self, tokens=None):
-            """Run the stand-in layers on the pipeline input (a fresh input that wants a gradient on stage 0)."""
+        def forward(self, tokens=None, output_processor=None):
+            """Run the stand-in layers on the pipeline input (a fresh input that wants a gradient on stage 0);
+            `tokens`: the micro-batch the forward step read (first and last stage). `output_processor`:
+            GPTModel's hook on the last stage, called as GPTModel calls it (the final hidden states and the
+            labels, one token of [micro-batch, sequence] here); a split head's owner returns its answer."""
+            self.microbatch = tokens
             x = torch.zeros(BOUNDARY_SHAPE, dtype=DTYPE, requires_grad=True) if self.pre_process \
                 else self.input_tensor
             for layer in self.layers:
                 x = layer(x)
+            if output_processor is not None and self.post_process:
+                return output_processor(hidden_states=x, labels=torch.zeros(BOUNDARY_SHAPE[1::-1], dtype=torch.int64))
             return x
 
     return StandInChunk
 
 
 def standin_forward_step(data_iterator, model):
-    """A Megatron forward_step_func for stand-in chunks: reads the batch on the first stage, loss on the last."""
-    if data_iterator is not None and getattr(model, "pre_process", False):
-        next(data_iterator)
-    output = model()
+    """A Megatron forward_step_func for stand-in chunks: reads the batch (the micro-batch's number) on the first
+    and the last stage, as get_batch reads tokens and labels; loss on the last."""
+    mb = None
+    if data_iterator is not None and (getattr(model, "pre_process", False) or getattr(model, "post_process", False)):
+        mb = next(data_iterator)
+    output = model(mb)
 
     def loss_func(output_tensor):
         loss = output_tensor.sum() * 0.0  # the value is irrelevant; its backward starts the I/W chain

@@ -16,6 +16,13 @@ On the clock's 'wall' mode the stamps are not waited for (executor/clock.py): th
 then make the tensors that cross a cut as large as the model's bytes there (`wall_numel`),
 so the framework's own p2p really moves them; `out_shape` lets a chunk keep its inner
 layers' tensors small and give only its last layer the boundary's size.
+
+Under a plan that splits the LM head, the owner stage ends in a `HeadHandOver`: its forward
+hands the head's input on as a summable stamp (executor/standin.py `split_stamp`) for the
+rank's `SleepShards`, its backward waits for the shards' summed partials (`split_ready`), so
+the framework's own stage code runs the owner and SleepShards the shard passes, on one clock.
+`add_standin_options` / `check_standin_scale`: the command-line options and the host-share
+check every stand-in benchmark shares (the Megatron and the DeepSpeed one).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from torch import nn
 
 from ..executor.clock import DeviceClock
+from ..executor.standin import SleepShards
 
 DTYPE = torch.float64
 
@@ -92,3 +100,75 @@ class SleepLayer(nn.Module):
         """The stamped output; adding the zero weight path ties W to this layer's backward."""
         y = _InputPath.apply(x, self.clock, self.f_ms, self.i_ms, self.hop_in_ms, self.hop_out_ms, self.out_shape)
         return y + _WeightPath.apply(self.weight, self.clock, self.w_ms, y.shape)
+
+
+class _HandOver(torch.autograd.Function):
+    """The owner's hand-over to a split head: a summable stamp forward, the summed partials' arrival backward."""
+
+    @staticmethod
+    def forward(ctx, x, shards, mb):
+        ctx.shards, ctx.mb, ctx.in_shape = shards, mb, x.shape
+        return shards.stamp("head-input", mb, stamp(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        ready = ctx.shards.ready_at(grad, f"owner backward of micro-batch {ctx.mb}", ctx.mb, "head-partial")
+        return stamped(ready, ctx.in_shape), None, None
+
+
+class HeadHandOver(nn.Module):
+    """The end of the stage that owns a split LM head: its output is the head's input for every shard.
+
+    `shards`: the rank's SleepShards (its `hand_over` meta is the output's shape and dtype); `mb`: the
+    micro-batch when the layer knows it (a callable returning it), else -1 (the shards then check the
+    hand-over's kind only)."""
+
+    def __init__(self, shards: SleepShards, mb=None):
+        super().__init__()
+        self.shards = shards
+        self.mb = mb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's input as a summable stamp of the end time of the stage's last layer."""
+        mb = int(self.mb()) if self.mb is not None else -1
+        return _HandOver.apply(x, self.shards, mb)
+
+
+# ----- what every stand-in benchmark's command line shares
+
+HOST_SHARE_FLAG = "--strict-host-share"
+
+
+def add_standin_options(p, *, clock_help: str) -> None:
+    """Register the stand-in options both framework benchmarks take: the clock, this host's links, the
+    overheads the scale is checked against, and the split plan to measure beside the plan without splits."""
+    p.add_argument("--clock", default="device", choices=("device", "wall"), help=clock_help)
+    p.add_argument("--links", help="with --clock wall: cluster file of this host's links (octopipe cluster --measure) "
+                                   "pricing the transfers in the prediction (default: --cluster's)")
+    p.add_argument("--overheads", metavar="FILE",
+                   help="octopipe-overheads/1 file the scale is checked against (default: this machine's, measured "
+                        "once by `octopipe profile --overheads` and cached)")
+    p.add_argument(HOST_SHARE_FLAG, action="store_true",
+                   help="refuse a --target-ms at which the executor's host overhead exceeds 5%% of a modelled step "
+                        "(default: warn)")
+    p.add_argument("--splits", default="auto", choices=("auto", "off"),
+                   help="auto (default): also run OctoPipe with split layers (the LM head divided by vocabulary rows "
+                        "over several ranks; tuned by the split-aware tuner unless --split-plan) and print the "
+                        "measured split gain; off: only the plans without splits")
+    p.add_argument("--split-plan", metavar="FILE", help="the octopipe-plan/1 file with split layers to run "
+                                                        "(default: tune one with --splits auto)")
+
+
+def check_standin_scale(args, runs) -> bool:
+    """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures.
+
+    `runs`: (label, plan, modelled step ms at the chosen scale) of every plan the benchmark runs."""
+    import sys
+
+    from ..profile.overheads import machine_overheads
+    from ..simulator.overheads import scale_warnings
+
+    lines = scale_warnings(runs, machine_overheads(args.overheads), "--target-ms", args.target_ms)
+    for line in lines:
+        print(f"{'error' if args.strict_host_share else 'warning'}: {line}", file=sys.stderr)
+    return bool(lines) and args.strict_host_share

@@ -55,7 +55,7 @@ def test_stand_in_benchmark_runs_every_engine_on_the_wall_clock(tmp_path):
     out = subprocess.run([sys.executable, str(EXAMPLES / "benchmark.py"), "--stand-in", "--model",
                           str(tmp_path / "m.json"), "--cluster", "h100x2", "--links", str(tmp_path / "l.json"),
                           "--microbatches", "4", "--tune-budget", "1", "--target-ms", "300", "--steps", "1",
-                          "--clock", "wall"], capture_output=True, text=True, timeout=880,
+                          "--clock", "wall", "--splits", "off"], capture_output=True, text=True, timeout=880,
                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -64,3 +64,31 @@ def test_stand_in_benchmark_runs_every_engine_on_the_wall_clock(tmp_path):
         assert any(re.match(rf"DeepSpeed {engine}|{engine}", ln) and re.search(r"\s[\d.]+\s+[\d.]+\s+[\d.]+$", ln)
                    for ln in lines), out.stdout
     assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)  # four engines' deepspeed.initialize on 4 ranks: minutes on a loaded 2-core machine
+def test_stand_in_benchmark_runs_a_split_plan_beside_the_plan_without(tmp_path):
+    # 4 ranks, 8 micro-batches, 0.4 s steps, a plan splitting the head over every rank: the split engine's row and
+    # the split gain parse (no timing asserted)
+    import os
+    import re
+    import subprocess
+
+    from octopipe_plugin.costs import resolve_cluster, resolve_model
+    from octopipe_plugin.formats import write_plan
+    from octopipe_plugin.testing.split_plans import head_split_plan
+
+    split = str(tmp_path / "split.json")
+    write_plan(head_split_plan(resolve_model("gemma3"), resolve_cluster("h100x4"), 8), split)
+    root = EXAMPLES.parents[1]
+    out = subprocess.run([sys.executable, str(EXAMPLES / "benchmark.py"), "--stand-in", "--model", "gemma3",
+                          "--cluster", "h100x4", "--microbatches", "8", "--tune-budget", "1", "--split-plan", split,
+                          "--target-ms", "400", "--steps", "1"], capture_output=True, text=True, timeout=880,
+                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(ln.startswith("OctoPipe with splits: ") and "over 4 ranks" in ln for ln in lines), out.stdout
+    assert any(re.match(r"OctoPipeEngine with splits .*\s[\d.]+\s+[\d.]+\s+[\d.]+$", ln) for ln in lines), out.stdout
+    assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-2]), lines[-2]
+    assert re.fullmatch(r"measured split gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]

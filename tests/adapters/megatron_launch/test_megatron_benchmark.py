@@ -17,7 +17,7 @@ def test_stand_in_benchmark_runs_megatron_and_octopipe_side_by_side(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--stand-in", "--model",
                           "llama2-7b", "--cluster", "h100x2", "--microbatches", "4", "--tune-seconds", "1",
-                          "--target-ms", "300", "--timeout", "120"], capture_output=True, text=True, timeout=380,
+                          "--target-ms", "300", "--timeout", "120", "--splits", "off"], capture_output=True, text=True, timeout=380,
                          env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -49,9 +49,37 @@ def test_stand_in_benchmark_runs_on_the_wall_clock_with_real_boundaries(tmp_path
     out = subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--stand-in", "--model",
                           str(tmp_path / "m.json"), "--cluster", "h100x2", "--links", _local_links(tmp_path / "l.json"),
                           "--microbatches", "4", "--tune-seconds", "1", "--target-ms", "300", "--timeout", "120",
-                          "--clock", "wall"], capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
+                          "--clock", "wall", "--splits", "off"], capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert any("wall clock" in ln for ln in lines) and any(
         ln.startswith("transfers: boundaries of 1.00 MiB over gloo, predicted with") for ln in lines), out.stdout
     assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
+
+
+def split_plan_file(path, model_name: str, devices: int, microbatches: int) -> str:
+    """A plan splitting the model's LM head over every rank (what a short tune might not choose), written out."""
+    from octopipe_plugin.costs import resolve_cluster, resolve_model
+    from octopipe_plugin.formats import write_plan
+    from octopipe_plugin.testing.split_plans import head_split_plan
+
+    write_plan(head_split_plan(resolve_model(model_name), resolve_cluster(f"h100x{devices}"), microbatches), path)
+    return str(path)
+
+
+def test_stand_in_benchmark_runs_a_split_plan_beside_the_plan_without(tmp_path):
+    # 4 ranks, 8 micro-batches, 0.4 s steps: the split run's line and the split gain parse (no timing asserted)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    split = split_plan_file(tmp_path / "split.json", "gemma3", 4, 8)
+    out = subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--stand-in", "--model",
+                          "gemma3", "--cluster", "h100x4", "--microbatches", "8", "--tune-seconds", "1",
+                          "--split-plan", split, "--target-ms", "400", "--timeout", "120"],
+                         capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(ln.startswith("octopipe with splits: ") and "over 4 ranks" in ln for ln in lines), out.stdout
+    for label in ("megatron", "octopipe", "octopipe with splits"):
+        assert any(re.match(rf"{label}\s+measured step\s+[\d.]+ ms\s+simulated\s+[\d.]+ ms\s+tokens/s [\d,]+", ln)
+                   for ln in lines), out.stdout
+    assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-2]), lines[-2]
+    assert re.fullmatch(r"measured split gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
