@@ -257,8 +257,8 @@ def main() -> None:
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
     ap.add_argument("--cache", action="store_true", help="reuse cached profiles (default: measure under today's load)")
     ap.add_argument("--no-gc", action="store_true",
-                    help="Python's garbage collector off during the steps, collected between rounds (what the "
-                         "executor would gain from managing it: benchmarks/action_costs.py --no-gc)")
+                    help="Python's garbage collector off between the steps too, collected after each round (the "
+                         "executor already pauses it inside each step: ExecutorOptions.pause_gc)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
                          "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")

@@ -16,12 +16,10 @@ from ..formats import bind_plan, plan_to_dict, write_model, write_plan
 from ..schedules.registry import build_plan
 from ..simulator import simulate
 from ..tuner.compare import comparison_rows, format_table
+from ..tuner.constraints import FRAMEWORK_SPLITS
 from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
 
 DEFAULT_PLAN = "octopipe-plan.json"
-# what the Megatron and DeepSpeed runners run of a split plan: the LM head only, its owner holding a shard
-# (the owner reports the loss through the framework's own loss function); the tuner keeps to it
-FRAMEWORK_SPLITS = {"owner_shard": True, "split_embedding": False}
 _GIB = 2**30
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -50,6 +51,11 @@ class ExecutorOptions:
     # "message" (each message issued when ready) or "batched" (a step's ready sends and receives issued as one
     # batch_isend_irecv per peer); None: the backend's default (comm.DEFAULT_EXCHANGE)
     exchange: str | None = None
+    # Python's cyclic collector paused during a step's actions and let run again after it (Megatron's
+    # --manual-gc does the same between iterations): a full pass inside a split backward's I, whose pending
+    # W hold many objects, cost ~8 ms per action on MoE stages (benchmarks/action_costs.py --no-gc) —
+    # time the profile never sees. False: the collector runs whenever its thresholds say.
+    pause_gc: bool = True
 
 
 @dataclass(kw_only=True)
@@ -175,6 +181,16 @@ class PipelineExecutor:
         forward gets micro-batch mb of it as `batch`. An evaluation (`forward_only`) may run
         another `num_microbatches` than the plan's (`lowered.forward_plan`).
         """
+        paused = self.options.pause_gc and gc.isenabled()  # a collector the user switched off stays off
+        if paused:
+            gc.disable()
+        try:
+            return self._run_step(data, forward_only=forward_only, num_microbatches=num_microbatches)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _run_step(self, data, *, forward_only: bool, num_microbatches: int | None) -> StepResult:
         forward_only = forward_only or self.evaluation_only  # a plan of forwards only is an evaluation plan
         low = self._lowered_for(forward_only, num_microbatches)
         if forward_only and self.plan.splits:  # a shard method without forward_only= fails here, not mid-step

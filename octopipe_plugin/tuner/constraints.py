@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..actions import Kind
 from ..errors import OctoPipeError
 from ..schedules.placement import Placement, place_stages
 
 PLACEMENTS = ("looped", "v", "any")
+# what the Megatron and DeepSpeed runners run of a split plan: the LM head only, its owner holding a shard
+# (the owner reports the loss through the framework's own loss function): `replace(c, **FRAMEWORK_SPLITS)`
+FRAMEWORK_SPLITS = MappingProxyType({"owner_shard": True, "split_embedding": False})
 _SPLIT_KINDS = frozenset({Kind.I, Kind.W})
 
 
