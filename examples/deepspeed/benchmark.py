@@ -156,22 +156,9 @@ def _worker(rank, world, port, model_doc, plan_doc, split_doc, shard_costs, scal
         shards = SleepShards(shards=shard_costs, rank=rank, device=clock, num_devices=world,
                              hand_over=TensorMeta(shape=(1, width), dtype=torch.float64, requires_grad=False))
         entries, layer_of_spec = split_specs(specs, model, shards)
-
-        def rank_shards(engine):
-            """OctoPipeEngine's shards factory: the rank's SleepShards, reporting through the engine's runner."""
-            def report(mb, losses, coef):
-                out = engine._runner.report(mb, losses, coef)
-                # the stand-in owner has no loss_fn value to report (it hands on (hidden, None, None)): its
-                # micro-batch's loss for DeepSpeed's total_loss is the reported (zero) one
-                engine._runner.losses.setdefault(mb, out.loss)
-                return out
-
-            shards.report = report
-            return shards
-
         builders["octopipe-split"] = lambda: OctoPipePipelineModule(
             entries, plan=plan_from_dict(split_doc), loss_fn=standin_loss, layer_of_spec=layer_of_spec,
-            shards=rank_shards)
+            shards=shards)
     times = {}
     for name, build in builders.items():
         module = build()

@@ -79,7 +79,10 @@ class OctoPipeEngine(PipelineEngine):
             return None
         given = self.module.octopipe_shards
         if given is not None:  # stand-ins (the benchmarks): the object, or a callable building it for this engine
-            return given if hasattr(given, "head_forward") else given(self)
+            shards = given if hasattr(given, "head_forward") else given(self)
+            if getattr(shards, "report", None) is None:  # J reports through this engine's runner, as below
+                shards.report = lambda mb, per_token, coef: self._runner.report(mb, per_token, coef)
+            return shards
         head, shard = self.module.octopipe_head, self.module.head_shard()
         # the head input's meta is learned per step (the shard ranks see no data); J reports through the runner
         return VocabShards(plan=self.plan, rank=self.module.stage_id, vocab_size=head.vocab,
