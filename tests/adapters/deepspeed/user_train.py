@@ -70,6 +70,8 @@ def main():
     it = iter(data)
     losses = [float(engine.train_batch(data_iter=it)) for _ in range(args.steps)]
     print(f"RANK {os.environ['RANK']} ENGINE {type(engine).__name__} LOSSES {json.dumps(losses)}", flush=True)
+    # as a user script should: a process ending with its gloo group alive can die in std::terminate at teardown
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
