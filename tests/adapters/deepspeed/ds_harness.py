@@ -235,8 +235,10 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))
 
 
-def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str) -> None:
-    """One rank: DeepSpeed's gloo init, then every scenario in turn (a failure is recorded, not fatal)."""
+def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str, run=None) -> None:
+    """One rank: DeepSpeed's gloo init, then every scenario in turn through `run` (default this harness's
+    run_scenario; a failure is recorded, not fatal)."""
+    run = run or run_scenario
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -245,7 +247,7 @@ def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str) -> N
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     for sc in scenarios:
         try:
-            run_scenario(sc, rank, out_dir)
+            run(sc, rank, out_dir)
         except Exception as exc:  # noqa: BLE001 - the test reports it with the scenario's name
             with open(os.path.join(out_dir, f"{sc['name']}-rank{rank}.err"), "w") as fh:
                 fh.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -254,13 +256,13 @@ def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str) -> N
         deepspeed.comm.barrier()
 
 
-def run_all(scenarios: list, world: int, out_dir: str) -> None:
-    """Spawn `world` ranks running every scenario."""
+def run_all(scenarios: list, world: int, out_dir: str, run=None) -> None:
+    """Spawn `world` ranks running every scenario (through `run`, a module-level function: default run_scenario)."""
     import torch.multiprocessing as mp
 
     from octopipe_plugin.executor.launch import free_port
 
-    mp.spawn(worker, args=(world, free_port(), scenarios, out_dir), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), scenarios, out_dir, run), nprocs=world, join=True)
 
 
 def load(out_dir, name: str, world: int) -> list[dict]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import traceback
 from dataclasses import replace
 
 import torch
@@ -135,32 +134,9 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))
 
 
-def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str) -> None:
-    """One rank: DeepSpeed's gloo init, then every scenario in turn (a failure is recorded, not fatal)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    for sc in scenarios:
-        try:
-            run_scenario(sc, rank, out_dir)
-        except Exception as exc:  # noqa: BLE001 - the test reports it with the scenario's name
-            with open(os.path.join(out_dir, f"{sc['name']}-rank{rank}.err"), "w") as fh:
-                fh.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            if sc.get("fatal", True):
-                raise
-        deepspeed.comm.barrier()
-
-
 def run_all(scenarios: list, world: int, out_dir: str) -> None:
-    """Spawn `world` ranks running every scenario."""
-    import torch.multiprocessing as mp
-
-    from octopipe_plugin.executor.launch import free_port
-
-    mp.spawn(worker, args=(world, free_port(), scenarios, out_dir), nprocs=world, join=True)
+    """Spawn `world` ranks running every split scenario (ds_harness's workers, this harness's run_scenario)."""
+    H.run_all(scenarios, world, out_dir, run=run_scenario)
 
 
 def head_weight(reports) -> torch.Tensor:
