@@ -11,13 +11,24 @@ Megatron's construction all-reduce over {0, P-1} waits forever for rank P-1.
 the ranks that really hold copies; copies that share a rank are tied here, locally:
 `tie_local_copies` copies the embedding into them after construction and
 `sum_local_grads` sums their main_grads before Megatron's finalize step.
+
+A tied LM head that the plan splits keeps no whole copy: each shard rank holds rows of the
+embedding (vocab_shards.build_tied_head_shard, initialised from the embedding's rank), and the
+`HeadTie` registered here on the chunks involved sums their gradients with the embedding's
+(`sum_head_tie`: executor.tied_rows.sum_rows) after the step's backward and before those
+chunks' data-parallel reduction starts (`head_tie_chunks` are held until then). Megatron's
+embedding group then holds only the ranks with whole copies (mapping.copy_ranks).
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from ...errors import OctoPipeError
 
 
 def local_copy_chunks(model: Sequence[torch.nn.Module]) -> set[int]:
@@ -78,3 +89,48 @@ def sum_local_grads(model: Sequence[torch.nn.Module]) -> None:
     total = torch.stack(grads).sum(0)
     for g in grads:
         g.copy_(total)
+
+
+@dataclass(frozen=True)
+class HeadTie:
+    """One rank's side of a split head's tie: the embedding's weight (on its rank) and/or this rank's shard weight."""
+
+    tie: object  # executor.tied_rows.TiedRows
+    full: torch.nn.Parameter | None
+    shard: torch.nn.Parameter | None
+
+
+# inner GPTModel chunk -> its rank's HeadTie (weak: a model that goes away takes its entry with it)
+_TIES: "weakref.WeakKeyDictionary[torch.nn.Module, HeadTie]" = weakref.WeakKeyDictionary()
+
+
+def register_head_tie(chunks: Sequence[torch.nn.Module], head_tie: HeadTie) -> None:
+    """Record `head_tie` on the chunks holding its weights (the embedding's chunk, the shard's host chunk)."""
+    for chunk in chunks:
+        if any(p is w for p in chunk.parameters() for w in (head_tie.full, head_tie.shard) if w is not None):
+            _TIES[chunk] = head_tie
+
+
+def _inner(chunk):
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight", return_model_obj=True)
+
+
+def head_tie_chunks(model: Sequence[torch.nn.Module]) -> set[int]:
+    """Indices of this rank's chunks holding a weight of a split head's tie (their reduction waits for the sum)."""
+    return {c for c, chunk in enumerate(model) if _inner(chunk) in _TIES}
+
+
+def sum_head_tie(model: Sequence[torch.nn.Module]) -> None:
+    """The tie's gradient: embedding rows' and shards' main_grads := their sum (collective over the tie's ranks)."""
+    from octopipe_plugin.executor.tied_rows import sum_rows
+
+    found = next((_TIES[_inner(c)] for c in model if _inner(c) in _TIES), None)
+    if found is None:
+        return
+    grads = [getattr(w, "main_grad", None) if w is not None else None for w in (found.full, found.shard)]
+    for w, g in zip((found.full, found.shard), grads):
+        if w is not None and g is None:
+            raise OctoPipeError("a split LM head tied to the embedding needs Megatron's DDP (main_grad) on its weights")
+    sum_rows(found.tie, *grads)

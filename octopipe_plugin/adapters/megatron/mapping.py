@@ -127,11 +127,16 @@ def _holds(mine, stage: int, ignore_virtual: bool, vp_stage: int | None, running
 
 
 def copy_ranks(plan, model, tied: bool) -> list[int]:
-    """Pipeline ranks holding a word-embedding copy: embedding, MTP, and (when tied) the LM head, in model order."""
+    """Pipeline ranks holding a word-embedding copy: embedding, MTP, and (when tied) the LM head, in model order.
+
+    A tied head that the plan splits holds no whole copy: its shards are rows of the embedding, tied to it by
+    `executor.tied_rows` (embeddings.tie_head_shards), so the head's rank joins Megatron's embedding group only
+    for another copy it holds."""
     syms = stage_symbols(plan, model)
+    whole_head = tied and head_split(plan) is None
     ranks = []
     for s, st in enumerate(plan.stages):
-        if "E" in syms[s] or MTP in syms[s] or (tied and "L" in syms[s]):
+        if "E" in syms[s] or MTP in syms[s] or (whole_head and "L" in syms[s]):
             if st.device not in ranks:
                 ranks.append(st.device)
     return ranks

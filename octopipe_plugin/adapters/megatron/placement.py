@@ -172,18 +172,44 @@ def attach_head_shard(plan, chunks, rank: int, config, vocab_size: int | None = 
     if problem is not None:  # before the collective: a refused plan sends nothing
         raise OctoPipeError(problem)
     owner = plan.stages[-1].device
+    vocab = padded_vocab_size() if vocab_size is None else vocab_size
+    if any(getattr(c, "share_embeddings_and_output_weights", False) for c in chunks):  # every rank's chunks know
+        return _attach_tied_head_shard(plan, sp, chunks, rank, config, vocab)
     if rank != owner and rank not in sp.devices:
         return None
-    if any(getattr(c, "share_embeddings_and_output_weights", False) for c in chunks):  # every rank's chunks know
-        raise OctoPipeError(f"plan splits[{plan.splits.index(sp)}] (layer {sp.layer}): a split LM head tied to the "
-                            f"word embedding is not supported yet; pass --untie-embeddings-and-output-weights or "
-                            f"drop the head's split")
-    vocab = padded_vocab_size() if vocab_size is None else vocab_size
     owner_chunk = chunks[plan.stages_of(rank).index(plan.num_stages - 1)] if rank == owner else None
     shard = build_head_shard(config, split=sp, device=rank, owner=owner, vocab_size=vocab,
                              hidden_size=config.hidden_size,
                              owner_weight=owner_chunk.output_layer.weight if owner_chunk is not None else None)
     (owner_chunk if owner_chunk is not None else chunks[-1]).output_layer = shard
+    return shard
+
+
+def _attach_tied_head_shard(plan, sp, chunks, rank: int, config, vocab: int):
+    """attach_head_shard for a head tied to the word embedding: the rows come from the embedding's rank.
+
+    Collective over the embedding's rank and the shard ranks. The owner's chunk drops its output layer (Megatron
+    zero-filled that copy and, its rank being outside the embedding group, never filled it: mapping.copy_ranks);
+    the chunk hosting a shard stops answering as a tied model (`share_embeddings_and_output_weights = False`), so
+    Megatron's own tying leaves the shard alone: its state dict does not replace the shard's entry with the whole
+    embedding and its finalize step does not all-reduce a copy that is none. The tie's gradients are summed by
+    embeddings.sum_head_tie after each step."""
+    from .embeddings import HeadTie, register_head_tie
+    from .vocab_shards import build_tied_head_shard
+
+    owner, first = plan.stages[-1].device, plan.stages[0].device
+    if rank not in (owner, first, *sp.devices):
+        return None
+    mine = plan.stages_of(rank)
+    emb_chunk = chunks[mine.index(0)] if rank == first else None
+    emb_weight = emb_chunk.embedding.word_embeddings.weight if emb_chunk is not None else None
+    shard, tie = build_tied_head_shard(config, split=sp, device=rank, embedding_device=first, vocab_size=vocab,
+                                       hidden_size=config.hidden_size, embedding_weight=emb_weight)
+    host = chunks[mine.index(plan.num_stages - 1)] if rank == owner else (chunks[-1] if shard is not None else None)
+    if host is not None:
+        host.output_layer = shard
+        host.share_embeddings_and_output_weights = False
+    register_head_tie(chunks, HeadTie(tie=tie, full=emb_weight, shard=shard.weight if shard is not None else None))
     return shard
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from ...executor.interface import TensorMeta
-from .embeddings import sum_local_grads
+from .embeddings import sum_head_tie, sum_local_grads
 from .placement import plan_float16_wrappers, plan_pipeline_view
 from .loss_transfer import recv_loss_dicts, send_loss_dicts
 from .stages import MegatronStages, split_phases
@@ -146,6 +146,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         if not forward_only:
             shard_grads_to_main_grad(runner.shard_weights())
             sum_local_grads(model)  # same-rank tied copies: summed before their reduction starts
+            sum_head_tie(model)  # a split head tied to the embedding: its rows' gradients summed with the shards'
             runner.sync.sync_held()
             _finalize(plan, rank, model, config, runner, pp_group, pg_collection, force_all_reduce)
         return _losses_for_megatron(plan, rank, runner, pp_group, num_microbatches, runner.device)

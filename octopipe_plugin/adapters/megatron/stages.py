@@ -191,9 +191,11 @@ class MegatronStages(StageCore):
         self.num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         last = lowered_plan(plan, rank).last_backward  # stage -> program index of its last weight-gradient action
         last_chunk = self.chunk_of[max(last, key=last.get)] if last else None
-        from .embeddings import local_copy_chunks
+        from .embeddings import head_tie_chunks, local_copy_chunks
 
-        hold = set() if forward_only else local_copy_chunks(self.model) | self._shard_chunks()
+        # a split head tied to the embedding: the embedding's chunk too waits for the tie's sum (sum_head_tie)
+        hold = set() if forward_only else (local_copy_chunks(self.model) | self._shard_chunks()
+                                           | head_tie_chunks(self.model))
         self.sync = GradSync(config, self.model, last_chunk, forward_only, hold)
         owner = plan.num_stages - 1
         self.capture = None

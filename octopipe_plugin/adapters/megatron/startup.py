@@ -84,13 +84,13 @@ def split_refusal(args, plan) -> str | None:
         return None
     problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
                             tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    if problem is None and tied and head_split(plan) is not None and len(plan.splits) > 1:
+        problem = (f"plan splits[{plan.splits.index(head_split(plan))}]: a split LM head tied to a split word "
+                   f"embedding is not supported; split one of them, or pass --untie-embeddings-and-output-weights")
     if problem is None and hybrid_pattern(args):
         problem = (f"plan splits: a HybridModel's forward gives no hook for its final-norm hidden states "
                    f"(GPTModel's output_processor); drop `splits` for --hybrid-layer-pattern models")
-    if problem is None and head_split(plan) is not None and not getattr(args, "untie_embeddings_and_output_weights",
-                                                                        False):
-        problem = (f"plan splits[{plan.splits.index(head_split(plan))}]: a split LM head tied to the word embedding "
-                   f"is not supported yet; pass --untie-embeddings-and-output-weights or drop the head's split")
     return problem
 
 

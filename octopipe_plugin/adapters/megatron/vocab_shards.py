@@ -32,7 +32,9 @@ import torch
 
 from octopipe_plugin.formats.splits import SplitLayer, row_range
 
-__all__ = ["HeadShard", "build_head_shard", "head_rows"]
+__all__ = ["HeadShard", "build_head_shard", "build_tied_head_shard", "head_rows", "EMBEDDING_KEY"]
+
+EMBEDDING_KEY = "embedding.word_embeddings.weight"  # Megatron's checkpoint key of the word embedding
 
 
 def head_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
@@ -59,7 +61,7 @@ class HeadShard(torch.nn.Module):
 
     def __init__(self, config, *, vocab_size: int, hidden_size: int, rows: tuple[int, int],
                  tp_rank: int = 0, tp_size: int = 1, key: str | None = None, copy: bool = False,
-                 extra_state: bool = True, weight: torch.Tensor | None = None):
+                 extra_state: bool = True, extra_with_prefix: bool = False, weight: torch.Tensor | None = None):
         super().__init__()
         lo, hi = rows
         per_tp = vocab_size // tp_size if tp_size > 0 else 0
@@ -76,6 +78,9 @@ class HeadShard(torch.nn.Module):
         # ColumnParallelLinear saves an `_extra_state` object beside its weight, VocabParallelEmbedding none:
         # False for rows of the word embedding, so either layout finds exactly the entries it asks for
         self.extra_state = extra_state
+        # a tied head's shards: the weight is the embedding's (`key`, a copy), but Megatron's tied layout keeps the
+        # head's `output_layer._extra_state` as its own main replica: the entry goes under the module's prefix
+        self.extra_with_prefix = extra_with_prefix
         if weight is None:
             # ColumnParallelLinear's placement rule; torch.empty draws nothing (the rank's RNG stream stays put)
             where = (torch.device("cpu") if getattr(config, "use_cpu_initialization", True)
@@ -127,9 +132,12 @@ class HeadShard(torch.nn.Module):
         if not self.extra_state:
             return {f"{prefix}weight": weight}
         first = lo == self.tp_rank * (self.vocab_size // self.tp_size)
-        extra_key = key[:-len("weight")] + "_extra_state" if key.endswith("weight") else key + "._extra_state"
-        extra = make_sharded_object_for_checkpoint(None, extra_key, (),
-                                                   replica_id=(int(self.copy or not first), self.tp_rank, dp_rank))
+        if self.extra_with_prefix:
+            extra_key, copy = f"{prefix}_extra_state", not first
+        else:
+            extra_key = key[:-len("weight")] + "_extra_state" if key.endswith("weight") else key + "._extra_state"
+            copy = self.copy or not first
+        extra = make_sharded_object_for_checkpoint(None, extra_key, (), replica_id=(int(copy), self.tp_rank, dp_rank))
         return {f"{prefix}weight": weight, f"{prefix}_extra_state": extra}
 
     def extra_repr(self) -> str:
@@ -184,3 +192,47 @@ def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, voca
         with torch.no_grad():
             dist.recv(shard.weight.data, src=ranks[owner], group=pp_group)
     return shard
+
+
+def build_tied_head_shard(config, *, split: SplitLayer, device: int, embedding_device: int, vocab_size: int,
+                          hidden_size: int, embedding_weight: torch.Tensor | None, pp_group=None,
+                          tp_rank: int | None = None, tp_size: int | None = None):
+    """(this pipeline rank's HeadShard or None, the tie) of a split LM head tied to the word embedding.
+
+    The unsplit tied model uses the embedding's weight as its head, so each shard's rows are copied from
+    the weight of the embedding's rank (`embedding_weight` there, this TP rank's slice; None elsewhere),
+    by `executor.tied_rows.copy_rows`: collective over the embedding's rank and the split's devices (the
+    others return at once). The shard saves as a copy of its rows of the embedding (`EMBEDDING_KEY`,
+    replica), beside `output_layer._extra_state` as Megatron's tied layout keeps it, and is `shared` as the
+    tied head's copy is in Megatron (counted once in the gradient norm: the embedding's rows are).
+    The tie (`TiedRows`, global ranks, rows in this TP rank's slice) sums the gradients after each step."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    from octopipe_plugin.executor.tied_rows import TiedRows, copy_rows
+
+    pp_group = ps.get_pipeline_model_parallel_group() if pp_group is None else pp_group
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    tp_size = ps.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    ranks = dist.get_process_group_ranks(pp_group)
+    per_tp = vocab_size // tp_size
+    tie = TiedRows(full_rank=ranks[embedding_device],
+                   rows={ranks[d]: row_range(split, per_tp, d) for d in split.devices}, group=pp_group)
+    if device == embedding_device:
+        want = (per_tp, hidden_size)
+        if (embedding_weight is None or tuple(embedding_weight.shape) != want
+                or embedding_weight.dtype != config.params_dtype):
+            got = None if embedding_weight is None else (tuple(embedding_weight.shape), embedding_weight.dtype)
+            raise ValueError(f"build_tied_head_shard on the embedding's rank (pipeline rank {device}): expected its "
+                             f"word_embeddings.weight of shape {want} and dtype {config.params_dtype}, got {got}")
+    shard = None
+    if device in split.devices:
+        shard = HeadShard(config, vocab_size=vocab_size, hidden_size=hidden_size,
+                          rows=head_rows(split, vocab_size, device, tp_rank, tp_size), tp_rank=tp_rank,
+                          tp_size=tp_size, key=EMBEDDING_KEY, copy=True, extra_with_prefix=True)
+        shard.weight.shared = True  # Megatron's mark of a tied copy (param_is_not_shared: not in the grad norm)
+    if device == embedding_device or shard is not None:
+        copy_rows(tie, embedding_weight.detach() if embedding_weight is not None else None,
+                  shard.weight.data if shard is not None else None)
+    return shard, tie

@@ -1,4 +1,4 @@
-"""Plans that split the LM head, inside Megatron (megatron-core 0.19.2, CPU/gloo, tiny GPT, local spec, untied).
+"""Plans that split the LM head, inside Megatron (megatron-core 0.19.2, CPU/gloo, tiny GPT, local spec, untied and tied).
 
 Each shard rank holds a `HeadShard` (rows of Megatron's output_layer.weight, initialised from the
 owner's Megatron-built head) attached to its chunk before DDP wrapping; the owner's chunk returns its
@@ -67,12 +67,15 @@ DP_PLAN = split_plan(DENSE, [(0, 3), (3, 4), (4, 8), (8, 10)], [0, 1, 0, 1], 2, 
 PER_TOKEN = H.TinyGPT(num_layers=8, args=("--calculate-per-token-loss",))  # finalize divides by the token count
 TWO_TUPLE = H.TinyGPT(num_layers=8, three_tuple_loss=False)  # the legacy (loss, dict): / num_microbatches only
 BF16 = H.TinyGPT(num_layers=8, bf16=True)  # Float16Module: the head's input stays bf16, the shards' loss is fp32
+TIED = H.TinyGPT(num_layers=8, tied=True)  # Megatron's default: the head is the word embedding
 
 REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M),
              dict(name="dense_2m", spec=DENSE, pp=1, microbatches=2 * M),
              dict(name="per_token", spec=PER_TOKEN, pp=1, microbatches=M),
              dict(name="two_tuple", spec=TWO_TUPLE, pp=1, microbatches=M),
-             dict(name="bf16", spec=BF16, pp=1, microbatches=M)]
+             dict(name="bf16", spec=BF16, pp=1, microbatches=M),
+             dict(name="tied", spec=TIED, pp=1, microbatches=M),
+             dict(name="tied_2m", spec=TIED, pp=1, microbatches=2 * M)]
 SPLITS = [
     dict(name="split_pp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(PP2), ref="dense", world=2),
     # Megatron's loss rules through the owner's coefficients and its J's report
@@ -88,7 +91,26 @@ SPLITS = [
     # PP=2 x DP=2, each chunk's reduce-scatter overlapped (the shard's chunk reduces after the step)
     dict(name="split_pp2_dp2_overlap", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
          overlap_grad_reduce=True, ref="dense_2m", world=4),
+    # tied to the embedding: shards initialised from the embedding's rank, the tie's gradients summed (tied_rows)
+    # before the reduction. PP=2: the embedding's rank holds a shard, the owner another
+    dict(name="split_tied_pp2", spec=TIED, pp=2, microbatches=M, plan=plan_to_dict(PP2), ref="tied", world=2),
+    # V-shape: the embedding and the owner on rank 0 (a local tie), every rank a shard
+    dict(name="split_tied_vshape", spec=TIED, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE), ref="tied", world=4),
+    # DP=2, distributed optimizer, reduce-scatters overlapped: the tied chunks reduce after the tie's sum
+    dict(name="split_tied_dp2_overlap", spec=TIED, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
+         overlap_grad_reduce=True, ref="tied_2m", world=4),
 ]
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def head_key(case: dict) -> str:
+    """The unsplit model's weight the shards are rows of: the output layer's, or the tied embedding's."""
+    return EMBEDDING if case["spec"].tied else "output_layer.weight"
+
+
+def shard_rows_of(key: str) -> slice:
+    """The rows of a shard's name "output_layer.weight[lo:hi]"."""
+    return slice(*map(int, key[len("output_layer.weight["):-1].split(":")))
 
 
 def joined(values: dict) -> dict:
@@ -137,6 +159,10 @@ def test_split_head_trains_as_the_unsplit_model(case, reference, splits):
         # sign of a near-zero gradient into a whole lr step: weights after the optimizer are not comparable
         return
     weights = joined(got["weights"])
+    if spec["spec"].tied:  # each shard against its rows of the tied embedding, the embedding itself as it is
+        rows = weights.pop("output_layer.weight")
+        torch.testing.assert_close(rows, want["weights"][EMBEDDING], **wt, msg=f"{case}: the shards' rows")
+        torch.testing.assert_close(rows, weights[EMBEDDING], rtol=1e-6, atol=1e-7, msg=f"{case}: the tie held")
     assert set(weights) == set(want["weights"]), sorted(set(weights) ^ set(want["weights"]))
     for name, w in want["weights"].items():
         torch.testing.assert_close(weights[name], w, **wt, msg=f"{case}: weight {name}")
@@ -154,8 +180,8 @@ def test_split_head_gradients_match_before_the_optimizer(case, reference, splits
     got = splits[case]["grads"]
     shard_keys = [k for k in got if k.startswith("output_layer.weight[")]
     assert len(shard_keys) == len(spec["plan"]["splits"][0]["devices"]), shard_keys
-    per_rows = {k: want["output_layer.weight"][slice(*map(int, k[len("output_layer.weight["):-1].split(":")))]
-                for k in shard_keys}
+    # tied: the embedding's rank holds the whole tied gradient, each shard its rows of it
+    per_rows = {k: want[head_key(spec)][shard_rows_of(k)] for k in shard_keys}
     want_split = {**{k: v for k, v in want.items() if k != "output_layer.weight"}, **per_rows}
     bad = H.grad_mismatches(got, want_split)
     assert not bad, f"{case}: " + "; ".join(bad[:5])
@@ -210,18 +236,21 @@ def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
 
 
 def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
-    """At start-up, on every rank, before any model is built: a split head tied to the embedding (Megatron's
-    default), a HybridModel, MTP and tensor parallelism are refused in one line naming `splits`; the untied GPT
-    passes."""
+    """At start-up, on every rank, before any model is built: a HybridModel, MTP and tensor parallelism are refused
+    in one line naming `splits`, and a split head tied to a split embedding; the untied GPT and the tied one (Megatron's
+    default: the shards are tied to the embedding) pass."""
     from octopipe_plugin.adapters.megatron.startup import _refuse_splits
 
     untied = dict(untie_embeddings_and_output_weights=True, mtp_num_layers=None, tensor_model_parallel_size=1,
                   hybrid_layer_pattern=None, hybrid_override_pattern=None)
+    tied = {**untied, "untie_embeddings_and_output_weights": False}
     _refuse_splits(SimpleNamespace(**untied), PP2)
-    _refuse_splits(SimpleNamespace(**{**untied, "untie_embeddings_and_output_weights": False}),
-                   replace(PP2, splits=()))  # no split: nothing to refuse
-    cases = [({"untie_embeddings_and_output_weights": False}, "tied to the word embedding"),
-             ({"hybrid_layer_pattern": "M*M*M*M*"}, "HybridModel"),
+    _refuse_splits(SimpleNamespace(**tied), PP2)
+    _refuse_splits(SimpleNamespace(**tied), replace(PP2, splits=()))  # no split: nothing to refuse
+    both = replace(PP2, splits=(*PP2.splits, SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5))))
+    with pytest.raises(OctoPipeError, match=r"^--pipeline-schedule octopipe: plan splits\[\d\]"):
+        _refuse_splits(SimpleNamespace(**tied), both)  # a split embedding (and, tied, the head tied to it)
+    cases = [({"hybrid_layer_pattern": "M*M*M*M*"}, "HybridModel"),
              ({"mtp_num_layers": 1}, "--mtp-num-layers 1"),
              ({"tensor_model_parallel_size": 2}, "tensor parallelism (size 2)")]
     for over, words in cases:
