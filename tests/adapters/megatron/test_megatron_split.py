@@ -97,8 +97,11 @@ SPLITS = [
     # V-shape: the embedding and the owner on rank 0 (a local tie), every rank a shard
     dict(name="split_tied_vshape", spec=TIED, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE), ref="tied", world=4),
     # DP=2, distributed optimizer, reduce-scatters overlapped: the tied chunks reduce after the tie's sum
+    # (weights after three steps, every gradient before the optimizer within 5e-7 relative: two elements, one of
+    # the embedding whose step-0 gradient is 300x below the mean and equal to 5e-5 relative, come out of Adam 3e-4
+    # and 6e-4 off, 3-6% of an lr step: the Adam effect described in the test below)
     dict(name="split_tied_dp2_overlap", spec=TIED, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
-         overlap_grad_reduce=True, ref="tied_2m", world=4),
+         overlap_grad_reduce=True, ref="tied_2m", world=4, weight_tol=dict(rtol=1e-4, atol=1e-3)),
 ]
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -151,7 +154,7 @@ def test_split_head_trains_as_the_unsplit_model(case, reference, splits):
     # fp32: the shards sum the softmax in another order than Megatron's cross-entropy (~1e-7 relative in the
     # gradients, checked before the optimizer below); Adam's first steps divide each element by its own magnitude,
     # so an element whose gradient is near zero carries that rounding up to ~1% of an lr=1e-2 step
-    wt = dict(rtol=1e-4, atol=2e-4)
+    wt = spec.get("weight_tol", dict(rtol=1e-4, atol=2e-4))
     torch.testing.assert_close(got["losses"], want["losses"], **lt, msg=f"{case}: losses")
     if half:
         # bf16: the head's GEMMs round differently from Megatron's output layer (its gradients differ by 0.7%
