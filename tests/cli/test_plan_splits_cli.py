@@ -78,7 +78,7 @@ BIG_VOCAB = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-head
 def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, capsys, tied):
     """--megatron-args --splits auto: the split-aware tune under the launch's constraints; the written plan is one
     the launch's Megatron run takes (adapters/megatron/startup.split_refusal), else the plan without splits with
-    the reason on the split line (a tied head: Megatron's default)."""
+    the reason on the split line; a tied head (Megatron's default) is split like an untied one."""
     from types import SimpleNamespace
 
     from octopipe_plugin.adapters.megatron.startup import split_refusal
@@ -99,11 +99,10 @@ def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, 
         assert "head over" in line
     else:
         assert "the launch cannot run it" in line or "none" in line, line
-    if tied:  # refused for its first reason (a split embedding, if the tuner chose one; else the tied head)
-        assert not plan.splits and ("the launch cannot run it" in line or "none" in line), line
-    else:  # the tune keeps to what the runner runs (head only, the owner holding a shard): the split is kept
-        assert plan.splits and all(sp.layer == plan.stages[-1].end - 1 for sp in plan.splits), line
-        assert plan.stages[-1].device in plan.splits[0].devices
+    # the tune keeps to what the runner runs (head only, the owner holding a shard): the split is kept, tied
+    # (Megatron's default: the shards are tied to the embedding) or not
+    assert plan.splits and all(sp.layer == plan.stages[-1].end - 1 for sp in plan.splits), line
+    assert plan.stages[-1].device in plan.splits[0].devices
 
 
 def test_auto_on_a_model_without_a_head_says_so_and_keeps_the_plain_table(tmp_path, capsys):
