@@ -134,3 +134,30 @@ def sum_head_tie(model: Sequence[torch.nn.Module]) -> None:
         if w is not None and g is None:
             raise OctoPipeError("a split LM head tied to the embedding needs Megatron's DDP (main_grad) on its weights")
     sum_rows(found.tie, *grads)
+
+
+def uneven_embedding_entry(chunk: torch.nn.Module) -> bool:
+    """Make the embedding chunk's checkpoint entry of the word embedding an uneven-grid ShardedTensor (once).
+
+    The tied head's shards save their rows under the embedding's key on no regular grid, and dist-ckpt
+    wants one grid kind per key (validation.py `_validate_sharding_for_key`): the embedding's entry,
+    same offsets and data, drops its grid too (torch DCP then checks the coverage, as for the shards).
+    The checkpoint is the same either way, so Megatron's own layout (regular) loads it and writes what
+    this layout loads."""
+    from .hooks import replace_sharded_state_dict
+    from .vocab_shards import EMBEDDING_KEY
+
+    def make(original):
+        def sharded_state_dict(prefix: str = "", *args, **kwargs):
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+            out = original(prefix, *args, **kwargs)
+            entry = out.get(f"{prefix}{EMBEDDING_KEY}")
+            if isinstance(entry, ShardedTensor):
+                entry.axis_fragmentations = None
+            return out
+
+        return sharded_state_dict
+
+    return replace_sharded_state_dict(chunk, make, "a split head tied to the word embedding: the embedding's "
+                                                   "entry on the shards' uneven grid")

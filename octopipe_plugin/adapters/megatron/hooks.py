@@ -26,6 +26,8 @@ The replaced names (megatron-core 0.19.x):
   HybridModel chunk built inside the view takes the plan's stage of its '|' pattern and that stage's
   global layer offset; outside, Megatron's round-robin segment);
 - `forward` of a run's Float16Module instances (`replace_forward`, fp16/bf16 runs under a plan).
+- `sharded_state_dict` of the word-embedding chunk under a split head tied to it
+  (`replace_sharded_state_dict`: its entry saved on the uneven grid of the shards' rows).
 - `_forward_impl` of the Column/RowParallelLinear instances of a chunk run with split I/W
   (`replace_linear_impl`, handed `wgrad`'s split-capable implementation).
 """
@@ -171,6 +173,14 @@ def replace_forward(module, make: Make, why: str) -> bool:
     if PATCHES.is_replaced(module, "forward"):
         return False
     PATCHES.replace(module, "forward", make, why)
+    return True
+
+
+def replace_sharded_state_dict(module, make: Make, why: str) -> bool:
+    """Replace one Megatron module instance's `sharded_state_dict` (once); returns whether it was replaced now."""
+    if PATCHES.is_replaced(module, "sharded_state_dict"):
+        return False
+    PATCHES.replace(module, "sharded_state_dict", make, why)
     return True
 
 

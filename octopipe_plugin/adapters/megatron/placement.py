@@ -194,7 +194,7 @@ def _attach_tied_head_shard(plan, sp, chunks, rank: int, config, vocab: int):
     Megatron's own tying leaves the shard alone: its state dict does not replace the shard's entry with the whole
     embedding and its finalize step does not all-reduce a copy that is none. The tie's gradients are summed by
     embeddings.sum_head_tie after each step."""
-    from .embeddings import HeadTie, register_head_tie
+    from .embeddings import HeadTie, register_head_tie, uneven_embedding_entry
     from .vocab_shards import build_tied_head_shard
 
     owner, first = plan.stages[-1].device, plan.stages[0].device
@@ -209,6 +209,8 @@ def _attach_tied_head_shard(plan, sp, chunks, rank: int, config, vocab: int):
     if host is not None:
         host.output_layer = shard
         host.share_embeddings_and_output_weights = False
+    if emb_chunk is not None:
+        uneven_embedding_entry(emb_chunk)
     register_head_tie(chunks, HeadTie(tie=tie, full=emb_weight, shard=shard.weight if shard is not None else None))
     return shard
 

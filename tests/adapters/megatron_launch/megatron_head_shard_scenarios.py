@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 import zlib
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,6 @@ def split_plan(spec, bounds, devices, head_devices, shares, seed: int = 0) -> di
     """A complete plan document: stages on `devices`, the LM head split over `head_devices` (shard actions placed
     by the tuner's inserter, the plan validated by the format's reader)."""
     import random
-    from dataclasses import replace
 
     from octopipe_plugin.executor.dryrun import zero_cost_cluster
     from octopipe_plugin.formats import plan_from_dict, plan_to_dict
@@ -69,16 +69,28 @@ def build(spec, layout: dict, megatron_init: bool = False):
     make = _megatron_chunk if megatron_init else H.build_chunk
     if layout.get("plan"):
         plan = plan_from_dict(layout["plan"])
-        init_parallel(spec, pp, len(plan.stages_of(0)))
         graph = spec.graph()
+        split = plan.splits[0] if plan.splits and layout.get("split", True) else None
+        ranks = None
+        if spec.tied:  # the ranks holding whole copies (a split tied head holds none: mapping.copy_ranks)
+            from octopipe_plugin.adapters.megatron.mapping import embedding_ranks_fn
+
+            ranks = embedding_ranks_fn(plan if split is not None else replace(plan, splits=()), graph, True)
+        init_parallel(spec, pp, len(plan.stages_of(0)), embedding_ranks=ranks)
         config = H.make_config(spec, pp, layout=mapped_layout(plan, graph))
         rank = ps.get_pipeline_model_parallel_rank()
         _seed_rank(rank, megatron_init)
         many = len(plan.stages_of(rank)) > 1
         chunks = [make(spec, config, c.pre_process, c.post_process, c.vp_stage if many else None)
                   for c in chunk_specs(plan, graph, rank)]
-        split = plan.splits[0] if plan.splits and layout.get("split", True) else None
-        if split is not None:
+        if spec.tied:
+            from octopipe_plugin.adapters.megatron.embeddings import tie_local_copies
+            from octopipe_plugin.adapters.megatron.placement import attach_head_shard
+
+            tie_local_copies(chunks)
+            if split is not None:  # the adapter's own tied path: rows from the embedding's rank
+                attach_head_shard(plan, chunks, rank, config, spec.vocab)
+        elif split is not None:
             _attach_shards(chunks, plan, split, rank, config, spec, build_head_shard)
         return chunks, config, split
     text = layout["layout"]
@@ -91,6 +103,11 @@ def build(spec, layout: dict, megatron_init: bool = False):
         vs = v if vp > 1 else None
         chunks.append(make(spec, config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
                            ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs), vs))
+    if spec.tied:
+        # the harness seeds the embedding after Megatron's construction all-reduce made the head's copy: Megatron's
+        # own tying step once more (zero the copy, all-reduce over the embedding group) makes the copy the embedding
+        for c in chunks:
+            c.setup_embeddings_and_output_layer()
     return chunks, config, None
 
 
@@ -109,14 +126,15 @@ def shim_device_arch() -> None:
     arguments.get_device_arch_version = lambda: 9
 
 
-def init_parallel(spec, pp: int, vp: int) -> None:
+def init_parallel(spec, pp: int, vp: int, embedding_ranks=None) -> None:
     """The harness's init_parallel with the spec's tensor-parallel size."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size(spec), pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None)
+                                 virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+                                 get_embedding_ranks=embedding_ranks)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -270,6 +288,8 @@ def step_with(spec, chunks, opt, steps) -> None:
     """Optimizer steps on the fed gradients: main_grad of every (shard) parameter, Megatron's finalize, Adam."""
     from megatron.core.distributed import finalize_model_grads
 
+    from octopipe_plugin.adapters.megatron.embeddings import sum_head_tie
+
     for step in steps:
         for c in chunks:
             c.zero_grad_buffer()
@@ -277,6 +297,7 @@ def step_with(spec, chunks, opt, steps) -> None:
         for name, lo, p in _pieces(chunks):
             g = global_grad(spec, name, _full_shape(spec, name, p), step)
             p.main_grad.copy_(g if lo is None else g[lo:lo + p.shape[0]])
+        sum_head_tie(chunks)  # a split tied head: its rows' gradients summed with the embedding's (the schedule's)
         finalize_model_grads(chunks)
         ok, _, _ = opt.step()
         assert ok, "optimizer step skipped"

@@ -71,6 +71,15 @@ DP_CASES = [
 ]
 
 
+# tied to the word embedding (Megatron's default): the shards save as copies of the embedding's rows, the embedding
+# (on its rank) as the main replica; Megatron's tied layout keeps its head's copy the same way, whole
+SPEC_TIED = H.TinyGPT(num_layers=4, tied=True)
+TIED_CASES = [
+    {"name": "tied split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
+    {"name": "tied megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},  # V: a local tie
+]
+
+
 def _run(tmp_path, cases, spec=SPEC, world=2):
     out = tmp_path / "results.pt"
     spawn(HS.worker, world, spec, cases, str(tmp_path / "ckpt"), str(out))
@@ -136,6 +145,19 @@ def test_head_shard_checkpoints_in_bf16(tmp_path):
     results = _run(tmp_path, BF16_CASES, SPEC_BF16)
     for case in BF16_CASES:
         _check_round_trip(results[case["name"]], case["name"])
+
+
+@pytest.mark.timeout(420)
+def test_tied_head_shard_checkpoints_round_trip_with_megatrons_tied_layout(tmp_path):
+    """A split head tied to the embedding -> Megatron's tied layout, and Megatron's -> another split (a V-shape: the
+    embedding and the owner on one rank): weights, main weights and Adam's state identical at load (the shards and
+    the head's copy equal to the embedding's rows), the same weights after one more step."""
+    results = _run(tmp_path, TIED_CASES, SPEC_TIED)
+    for case in TIED_CASES:
+        r = results[case["name"]]
+        _check_round_trip(r, case["name"])
+        for w in ("saved_w", "loaded_w"):  # the tie held: the head is the embedding
+            assert torch.equal(r[w][HS.HEAD], r[w]["embedding.word_embeddings.weight"]), (case["name"], w)
 
 
 def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
