@@ -1,4 +1,4 @@
-"""Plans that split the LM head, inside Megatron (megatron-core 0.19.2, CPU/gloo, tiny GPT, local spec, untied and tied).
+"""Plans that split the LM head, inside Megatron (megatron-core 0.19.2, CPU/gloo, tiny GPT, local spec, untied/tied).
 
 Each shard rank holds a `HeadShard` (rows of Megatron's output_layer.weight, initialised from the
 owner's Megatron-built head) attached to its chunk before DDP wrapping; the owner's chunk returns its
@@ -9,6 +9,9 @@ no-pipelining schedule on the unsplit model), same seeds. Compared: the per-step
 steps), every parameter's main_grad after the step-0 reduction before the optimizer (the shards' rows
 against the matching rows of the unsplit output_layer gradient; relative 1e-3, which a 1% scale
 error fails), and the weights after three steps.
+Tied to the word embedding (Megatron's default), the shards are rows of the embedding, initialised from
+the embedding's rank and tied to it (executor/tied_rows.py): against the unsplit tied model, the
+embedding's main_grad is the whole tied gradient and each shard's its rows.
 """
 
 import random

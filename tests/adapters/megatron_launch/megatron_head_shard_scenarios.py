@@ -360,7 +360,8 @@ def worker(rank: int, world: int, port: int, spec, cases: list[dict], root: str,
     results = {}
     for case in cases:
         try:
-            results[case["name"]] = init_case(spec, case) if case.get("init") else run_case(spec, case, root)
+            at = case.get("spec", spec)  # a case may bring its own model (the tied one beside untied cases)
+            results[case["name"]] = init_case(at, case) if case.get("init") else run_case(at, case, root)
         except Exception:
             results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
             torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")

@@ -8,7 +8,8 @@ Checkpoints: torch_dist checkpoints (model chunks and distributed Adam, fully re
 megatron.training writes them) saved under one layout load under another: split plan -> Megatron's own
 layout (unsplit output_layer), Megatron -> split plan, split plan -> another split plan (other owner, shard
 order, shares and placement), at PP=2, TP=2 x PP=2, DP=2 x PP=2 and in bf16; the word embedding's rows
-load as HeadShards under its own key. The oracle is the same run without a checkpoint: weights, fp32 main
+load as HeadShards under its own key; a head tied to the embedding (Megatron's default) splits into copies
+of the embedding's rows and round-trips with Megatron's tied layout. The oracle is the same run without a checkpoint: weights, fp32 main
 weights and Adam's step and moments identical at load, and after one more step the same weights.
 Shards that overlap or leave rows uncovered are refused at save.
 """
@@ -37,12 +38,19 @@ SPLIT_A = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 3), (3, 6)], [0, 1], (1, 0)
 SPLIT_B = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 2), (2, 3), (3, 4), (4, 6)], [0, 1, 1, 0], (0, 1), (0.3, 0.7),
                                           seed=2)}
 MEGATRON = {"pp": 2, "layout": "Ett|ttL"}
+# tied to the word embedding (Megatron's default): the shards save as copies of the embedding's rows, the embedding
+# (on its rank) as the main replica; Megatron's tied layout keeps its head's copy the same way, whole
+SPEC_TIED = H.TinyGPT(num_layers=4, tied=True)
 CASES = [
     # and the word embedding's rows, as HeadShards under its key, load from the same checkpoint
     {"name": "split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON,
      "embedding_rows": [(0, 27), (27, 64)]},
     {"name": "megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
     {"name": "split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
+    # tied: split head -> Megatron's tied layout, and Megatron's -> a V-shape split (the embedding and the owner on
+    # one rank: a local tie)
+    {"name": "tied split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON, "spec": SPEC_TIED},
+    {"name": "tied megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B, "spec": SPEC_TIED},
 ]
 INIT = [{"name": "init A", "init": True, "split": SPLIT_A}, {"name": "init B", "init": True, "split": SPLIT_B}]
 
@@ -68,15 +76,6 @@ BF16_CASES = [
 DP_CASES = [
     {"name": "dp2 split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
     {"name": "dp2 megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},
-]
-
-
-# tied to the word embedding (Megatron's default): the shards save as copies of the embedding's rows, the embedding
-# (on its rank) as the main replica; Megatron's tied layout keeps its head's copy the same way, whole
-SPEC_TIED = H.TinyGPT(num_layers=4, tied=True)
-TIED_CASES = [
-    {"name": "tied split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON},
-    {"name": "tied megatron layout -> other split plan", "first": MEGATRON, "second": SPLIT_B},  # V: a local tie
 ]
 
 
@@ -122,7 +121,11 @@ def test_head_shards_start_from_megatrons_own_output_layer(tmp_path):
 def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(tmp_path):
     results = _run(tmp_path, CASES)
     for case in CASES:
-        _check_round_trip(results[case["name"]], case["name"])
+        r = results[case["name"]]
+        _check_round_trip(r, case["name"])
+        if case.get("spec", SPEC).tied:  # the tie held: the head (shards or Megatron's copy) is the embedding
+            for w in ("saved_w", "loaded_w"):
+                assert torch.equal(r[w][HS.HEAD], r[w]["embedding.word_embeddings.weight"]), (case["name"], w)
 
 
 @pytest.mark.timeout(600)
@@ -145,19 +148,6 @@ def test_head_shard_checkpoints_in_bf16(tmp_path):
     results = _run(tmp_path, BF16_CASES, SPEC_BF16)
     for case in BF16_CASES:
         _check_round_trip(results[case["name"]], case["name"])
-
-
-@pytest.mark.timeout(420)
-def test_tied_head_shard_checkpoints_round_trip_with_megatrons_tied_layout(tmp_path):
-    """A split head tied to the embedding -> Megatron's tied layout, and Megatron's -> another split (a V-shape: the
-    embedding and the owner on one rank): weights, main weights and Adam's state identical at load (the shards and
-    the head's copy equal to the embedding's rows), the same weights after one more step."""
-    results = _run(tmp_path, TIED_CASES, SPEC_TIED)
-    for case in TIED_CASES:
-        r = results[case["name"]]
-        _check_round_trip(r, case["name"])
-        for w in ("saved_w", "loaded_w"):  # the tie held: the head is the embedding
-            assert torch.equal(r[w][HS.HEAD], r[w]["embedding.word_embeddings.weight"]), (case["name"], w)
 
 
 def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
