@@ -89,6 +89,22 @@ def test_mtp_sits_with_the_loss_under_a_v_shape():
     assert embedding_ranks_fn(plan, model, tied=True)([10, 11]) == [10]
 
 
+def test_a_split_tied_head_holds_no_copy_of_the_embedding():
+    """Megatron's embedding group holds the ranks with whole copies: a tied head the plan splits is rows of the
+    embedding tied by executor.tied_rows, so its rank stays out (unless it holds the embedding itself)."""
+    from dataclasses import replace
+
+    from octopipe_plugin.formats.splits import SplitLayer
+
+    model = gpt(decoder=4)
+    plan = make_plan(stage_devices=[0, 1], bounds=[(0, 3), (3, 6)], num_devices=2, num_microbatches=2,
+                     schedule=sample_schedule([0, 1], 2, 2, random.Random(0)))
+    split = replace(plan, splits=(SplitLayer(layer=5, devices=(1, 0), shares=(0.5, 0.5)),))
+    assert copy_ranks(plan, model, tied=True) == [0, 1]
+    assert copy_ranks(split, model, tied=True) == [0] == copy_ranks(split, model, tied=False)
+    assert embedding_ranks_fn(split, model, tied=True)([10, 11]) == [10]
+
+
 def test_refusals_name_what_is_wrong():
     model = gpt(decoder=4)
     empty_first = make_plan(stage_devices=[0, 1], bounds=[(0, 0), (0, 6)], num_devices=2, num_microbatches=2,
