@@ -1,7 +1,7 @@
 """End to end through megatron.training.pretrain: a plan that splits the LM head (examples/megatron/train_gpt.py).
 
 2 gloo ranks (pipeline size 2), the tiny GPT of test_pretrain_e2e.py (MoE layers with aux loss),
-embeddings untied (a split head tied to the embedding is refused by name), 4 micro-batches per step.
+embeddings untied (tied split heads: test_megatron_split.py), 4 micro-batches per step.
 Three launches, same seeds, probe script train_gpt_grads.py saving the first step's reduced gradients:
 
 - Megatron's own schedule on the layout "Et|t|t|tL";
