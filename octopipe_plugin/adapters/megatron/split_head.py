@@ -13,6 +13,10 @@ on `(hidden, targets, coef)`:
   `config.grad_scale_func` (`loss_rule`), differentiated at a probe by the executor's
   `loss_coefficients` (StageCore.head_input; linear for Megatron's loss functions, a second probe
   checks it).
+Under `--sequence-parallel` the owner's hidden states are its TP rank's block of the sequence
+([seq/tp, mbs, hidden]) while its labels and loss rule cover the whole micro-batch: `coef` is taken
+over every token, and the hand-over carries the block's rows of targets and coef
+(`sequence_block_input`; the shards gather the blocks, vocab_shards.py "Tensor parallelism").
 The shards' J gives the real per-token losses back; the owner's J reports them through the same
 `loss_func` and `forward_step_calc_loss` (MegatronStages.head_loss), so Megatron's logged loss dict and
 token count are the ones the unsplit run makes.
@@ -29,6 +33,7 @@ from typing import Callable
 import torch
 
 from ...errors import OctoPipeError
+from ...executor.head_input import TARGET_DTYPE, HeadInput, coef_dtype, loss_coefficients
 from .hooks import replace_forward
 
 PROBE_DTYPE = torch.float32  # Megatron's per-token losses: vocab_parallel_cross_entropy computes in fp32
@@ -143,3 +148,18 @@ def per_token_losses(losses: torch.Tensor, labels_shape) -> torch.Tensor:
     """The shards' per-token losses ([seq * mbs], sequence-major) as the output layer's loss gives them: [mbs, seq]."""
     mbs, seq = labels_shape
     return losses.reshape(seq, mbs).t().contiguous()  # contiguous, as compute_language_model_loss returns it
+
+
+def sequence_block_input(hidden: torch.Tensor, targets: torch.Tensor, rule, tp_rank: int, tp_size: int) -> HeadInput:
+    """The owner's hand-over under sequence parallelism: `hidden` [seq/tp, mbs, h] (this TP rank's block of the
+    sequence), with the block's rows of the micro-batch's `targets` ([seq, mbs]) and of the coefficients of `rule`
+    over every token (the loss rule sums the whole micro-batch)."""
+    t = targets.reshape(-1)
+    rows = hidden.numel() // hidden.shape[-1]
+    if rows * tp_size != t.numel():
+        raise ValueError(f"sequence-parallel split head: the owner's hidden states {tuple(hidden.shape)} (TP rank "
+                         f"{tp_rank} of {tp_size}) hold {rows} tokens, expected 1/{tp_size} of the {t.numel()} targets")
+    coef = loss_coefficients(rule, t.numel(), coef_dtype(hidden.dtype), hidden.device)
+    block = slice(tp_rank * rows, (tp_rank + 1) * rows)  # rows are sequence-major: the block is contiguous
+    return HeadInput(hidden=hidden, targets=t[block].to(device=hidden.device, dtype=TARGET_DTYPE),
+                     coef=coef[block].contiguous())
