@@ -82,8 +82,7 @@ def split_refusal(args, plan) -> str | None:
     """Why a Megatron run of `args` cannot run the plan's split layers (one line naming the plan field), or None."""
     if not plan.splits:
         return None
-    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
-                            tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0))
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     if problem is None and tied and head_split(plan) is not None and len(plan.splits) > 1:
         problem = (f"plan splits[{plan.splits.index(head_split(plan))}]: a split LM head tied to a split word "

@@ -54,13 +54,58 @@ def init_process(rank: int, world: int, port: int) -> None:
     init_gloo(rank, world, port, timeout_s=120)
 
 
-def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None) -> None:
-    """(Re)initialise Megatron's parallel state: TP=1, PP=pp, the rest DP."""
+def tp_size(spec: TinyGPT) -> int:
+    """The spec's --tensor-model-parallel-size (1 unless its extra arguments set it)."""
+    args = list(spec.args)
+    return int(args[args.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in args else 1
+
+
+def shim_device_arch() -> None:
+    """CUDA shim for TP > 1: validate_args asks the GPU's architecture (to require CUDA_DEVICE_MAX_CONNECTIONS=1
+    before Blackwell, a CUDA stream setting); here it answers Hopper's (9) and the variable is set as required."""
+    import os
+
+    import megatron.training.arguments as arguments
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    arguments.get_device_arch_version = lambda: 9
+
+
+class _CpuFusedLayerNormAffine:
+    """apex's FusedLayerNormAffineFunction (a CUDA kernel) as torch's layer_norm on CPU, same signature."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps):
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def apply(input, weight, bias, normalized_shape, eps):
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+def shim_sequence_parallel_norm() -> None:
+    """CUDA shim for --sequence-parallel (idempotent): Megatron's local spec without apex builds torch's LayerNorm,
+    which refuses sequence parallelism (torch_norm.WrappedTorchNorm); with apex it builds Megatron's FusedLayerNorm
+    (marks its weights `sequence_parallel`, so finalize_model_grads all-reduces them over TP), whose kernel is
+    CUDA. As on a GPU install with apex: FusedLayerNorm in the layer specs and the final norm, its kernel torch's
+    layer_norm (the same function)."""
+    import megatron.core.fusions.fused_layer_norm as fused
+    import megatron.core.models.backends as backends
+    import megatron.core.transformer.transformer_block as block
+
+    fused.HAVE_FUSED_LAYER_NORM = True
+    fused.FusedLayerNormAffineFunction = _CpuFusedLayerNormAffine
+    backends.LNImpl = fused.FusedLayerNorm
+    block.LayerNormImpl = fused.FusedLayerNorm
+
+
+def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
                                  get_embedding_ranks=embedding_ranks)
     model_parallel_cuda_manual_seed(1234)
@@ -134,7 +179,11 @@ def make_config(spec: TinyGPT, pp: int, layout=None, **over):
     the adapter's apply_layout does)."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    dp = (dist.get_world_size() if dist.is_initialized() else 1) // pp
+    dp = (dist.get_world_size() if dist.is_initialized() else 1) // pp // tp_size(spec)
+    if tp_size(spec) > 1:
+        shim_device_arch()
+    if "--sequence-parallel" in spec.args:
+        shim_sequence_parallel_norm()
     text = layout if isinstance(layout, str) else None
     args = megatron_args(megatron_argv(spec, pp, spec.mbs * dp, layout=text))
     config = core_transformer_config_from_args(args)
@@ -173,6 +222,17 @@ def build_chunk(spec: TinyGPT, config, pre_process: bool, post_process: bool, vp
     return model
 
 
+def tp_suffix(p=None) -> str:
+    """"@tp<rank>" at TP > 1 (for `p`: only when it is a tensor-parallel slice), else "": TP slices named apart."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return ""
+    if p is not None and not getattr(p, "tensor_model_parallel", False):
+        return ""
+    return f"@tp{ps.get_tensor_model_parallel_rank()}"
+
+
 def global_names(model) -> dict[str, torch.nn.Parameter]:
     """Parameters of a GPTModel chunk under split-independent names (decoder layers renumbered globally)."""
     out = {}
@@ -203,7 +263,8 @@ def seed_by_global_name(model, tied: bool = False) -> None:
                 # adapter's same-rank copy; a cross-rank copy would need seeding before Megatron's
                 # construction all-reduce, which no case here has)
                 continue
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            # TP slices seeded apart (a slice swapped between TP ranks changes the function); replicas alike
+            g = torch.Generator().manual_seed(zlib.crc32((name + tp_suffix(p)).encode()))
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
             if name.endswith(("layer_norm_weight", "layernorm.weight", "norm.weight", "_norm.weight")):
                 p.copy_(1.0 + 0.1 * noise)
@@ -308,7 +369,7 @@ def gathered_weights(chunks, group=None) -> dict[str, torch.Tensor]:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
         inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
         for name, p in global_names(inner).items():
-            mine.setdefault(name, p.detach().float().clone())
+            mine.setdefault(name + tp_suffix(), p.detach().float().clone())  # every TP rank's values at TP > 1
     allw = [None] * dist.get_world_size(group)
     dist.all_gather_object(allw, mine, group=group)
     out = {}
@@ -329,7 +390,7 @@ def reduced_main_grads(chunks, group=None) -> dict[str, torch.Tensor]:
     for c in chunks:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
         inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
-        name_of = {id(p): n for n, p in global_names(inner).items()}
+        name_of = {id(p): n + tp_suffix() for n, p in global_names(inner).items()}  # every TP rank's at TP > 1
         for buf in [*c.buffers, *c.expert_parallel_buffers]:
             dp_group = buf.data_parallel_group
             dp, r = dp_group.size(), dp_group.rank()
