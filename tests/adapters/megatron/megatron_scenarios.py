@@ -64,6 +64,11 @@ def _megatron_chunks(spec: H.TinyGPT, layout: str | None, pp: int):
         vs = v if vp > 1 else None
         chunks.append(H.build_chunk(spec, config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
                                     ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs), vs))
+    if spec.tied and pp > 1:
+        # the harness seeds the embedding after Megatron's construction all-reduce made the head's copy on the last
+        # rank: Megatron's own tying step once more (zero the copy, all-reduce over the embedding group) makes it equal
+        for c in chunks:
+            c.setup_embeddings_and_output_layer()
     return config, chunks
 
 

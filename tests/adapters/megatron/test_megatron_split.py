@@ -118,11 +118,15 @@ def shard_rows_of(key: str) -> slice:
     """The rows of a shard's name "output_layer.weight[lo:hi]"."""
     return slice(*map(int, key[len("output_layer.weight["):-1].split(":")))
 
+
 # Tensor parallelism: TP2 x PP2 (4 gloo ranks), plain and with --sequence-parallel, against Megatron's own schedule on
 # the unsplit model at the same TP2 x PP2, same seeds (TP slices seeded apart, compared per TP rank: "name@tp<r>")
 TP2 = H.TinyGPT(num_layers=8, args=("--tensor-model-parallel-size", "2"))
 TP2_SP = H.TinyGPT(num_layers=8, args=("--tensor-model-parallel-size", "2", "--sequence-parallel"))
+# tied at TP2 x PP2 (the oracle: Megatron's own tied model, its head a copy of the embedding on the last rank)
+TIED_TP2 = H.TinyGPT(num_layers=8, tied=True, args=("--tensor-model-parallel-size", "2"))
 TP_REFERENCE = [dict(name="megatron_tp2_pp2", spec=TP2, pp=2, microbatches=M, world=4),
+                dict(name="megatron_tied_tp2_pp2", spec=TIED_TP2, pp=2, microbatches=M, world=4),
                 dict(name="megatron_tp2_sp_pp2", spec=TP2_SP, pp=2, microbatches=M, world=4)]
 TP_SPLITS = [
     dict(name="split_tp2_pp2", spec=TP2, pp=2, microbatches=M, plan=plan_to_dict(PP2), ref="megatron_tp2_pp2",
@@ -130,6 +134,9 @@ TP_SPLITS = [
     # the owner hands over its block of the sequence; tensors placed on the model's device
     dict(name="split_tp2_sp_pp2", spec=TP2_SP, pp=2, microbatches=M, plan=plan_to_dict(PP2),
          ref="megatron_tp2_sp_pp2", world=4, device_check=True),
+    # tied: each TP rank's shards are rows of its slice of the embedding, tied within its pipeline group
+    dict(name="split_tied_tp2_pp2", spec=TIED_TP2, pp=2, microbatches=M, plan=plan_to_dict(PP2),
+         ref="megatron_tied_tp2_pp2", world=4),
 ]
 
 
