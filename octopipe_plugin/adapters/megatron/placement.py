@@ -13,7 +13,8 @@ Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec`
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
 - `attach_head_shard(plan, chunks, rank, config, vocab_size)`: under a split LM head, the rank's
   `HeadShard` (vocab_shards.py) as `output_layer` of its chunk, before DDP wrapping (called by
-  `plan_model_provider` once the rank's last chunk is built);
+  `plan_model_provider` once the rank's last chunk is built; a tied head's rows come from the
+  embedding's rank and stay tied to it, embeddings.py);
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
   answer for the plan (get_batch's labels, MTP, get_model's pre/post flags), and a HybridModel built
   inside takes the plan's segment of its '|' pattern (hooks.pipeline_view); HybridModels take no
@@ -158,7 +159,8 @@ def attach_head_shard(plan, chunks, rank: int, config, vocab_size: int | None = 
     rows of the head the owner built as the unsplit run builds it). The owner's shard replaces
     Megatron's output layer; another shard rank's sits on its last chunk (no forward of that chunk uses
     it). Called before Float16Module / DDP wrapping, so the optimizer, DDP's buffers, the gradient
-    reduction and checkpoints (under Megatron's own key, `output_layer.weight`) include it.
+    reduction and checkpoints (under Megatron's own key, `output_layer.weight`) include it. A head tied
+    to the word embedding takes its rows from the embedding's rank instead (`_attach_tied_head_shard`).
     """
     from .vocab_shards import build_head_shard
 
