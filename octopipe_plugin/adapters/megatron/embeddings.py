@@ -112,9 +112,13 @@ def register_head_tie(chunks: Sequence[torch.nn.Module], head_tie: HeadTie) -> N
 
 
 def _inner(chunk):
+    """The language model inside a (DDP / Float16Module) chunk, or None for a chunk that is none."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    return get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight", return_model_obj=True)
+    try:
+        return get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight", return_model_obj=True)
+    except RuntimeError:  # not a language model (no embedding, no head): it holds no tie
+        return None
 
 
 def head_tie_chunks(model: Sequence[torch.nn.Module]) -> set[int]:
