@@ -115,7 +115,7 @@ def view_job(config_path: str, target: str, cluster, *, world_size: int | None =
     else:
         model = model_from_specs(layers, gpu=cost, seq_len=tune.seq_len if tune else 2048,
                                  micro_batch_size=int(config.get("train_micro_batch_size_per_gpu", 1)))
-    parts = deepspeed_parts(layers, pipe, partition_method)
+    parts = [int(p) for p in deepspeed_parts(layers, pipe, partition_method)]  # partition_balanced: numpy ints
     current = tuple(zip(parts[:-1], parts[1:]))
     return JobView(config=config, layers=layers, model=model, num_microbatches=m, current=current,
                    current_source=f"partition_method {partition_method!r} (parts {parts})")
