@@ -117,9 +117,10 @@ def _deepspeed_splits(args, job, cluster, result):
 
 def run_from_deepspeed(args) -> int:
     """Plan from a DeepSpeed config and the function returning its PipelineModule's layer list."""
-    from ..adapters.deepspeed.from_config import view_job
+    from ..adapters.deepspeed.from_config import import_deepspeed, view_job
     from .plan_report import check_size, summary, tuned
 
+    import_deepspeed()  # before --module's script imports it: DeepSpeed's import-time log lines go to stderr
     output, bare = _prepare(args, "--deepspeed-config and --module")
     job = view_job(args.deepspeed_config, args.module, bare, world_size=args.world_size, gpu=args.gpu,
                    partition_method=args.partition_method)

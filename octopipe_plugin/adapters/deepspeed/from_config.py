@@ -11,8 +11,10 @@ per rank) on the partition its `partition_method` gives (DeepSpeed's own partiti
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -33,6 +35,18 @@ class JobView:
     num_microbatches: int
     current: tuple[tuple[int, int], ...]  # DeepSpeed's parts as stage layer ranges
     current_source: str
+
+
+def import_deepspeed() -> None:
+    """Import DeepSpeed with its import-time output on stderr, so `octopipe plan ... --json` keeps stdout JSON.
+
+    DeepSpeed's logger binds the stdout it finds at import (deepspeed/utils/logging.py, StreamHandler(sys.stdout))
+    and logs an accelerator warning there on a machine without a GPU; imported here, its handler writes to stderr.
+    """
+    if "deepspeed" in sys.modules:
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401
 
 
 def read_config(path: str) -> dict:
