@@ -20,20 +20,13 @@ tolerance a 1% scale error fails.
 
 from __future__ import annotations
 
-import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from e2e_runs import MODEL, launch, loss_table
+from e2e_runs import MEGATRON_LAYOUT, MODEL, SPLIT_M, launch, loss_table, split_head_plans
 from megatron_harness import grad_mismatches  # on sys.path through e2e_runs
-from octopipe_plugin.executor.dryrun import zero_cost_cluster
-from octopipe_plugin.formats import Layer, Model, write_plan
-from octopipe_plugin.formats.splits import SplitLayer
-from octopipe_plugin.testing.plans import make_plan, sample_schedule
-from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed,
               # the shards' math is the executor's VocabShards (SHARD_API.md, being built on branch w-shardcore)
@@ -42,40 +35,14 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed,
                                  reason="executor.vocab_shard.VocabShards is not on this branch yet (w-shardcore)")]
 
 PROBE = Path(__file__).with_name("train_gpt_grads.py")
-M = 4
-BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
-KINDS = ["embedding", "dense", "moe", "dense", "moe", "lm_head"]  # --moe-layer-freq [0,1,0,1]
-MEGATRON_LAYOUT = "Et|t|t|tL"
-ARGS = [*MODEL, "--global-batch-size", str(M), "--eval-global-batch-size", "2", "--untie-embeddings-and-output-weights"]
-
-
-def _graph() -> Model:
-    return Model(name="train_gpt", layers=tuple(
-        Layer(name=f"l{i}", kind=k, fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1,
-              output_bytes=1) for i, k in enumerate(KINDS)))
-
-
-def _plans(d: Path) -> tuple[str, str]:
-    """(the unsplit plan's file, the same plan with its LM head split over both ranks)."""
-    devices = [0, 1, 0, 1]
-    split = SplitLayer(layer=len(KINDS) - 1, devices=(1, 0), shares=(0.35, 0.65))
-    cluster = replace(zero_cost_cluster(2), memory_bytes=1 << 40)
-    for seed in range(21, 71):  # the first random order (I/W split at random) that takes the shard actions
-        plan = make_plan(stage_devices=devices, bounds=BOUNDS, num_devices=2, num_microbatches=M,
-                         schedule=sample_schedule(devices, 2, M, random.Random(seed)), model="train_gpt")
-        with_split = insert_shards(_graph(), cluster, replace(plan, splits=(split,)), ShardPolicy())
-        if with_split is not None:
-            break
-    assert with_split is not None, "no order takes the shard actions"
-    write_plan(plan, d / "plan.json")
-    write_plan(with_split, d / "split.json")
-    return str(d / "plan.json"), str(d / "split.json")
+ARGS = [*MODEL, "--global-batch-size", str(SPLIT_M), "--eval-global-batch-size", "2",
+        "--untie-embeddings-and-output-weights"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e_split")
-    plain, split = _plans(d)
+    plain, split = split_head_plans(d)
     out = {}
     for name, extra in (("megatron", ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]),
                         ("octopipe", ["--pipeline-schedule", "octopipe", "--octopipe-plan", plain]),
