@@ -76,7 +76,7 @@ def loss_table(out: dict, iterations: int = 6) -> str:
     return "\n".join(rows)
 
 
-# The split-head runs (test_pretrain_split_e2e.py, test_pretrain_split_resume_e2e.py): embeddings untied,
+# The split-head runs (test_pretrain_split_e2e.py): embeddings untied,
 # M micro-batches per step, Megatron's stages "Et|t|t|tL" looped over the 2 ranks (the same initial weights).
 SPLIT_M = 4
 SPLIT_BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
