@@ -3,12 +3,12 @@
 2 gloo ranks (pipeline size 2), the tiny GPT of test_pretrain_e2e.py (MoE layers with aux loss),
 embeddings untied (a split head tied to the embedding is refused by name), 4 micro-batches per step,
 evaluation every 3 iterations on 2 micro-batches, `--save` every 3 iterations (torch_dist, fully
-reshardable distributed optimizer). Six launches, same seeds, one module-scoped fixture, the straight
+reshardable distributed optimizer). Five launches, same seeds, one module-scoped fixture, the straight
 runs on the probe script train_gpt_grads.py saving the first step's reduced gradients:
 
 - Megatron's own schedule on the layout "Et|t|t|tL" (saves);
-- an OctoPipe plan on the same stages (looped, so the same initial weights) without splits;
-- the same plan with the LM head split over both ranks (uneven shares; the owner, rank 1, holds one):
+- an OctoPipe plan on the same stages (looped, so the same initial weights) with the LM head split over
+  both ranks (uneven shares; the owner, rank 1, holds one):
   each rank's HeadShard is attached by the model-construction hooks before DDP wrapping, initialised
   from the owner's Megatron-built head; each shard rank's HeadShard saves its rows as its slice of the
   one global output_layer.weight (saves);
@@ -17,7 +17,7 @@ runs on the probe script train_gpt_grads.py saving the first step's reduced grad
   Megatron's layout from the split plan's checkpoint, and the split plan from Megatron's.
 
 Checked: the split run's logged training and validation losses (the executor's forward-only split
-program, H and J's loss) equal the unsplit runs' per iteration (relative 1e-5: the shards sum the
+program, H and J's loss) equal Megatron's per iteration (relative 1e-5: the shards sum the
 softmax in another order than Megatron's vocab-parallel cross-entropy); every parameter's main_grad
 before the first optimizer step equals Megatron's (the shards' rows against the same rows of Megatron's
 output_layer gradient) at a tolerance a 1% scale error fails; both cross-layout resumed runs log
@@ -51,12 +51,11 @@ ARGS = [*MODEL, "--global-batch-size", str(SPLIT_M), "--eval-global-batch-size",
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e_split")
-    plain, split = split_head_plans(d)
+    _, split = split_head_plans(d)  # the plan without splits runs in test_pretrain_e2e.py (tied) and _dp_ (untied)
     megatron = ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]
     split_plan = ["--pipeline-schedule", "octopipe", "--octopipe-plan", split]
     out = {}
     for name, extra in (("megatron", [*megatron, "--save", str(d / "ck_megatron")]),
-                        ("octopipe", ["--pipeline-schedule", "octopipe", "--octopipe-plan", plain]),
                         ("split", [*split_plan, "--save", str(d / "ck_split")])):
         out[name] = launch(d / f"{name}.log", *ARGS, *extra, script=PROBE,
                            env={"OCTOPIPE_E2E_GRADS": str(d / f"grads_{name}.pt")})
@@ -75,9 +74,8 @@ def runs(tmp_path_factory):
 def test_split_plan_logs_the_unsplit_losses(runs):
     """Every iteration's logged training loss, and every validation loss, of the split run equal Megatron's."""
     losses = runs["losses"]
-    meg, octo, split = losses["megatron"]["train"], losses["octopipe"]["train"], losses["split"]["train"]
+    meg, split = losses["megatron"]["train"], losses["split"]["train"]
     assert sorted(meg) == list(range(1, 7))
-    assert octo == meg
     assert sorted(split) == sorted(meg)
     for it in meg:
         assert split[it] == pytest.approx(meg[it], rel=1e-5, abs=0), f"iteration {it}: {split[it]} vs {meg[it]}"
