@@ -102,22 +102,18 @@ def _check_round_trip(r, name):
         torch.testing.assert_close(r["resumed"][key], w, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
 
 
-@pytest.fixture(scope="module")
-def pp2(tmp_path_factory):
-    """The PP=2 cases, initial values and checkpoints, in one 2-rank spawn (Megatron's start paid once)."""
-    return _run(tmp_path_factory.mktemp("head_shards_pp2"), INIT + CASES)
-
-
-@pytest.mark.timeout(600)
-def test_head_shards_start_from_megatrons_own_output_layer(pp2):
+@pytest.mark.timeout(300)
+def test_head_shards_start_from_megatrons_own_output_layer(tmp_path):
+    results = _run(tmp_path, INIT)
     for case in INIT:
-        _check_init(pp2[case["name"]], case["name"])
+        _check_init(results[case["name"]], case["name"])
 
 
-@pytest.mark.timeout(600)
-def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(pp2):
+@pytest.mark.timeout(420)
+def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(tmp_path):
+    results = _run(tmp_path, CASES)
     for case in CASES:
-        _check_round_trip(pp2[case["name"]], case["name"])
+        _check_round_trip(results[case["name"]], case["name"])
 
 
 @pytest.mark.timeout(600)
