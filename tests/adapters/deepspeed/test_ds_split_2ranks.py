@@ -41,7 +41,7 @@ def _scenarios(tmp):
     # seeds of random orders the shard inserter completes (it finds no place for H/J in many random orders)
     flat = plan("flat", [0, 1], FLAT_BOUNDS, 1, [0, 1], [0.3, 0.7])  # owner on device 1; rows [0,5) / [5,16)
     v = plan("v", V_DEVICES, V_BOUNDS, 0, [1, 0], [0.5, 0.5])  # owner (stage 3) on device 0
-    remote = plan("remote", [0, 1], FLAT_BOUNDS, 1, [1], [1.0])  # the whole head on the owner, the embedding's rank none
+    remote = plan("remote", [0, 1], FLAT_BOUNDS, 1, [1], [1.0])  # the whole head on the owner, none on the embedding's
     unsplit = tmp / "unsplit.json"
     unsplit.write_text(json.dumps(H.plan_doc(V_DEVICES, V_BOUNDS, 2, M, 7)))
     ck, tck = str(tmp / "ck"), str(tmp / "tck")
