@@ -234,8 +234,8 @@ class OctoPipeEngine(PipelineEngine):
         """The gradient DeepSpeed's tied reduction reduces (bf16: the fp32 master's), zeros where none came."""
         if p is None:
             return None
-        if self.using_bf16_optimizer:
-            return p._hp_grad
+        if self.using_bf16_optimizer:  # a flat fp32 fragment of the parameter's numel: viewed in its shape
+            return p._hp_grad.view(p.shape)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
