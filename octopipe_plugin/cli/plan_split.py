@@ -5,7 +5,7 @@ splits, so `auto` is never slower than `off`; the split variants (tuner/split.py
 share one more --time-budget for their tunes and three for placing the shards (tuner/split.py
 `INSERT_SHARE`), under a wall-clock guard of that much. With `--megatron-args` the launch's
 run constraints apply and a split plan its Megatron run would refuse (a tied head, a split
-embedding, the owner without a shard, MTP, TP > 1: adapters/megatron/startup.split_refusal)
+embedding, the owner without a shard, MTP: adapters/megatron/startup.split_refusal)
 leaves the plan without splits. Default `off`: `auto` takes up to about five times the
 --time-budget.
 """

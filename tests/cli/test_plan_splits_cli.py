@@ -74,16 +74,25 @@ BIG_VOCAB = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-head
 
 
 @pytest.mark.framework
-@pytest.mark.parametrize("tied", [False, True])
-def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, capsys, tied):
+@pytest.mark.parametrize("tied,tp", [(False, 1), (True, 1), (False, 2)])
+def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, capsys, monkeypatch, tied, tp):
     """--megatron-args --splits auto: the split-aware tune under the launch's constraints; the written plan is one
     the launch's Megatron run takes (adapters/megatron/startup.split_refusal), else the plan without splits with
-    the reason on the split line (a tied head: Megatron's default)."""
+    the reason on the split line (a tied head: Megatron's default). At --tensor-model-parallel-size 2 the head's
+    split is kept (a split head runs under tensor parallelism)."""
     from types import SimpleNamespace
 
     from octopipe_plugin.adapters.megatron.startup import split_refusal
 
     launch = BIG_VOCAB + ([] if tied else ["--untie-embeddings-and-output-weights"])
+    if tp > 1:
+        # CUDA shim (no GPU here): at TP > 1 validate_args asks the GPU's architecture to require
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell; it answers Hopper's, with the variable set as required
+        import megatron.training.arguments as arguments
+
+        monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        launch += ["--tensor-model-parallel-size", str(tp)]
     out = tmp_path / "plan.json"
     # --iterations bounds the search; the generous --time-budget only keeps the wall-clock guard off on a busy machine
     rc = main(["plan", "--cluster", "h100x4", "--iterations", "30", "--no-progress", "--time-budget", "60",
@@ -93,7 +102,7 @@ def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, 
     line = next(x for x in text.splitlines() if x.strip().startswith("split layers"))
     plan = read_plan(out)
     args = SimpleNamespace(untie_embeddings_and_output_weights=not tied, mtp_num_layers=None,
-                           tensor_model_parallel_size=1, hybrid_layer_pattern=None, hybrid_override_pattern=None)
+                           tensor_model_parallel_size=tp, hybrid_layer_pattern=None, hybrid_override_pattern=None)
     if plan.splits:
         assert split_refusal(args, plan) is None, line
         assert "head over" in line

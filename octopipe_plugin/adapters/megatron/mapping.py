@@ -216,8 +216,12 @@ def head_split(plan):
     return next((sp for sp in plan.splits if side_of(sp, n) == "output"), None)
 
 
-def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
-    """Why a Megatron run cannot run the plan's split layers (one line naming the plan field), or None."""
+def split_problem(plan, *, mtp_layers: int = 0) -> str | None:
+    """Why a Megatron run cannot run the plan's split layers (one line naming the plan field), or None.
+
+    Tensor parallelism (and sequence parallelism) is no refusal: each TP rank's shards hold rows of its TP slice
+    of the vocabulary (vocab_shards.head_rows) and reduce their statistics over the TP group first
+    (vocab_shards.shard_tensor_parallel)."""
     from ...formats.splits import side_of
 
     n = plan.stages[-1].end
@@ -233,7 +237,4 @@ def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
         if mtp_layers:
             return (f"{where}: --mtp-num-layers {mtp_layers} with a split LM head is not supported (MTP reuses the "
                     f"output layer); drop the LM head's split or MTP")
-        if tp_size > 1:
-            return (f"{where}: tensor parallelism (size {tp_size}) with a split LM head is not supported yet; split "
-                    f"the head at --tensor-model-parallel-size 1")
     return None

@@ -160,15 +160,12 @@ def attach_head_shard(plan, chunks, rank: int, config, vocab_size: int | None = 
     it). Called before Float16Module / DDP wrapping, so the optimizer, DDP's buffers, the gradient
     reduction and checkpoints (under Megatron's own key, `output_layer.weight`) include it.
     """
-    from megatron.core import parallel_state
-
     from .vocab_shards import build_head_shard
 
     sp = head_split(plan)
     if sp is None:
         return None
-    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
-                            tp_size=parallel_state.get_tensor_model_parallel_world_size())
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0)
     if problem is not None:  # before the collective: a refused plan sends nothing
         raise OctoPipeError(problem)
     owner = plan.stages[-1].device

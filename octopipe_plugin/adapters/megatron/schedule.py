@@ -105,8 +105,9 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
         cp_size = (pg_collection.cp.size() if pg_collection is not None and getattr(pg_collection, "cp", None)
                    else parallel_state.get_context_parallel_world_size())
-        tp_size = (pg_collection.tp.size() if pg_collection is not None and getattr(pg_collection, "tp", None)
-                   else parallel_state.get_tensor_model_parallel_world_size())
+        tp_group = (pg_collection.tp if pg_collection is not None and getattr(pg_collection, "tp", None)
+                    else parallel_state.get_tensor_model_parallel_group())
+        tp_size = dist.get_world_size(tp_group)
         rank = dist.get_rank(pp_group)
         seq = decoder_seq_length or seq_length
         seq = seq // cp_size // (tp_size if config.sequence_parallel else 1)
@@ -126,7 +127,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
                                 collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases,
-                                shards=step_shards)
+                                shards=step_shards, tp=(dist.get_rank(tp_group), tp_size))
         made.append(runner)
         ex = executors.get(runner, rank, pp_group)
         try:
@@ -155,15 +156,19 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
 
 
 def head_shards(plan):
-    """The default shards factory: a VocabShards over the HeadShard of this rank's chunks (None off the shard set)."""
+    """The default shards factory: a VocabShards over the HeadShard of this rank's chunks (None off the shard set),
+    its statistics and partials reduced over Megatron's tensor-parallel group at TP > 1 (build_head_shard's TP rank)."""
     from ...executor.vocab_shard import VocabShards
+
+    from .vocab_shards import shard_tensor_parallel
 
     def make(*, rank, model, config, report, hidden_meta):
         shard = find_head_shard(model)
         if shard is None:
             return None  # a rank off the shard set runs no shard action
         return VocabShards(plan=plan, rank=rank, vocab_size=shard.vocab_size, head_weight=shard.weight,
-                           head_rows=shard.rows, hidden_meta=hidden_meta, report=report, grad_sink="autograd")
+                           head_rows=shard.rows, hidden_meta=hidden_meta, report=report, grad_sink="autograd",
+                           tp=shard_tensor_parallel(shard, config))
 
     return make
 

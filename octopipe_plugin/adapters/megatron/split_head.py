@@ -13,6 +13,10 @@ on `(hidden, targets, coef)`:
   `config.grad_scale_func` (`loss_rule`), differentiated at a probe by the executor's
   `loss_coefficients` (StageCore.head_input; linear for Megatron's loss functions, a second probe
   checks it).
+Under `--sequence-parallel` the owner's hidden states are its TP rank's block of the sequence
+([seq/tp, mbs, hidden]) while its labels and loss rule cover the whole micro-batch: `coef` is taken
+over every token, and the hand-over carries the block's rows of targets and coef
+(`sequence_block_input`; the shards gather the blocks, vocab_shards.py "Tensor parallelism").
 The shards' J gives the real per-token losses back; the owner's J reports them through the same
 `loss_func` and `forward_step_calc_loss` (MegatronStages.head_loss), so Megatron's logged loss dict and
 token count are the ones the unsplit run makes.
@@ -29,6 +33,7 @@ from typing import Callable
 import torch
 
 from ...errors import OctoPipeError
+from ...executor.head_input import TARGET_DTYPE, HeadInput, coef_dtype, loss_coefficients
 from .hooks import replace_forward
 
 PROBE_DTYPE = torch.float32  # Megatron's per-token losses: vocab_parallel_cross_entropy computes in fp32
@@ -128,12 +133,34 @@ def calc_loss(model, per_token: torch.Tensor, loss_func, config, vp_stage, num_m
                                                 num_microbatches, store, cp_size, True)
 
 
+@contextlib.contextmanager
+def _unrecorded_by_rerun_checks():
+    """A probe of the loss function is no loss of the run: Megatron's loss functions hand their result to the
+    rerun state machine (`validate_result`: NaN checks, `--check-for-spiky-loss`'s running maximum, result
+    validation that may request a rerun of the iteration), so during a probe the machine is switched off and
+    its spiky-loss statistics are restored after (`.mode` set directly: `set_mode` logs every call)."""
+    from megatron.core import rerun_state_machine as rsm
+
+    machine = rsm.get_rerun_state_machine()  # the one the loss function would reach (made if none yet)
+    saved = machine.mode, dict(machine.large_value_counts), dict(machine.max_values)
+    machine.mode = rsm.RerunMode.DISABLED
+    try:
+        yield
+    finally:
+        machine.mode = saved[0]
+        machine.large_value_counts.clear()
+        machine.large_value_counts.update(saved[1])
+        machine.max_values.clear()
+        machine.max_values.update(saved[2])
+
+
 def loss_rule(model, loss_func, config, vp_stage, num_microbatches: int, cp_size: int, labels_shape):
     """The step's backward root as a function of the micro-batch's per-token losses ([seq * mbs], the hidden
     states' row order): the forward step's loss_func, Megatron's scaling, config.grad_scale_func."""
     def rule(losses: torch.Tensor) -> torch.Tensor:
         per_token = per_token_losses(losses.to(PROBE_DTYPE), labels_shape)
-        out, _ = calc_loss(model, per_token, loss_func, config, vp_stage, num_microbatches, cp_size, [])
+        with _unrecorded_by_rerun_checks():
+            out, _ = calc_loss(model, per_token, loss_func, config, vp_stage, num_microbatches, cp_size, [])
         return config.grad_scale_func(out) if config.grad_scale_func is not None else out
 
     return rule
@@ -143,3 +170,18 @@ def per_token_losses(losses: torch.Tensor, labels_shape) -> torch.Tensor:
     """The shards' per-token losses ([seq * mbs], sequence-major) as the output layer's loss gives them: [mbs, seq]."""
     mbs, seq = labels_shape
     return losses.reshape(seq, mbs).t().contiguous()  # contiguous, as compute_language_model_loss returns it
+
+
+def sequence_block_input(hidden: torch.Tensor, targets: torch.Tensor, rule, tp_rank: int, tp_size: int) -> HeadInput:
+    """The owner's hand-over under sequence parallelism: `hidden` [seq/tp, mbs, h] (this TP rank's block of the
+    sequence), with the block's rows of the micro-batch's `targets` ([seq, mbs]) and of the coefficients of `rule`
+    over every token (the loss rule sums the whole micro-batch)."""
+    t = targets.reshape(-1)
+    rows = hidden.numel() // hidden.shape[-1]
+    if rows * tp_size != t.numel():
+        raise ValueError(f"sequence-parallel split head: the owner's hidden states {tuple(hidden.shape)} (TP rank "
+                         f"{tp_rank} of {tp_size}) hold {rows} tokens, expected 1/{tp_size} of the {t.numel()} targets")
+    coef = loss_coefficients(rule, t.numel(), coef_dtype(hidden.dtype), hidden.device)
+    block = slice(tp_rank * rows, (tp_rank + 1) * rows)  # rows are sequence-major: the block is contiguous
+    return HeadInput(hidden=hidden, targets=t[block].to(device=hidden.device, dtype=TARGET_DTYPE),
+                     coef=coef[block].contiguous())

@@ -161,7 +161,7 @@ class MegatronStages(StageCore):
     def __init__(self, *, plan, rank: int, model: Sequence[torch.nn.Module], forward_step_func: Callable,
                  data_iterator, config, num_microbatches: int, tensor_shape: tuple[int, ...],
                  forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
-                 phases: Sequence[Phase] | None = None, shards=None):
+                 phases: Sequence[Phase] | None = None, shards=None, tp: tuple[int, int] = (0, 1)):
         super().__init__(num_stages=plan.num_stages, num_microbatches=num_microbatches,
                          grad_scale=config.grad_scale_func, shards=shards)
         self.plan = plan
@@ -179,6 +179,7 @@ class MegatronStages(StageCore):
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.cp_size = cp_size
+        self.tp = tp  # (tensor-parallel rank, size): under sequence parallelism the owner hands over its block
         self.phases = list(phases) if phases is not None else [Phase() for _ in self.model]
         self.te = [te_modules_of(m) for m in self.model]
         iters = _per_chunk(data_iterator, len(self.model))
@@ -306,6 +307,8 @@ class MegatronStages(StageCore):
                                     shape)
         self.owner_loss[mb] = split_head.OwnerLoss(loss_func=loss_func, labels_shape=shape)
         # targets in the hidden states' row order ([seq, mbs]: compute_language_model_loss transposes the labels)
+        if self.config.sequence_parallel and self.tp[1] > 1:
+            return split_head.sequence_block_input(hidden, labels.t(), rule, *self.tp)
         return self.head_input(hidden, labels.t(), rule)
 
     def _params(self, stage: int) -> list:
@@ -399,8 +402,7 @@ def check_split_plan(plan, rank: int, shards, config, collect_non_loss_data: boo
         raise OctoPipeError(f"plan splits (layers {[sp.layer for sp in plan.splits]}): pipeline rank {rank} runs shard "
                             f"actions and needs its shards (MegatronStages(shards=...), make_forward_backward_func("
                             f"shards=...)); none given")
-    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
-                            tp_size=getattr(config, "tensor_model_parallel_size", 1) or 1)
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0)
     if problem is not None:
         raise OctoPipeError(problem)
     head = head_split(plan) is not None

@@ -82,8 +82,7 @@ def split_refusal(args, plan) -> str | None:
     """Why a Megatron run of `args` cannot run the plan's split layers (one line naming the plan field), or None."""
     if not plan.splits:
         return None
-    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
-                            tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0))
     if problem is None and hybrid_pattern(args):
         problem = (f"plan splits: a HybridModel's forward gives no hook for its final-norm hidden states "
                    f"(GPTModel's output_processor); drop `splits` for --hybrid-layer-pattern models")

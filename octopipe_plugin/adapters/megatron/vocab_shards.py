@@ -24,6 +24,14 @@ with irregular global offsets (axis_fragmentations=None: the uneven sharding dis
 and leaves to torch DCP to check, strategies/torch.py). Megatron's distributed optimizer builds
 its model-space state from the same ShardedTensor, so Adam's moments travel the same way, and a
 checkpoint written under one split loads under Megatron's own layout or another split, and back.
+
+Tensor parallelism. The TP ranks of one shard device hold its rows of each TP slice (`head_rows`),
+so the shard's statistics are reduced over Megatron's TP group before they travel and its partial
+input gradient is all-reduced there, as ColumnParallelLinear's backward all-reduces its input
+gradient (`shard_tensor_parallel`, the executor's `TensorParallel`). Under `--sequence-parallel`
+the owner's hidden states are its block of the sequence ([s/tp, b, h], what the output layer
+all-gathers): the shards gather every block, and hand each TP rank its block of the partial
+(the reduce-scatter of ColumnParallelLinear's sequence-parallel backward).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch
 
 from octopipe_plugin.formats.splits import SplitLayer, row_range
 
-__all__ = ["HeadShard", "build_head_shard", "head_rows"]
+__all__ = ["HeadShard", "build_head_shard", "head_rows", "shard_tensor_parallel"]
 
 
 def head_rows(split: SplitLayer, vocab_size: int, device: int, tp_rank: int = 0,
@@ -135,6 +143,25 @@ class HeadShard(torch.nn.Module):
     def extra_repr(self) -> str:
         lo, hi = self.rows
         return f"rows=[{lo}, {hi}) of {self.vocab_size}, hidden={self.hidden_size}, TP={self.tp_size}"
+
+
+def shard_tensor_parallel(shard: "HeadShard", config, tp_group=None):
+    """The executor's TensorParallel reductions of `shard` over Megatron's TP group (sequence parallel as
+    `config.sequence_parallel`), or None at TP 1."""
+    if shard.tp_size == 1:
+        return None
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    from octopipe_plugin.executor.vocab_shard import TensorParallel
+
+    group = ps.get_tensor_model_parallel_group() if tp_group is None else tp_group
+    if dist.get_world_size(group) != shard.tp_size or dist.get_rank(group) != shard.tp_rank:
+        raise ValueError(f"HeadShard of TP rank {shard.tp_rank} of {shard.tp_size}: the tensor-parallel group has "
+                         f"rank {dist.get_rank(group)} of {dist.get_world_size(group)} (build the shard under the "
+                         f"run's parallel state)")
+    return TensorParallel.over(group, sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
 
 
 def build_head_shard(config, *, split: SplitLayer, device: int, owner: int, vocab_size: int, hidden_size: int,

@@ -54,13 +54,23 @@ def init_process(rank: int, world: int, port: int) -> None:
     init_gloo(rank, world, port, timeout_s=120)
 
 
-def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None) -> None:
-    """(Re)initialise Megatron's parallel state: TP=1, PP=pp, the rest DP."""
+def tp_size(spec: TinyGPT) -> int:
+    """The spec's --tensor-model-parallel-size (1 unless its extra arguments set it)."""
+    args = list(spec.args)
+    return int(args[args.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in args else 1
+
+
+shim_device_arch = cpu_shims.shim_device_arch  # validate_args' GPU-architecture question at TP > 1
+shim_sequence_parallel_norm = cpu_shims.shim_sequence_parallel_norm  # --sequence-parallel's norms on CPU
+
+
+def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
                                  get_embedding_ranks=embedding_ranks)
     model_parallel_cuda_manual_seed(1234)
@@ -134,7 +144,11 @@ def make_config(spec: TinyGPT, pp: int, layout=None, **over):
     the adapter's apply_layout does)."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    dp = (dist.get_world_size() if dist.is_initialized() else 1) // pp
+    dp = (dist.get_world_size() if dist.is_initialized() else 1) // pp // tp_size(spec)
+    if tp_size(spec) > 1:
+        shim_device_arch()
+    if "--sequence-parallel" in spec.args:
+        shim_sequence_parallel_norm()
     text = layout if isinstance(layout, str) else None
     args = megatron_args(megatron_argv(spec, pp, spec.mbs * dp, layout=text))
     config = core_transformer_config_from_args(args)
@@ -173,6 +187,17 @@ def build_chunk(spec: TinyGPT, config, pre_process: bool, post_process: bool, vp
     return model
 
 
+def tp_suffix(p=None) -> str:
+    """"@tp<rank>" at TP > 1 (for `p`: only when it is a tensor-parallel slice), else "": TP slices named apart."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return ""
+    if p is not None and not getattr(p, "tensor_model_parallel", False):
+        return ""
+    return f"@tp{ps.get_tensor_model_parallel_rank()}"
+
+
 def global_names(model) -> dict[str, torch.nn.Parameter]:
     """Parameters of a GPTModel chunk under split-independent names (decoder layers renumbered globally)."""
     out = {}
@@ -203,7 +228,8 @@ def seed_by_global_name(model, tied: bool = False) -> None:
                 # adapter's same-rank copy; a cross-rank copy would need seeding before Megatron's
                 # construction all-reduce, which no case here has)
                 continue
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            # TP slices seeded apart (a slice swapped between TP ranks changes the function); replicas alike
+            g = torch.Generator().manual_seed(zlib.crc32((name + tp_suffix(p)).encode()))
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
             if name.endswith(("layer_norm_weight", "layernorm.weight", "norm.weight", "_norm.weight")):
                 p.copy_(1.0 + 0.1 * noise)
@@ -308,7 +334,7 @@ def gathered_weights(chunks, group=None) -> dict[str, torch.Tensor]:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
         inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
         for name, p in global_names(inner).items():
-            mine.setdefault(name, p.detach().float().clone())
+            mine.setdefault(name + tp_suffix(), p.detach().float().clone())  # every TP rank's values at TP > 1
     allw = [None] * dist.get_world_size(group)
     dist.all_gather_object(allw, mine, group=group)
     out = {}
@@ -329,7 +355,7 @@ def reduced_main_grads(chunks, group=None) -> dict[str, torch.Tensor]:
     for c in chunks:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
         inner = getattr(inner, "module", inner) if not hasattr(inner, "decoder") else inner  # Float16Module
-        name_of = {id(p): n for n, p in global_names(inner).items()}
+        name_of = {id(p): n + tp_suffix() for n, p in global_names(inner).items()}  # every TP rank's at TP > 1
         for buf in [*c.buffers, *c.expert_parallel_buffers]:
             dp_group = buf.data_parallel_group
             dp, r = dp_group.size(), dp_group.rank()

@@ -139,14 +139,15 @@ def run_case(case: dict) -> dict:
     spec: H.TinyGPT = case["spec"]
     pp, m = case["pp"], case["microbatches"]
     plan = plan_from_dict(case["plan"]) if case.get("plan") else None
+    tp = H.tp_size(spec)
     if plan is not None:
         vp = len(plan.stages_of(0))
-        H.init_parallel(pp, vp, embedding_ranks=embedding_ranks_fn(plan, spec.graph(), spec.tied))
+        H.init_parallel(pp, vp, embedding_ranks=embedding_ranks_fn(plan, spec.graph(), spec.tied), tp=tp)
         config, chunks = _octopipe_chunks(spec, plan, ps.get_pipeline_model_parallel_rank())
     else:
         layout = case.get("layout")
         vp = len(layout.split("|")) // pp if layout else 1
-        H.init_parallel(pp, vp)
+        H.init_parallel(pp, vp, tp=tp)
         config, chunks = _megatron_chunks(spec, layout, pp)
     overlap = bool(case.get("overlap_grad_reduce"))
     chunks = H.wrap_ddp(chunks, config, overlap_grad_reduce=overlap)

@@ -90,6 +90,20 @@ SPLITS = [
          overlap_grad_reduce=True, ref="dense_2m", world=4),
 ]
 
+# Tensor parallelism: TP2 x PP2 (4 gloo ranks), plain and with --sequence-parallel, against Megatron's own schedule on
+# the unsplit model at the same TP2 x PP2, same seeds (TP slices seeded apart, compared per TP rank: "name@tp<r>")
+TP2 = H.TinyGPT(num_layers=8, args=("--tensor-model-parallel-size", "2"))
+TP2_SP = H.TinyGPT(num_layers=8, args=("--tensor-model-parallel-size", "2", "--sequence-parallel"))
+TP_REFERENCE = [dict(name="megatron_tp2_pp2", spec=TP2, pp=2, microbatches=M, world=4),
+                dict(name="megatron_tp2_sp_pp2", spec=TP2_SP, pp=2, microbatches=M, world=4)]
+TP_SPLITS = [
+    dict(name="split_tp2_pp2", spec=TP2, pp=2, microbatches=M, plan=plan_to_dict(PP2), ref="megatron_tp2_pp2",
+         world=4),
+    # the owner hands over its block of the sequence; tensors placed on the model's device
+    dict(name="split_tp2_sp_pp2", spec=TP2_SP, pp=2, microbatches=M, plan=plan_to_dict(PP2),
+         ref="megatron_tp2_sp_pp2", world=4, device_check=True),
+]
+
 
 def joined(values: dict) -> dict:
     """The shards' rows of output_layer.weight ("output_layer.weight[lo:hi]") put together as the one weight."""
@@ -109,8 +123,9 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory):
     out = {}
-    for world in sorted({c["world"] for c in SPLITS}):
-        cases = [c for c in SPLITS if c["world"] == world]
+    every = SPLITS + TP_REFERENCE + TP_SPLITS  # the TP cases share the 4-rank spawn (one start-up)
+    for world in sorted({c["world"] for c in every}):
+        cases = [c for c in every if c["world"] == world]
         out.update(_run(world, cases, tmp_path_factory.mktemp(f"split{world}") / "split.pt"))
     return out
 
@@ -186,18 +201,71 @@ def test_split_head_places_every_tensor_on_the_model_device(splits):
     assert not problems, "\n".join(sorted(set(problems)))
 
 
+def tp_rows(key: str) -> tuple[str, int, int, int] | None:
+    """("output_layer.weight", lo, hi, TP rank) of a shard's key "output_layer.weight[lo:hi]@tp<r>" (global rows)."""
+    if not key.startswith("output_layer.weight["):
+        return None
+    rows, tp = key[len("output_layer.weight["):].split("]@tp")
+    lo, hi = map(int, rows.split(":"))
+    return "output_layer.weight", lo, hi, int(tp)
+
+
+def tp_want(got: dict, want: dict, spec) -> dict:
+    """The unsplit TP run's values in the split run's keys: each shard's rows cut from its TP rank's slice of the
+    head (TP rank r holds global rows [r V/tp, (r+1) V/tp))."""
+    per_tp = spec.vocab // H.tp_size(spec)
+    out = {k: v for k, v in want.items() if not k.startswith("output_layer.weight@")}
+    for k in got:
+        parsed = tp_rows(k)
+        if parsed is not None:
+            name, lo, hi, r = parsed
+            out[k] = want[f"{name}@tp{r}"][lo - r * per_tp:hi - r * per_tp]
+    return out
+
+
+@needs_vocab_shards
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [c["name"] for c in TP_SPLITS])
+def test_split_head_under_tensor_parallelism_matches_megatrons_schedule(case, splits):
+    """TP2 x PP2 (plain, and with --sequence-parallel): each TP rank's shards hold rows of its TP slice, reduce their
+    statistics over the TP group, and the owner hands over its hidden states (its block of the sequence under SP).
+    Against Megatron's own 1F1B on the unsplit model at TP2 x PP2, same seeds: the losses of 3 steps, every
+    main_grad of every TP rank after step 0's reduction before the optimizer (each shard's rows against the same
+    rows of its TP rank's head slice; relative 1e-3, the same gradients x1.01 fail) and the weights after 3 steps."""
+    spec = next(c for c in TP_SPLITS if c["name"] == case)
+    got, want = splits[case], splits[spec["ref"]]
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6, msg=f"{case}: losses")
+    shard_keys = sorted(k for k in got["grads"] if tp_rows(k))
+    # every shard device on every TP rank: 2 devices x 2 TP ranks, rows inside their TP rank's slice
+    assert len(shard_keys) == 2 * len(spec["plan"]["splits"][0]["devices"]), shard_keys
+    want_grads = tp_want(got["grads"], want["grads"], spec["spec"])
+    assert set(want_grads) == set(got["grads"]), sorted(set(want_grads) ^ set(got["grads"]))
+    assert any(k.endswith("@tp1") for k in want_grads) and any(k.endswith("@tp0") for k in want_grads)
+    bad = H.grad_mismatches(got["grads"], want_grads)
+    assert not bad, f"{case}: " + "; ".join(bad[:5])
+    scaled = {k: v * 1.01 for k, v in got["grads"].items()}
+    assert len(H.grad_mismatches(scaled, want_grads)) == len(want_grads)
+    want_w = tp_want(got["weights"], want["weights"], spec["spec"])
+    assert set(want_w) == set(got["weights"]), sorted(set(want_w) ^ set(got["weights"]))
+    for name, w in want_w.items():  # Adam's tolerance of the fp32 cases above
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-4, msg=f"{case}: weight {name}")
+    if spec.get("device_check"):
+        problems = [p for rank in got["device_problems"] for p in rank]
+        assert not problems, "\n".join(sorted(set(problems)))
+
+
 def _config(**over):
     return SimpleNamespace(**{"mtp_num_layers": None, "tensor_model_parallel_size": 1, **over})
 
 
 def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
-    """Owner without a shard, MTP, tensor parallelism, a split embedding, no shards: one line naming `splits`."""
+    """Owner without a shard, MTP, a split embedding, no shards: one line naming `splits`; tensor parallelism
+    passes."""
     from octopipe_plugin.adapters.megatron.stages import check_split_plan
 
     owner_out = replace(PP2, splits=(SplitLayer(layer=HEAD, devices=(0,), shares=(1.0,)),))
     cases = [(owner_out, _config(), "must include device 1, the LM head's owner"),
              (PP2, _config(mtp_num_layers=1), "--mtp-num-layers 1"),
-             (PP2, _config(tensor_model_parallel_size=2), "tensor parallelism (size 2)"),
              (replace(PP2, splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),)), _config(),
               "a split embedding is not supported")]
     for plan, config, words in cases:
@@ -207,23 +275,24 @@ def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
         assert "splits[0]" in msg and words in msg and "\n" not in msg, msg
     with pytest.raises(OctoPipeError, match="runs shard actions and needs its shards"):
         check_split_plan(PP2, 1, None, _config(), False)
+    assert check_split_plan(PP2, 1, object(), _config(tensor_model_parallel_size=2, sequence_parallel=True), False)
 
 
 def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
     """At start-up, on every rank, before any model is built: a split head tied to the embedding (Megatron's
-    default), a HybridModel, MTP and tensor parallelism are refused in one line naming `splits`; the untied GPT
-    passes."""
+    default), a HybridModel and MTP are refused in one line naming `splits`; the untied GPT passes, also at
+    TP 2 with sequence parallelism."""
     from octopipe_plugin.adapters.megatron.startup import _refuse_splits
 
     untied = dict(untie_embeddings_and_output_weights=True, mtp_num_layers=None, tensor_model_parallel_size=1,
                   hybrid_layer_pattern=None, hybrid_override_pattern=None)
     _refuse_splits(SimpleNamespace(**untied), PP2)
+    _refuse_splits(SimpleNamespace(**{**untied, "tensor_model_parallel_size": 2, "sequence_parallel": True}), PP2)
     _refuse_splits(SimpleNamespace(**{**untied, "untie_embeddings_and_output_weights": False}),
                    replace(PP2, splits=()))  # no split: nothing to refuse
     cases = [({"untie_embeddings_and_output_weights": False}, "tied to the word embedding"),
              ({"hybrid_layer_pattern": "M*M*M*M*"}, "HybridModel"),
-             ({"mtp_num_layers": 1}, "--mtp-num-layers 1"),
-             ({"tensor_model_parallel_size": 2}, "tensor parallelism (size 2)")]
+             ({"mtp_num_layers": 1}, "--mtp-num-layers 1")]
     for over, words in cases:
         with pytest.raises(OctoPipeError) as err:
             _refuse_splits(SimpleNamespace(**{**untied, **over}), PP2)

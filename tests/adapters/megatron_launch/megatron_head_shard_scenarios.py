@@ -94,19 +94,8 @@ def build(spec, layout: dict, megatron_init: bool = False):
     return chunks, config, None
 
 
-def tp_size(spec) -> int:
-    """The spec's --tensor-model-parallel-size (1 unless its extra arguments set it)."""
-    args = list(spec.args)
-    return int(args[args.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in args else 1
-
-
-def shim_device_arch() -> None:
-    """CUDA shim for TP > 1: validate_args asks the GPU's architecture (to require CUDA_DEVICE_MAX_CONNECTIONS=1
-    before Blackwell, a CUDA stream setting); here it answers Hopper's (9) and the variable is set as required."""
-    import megatron.training.arguments as arguments
-
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    arguments.get_device_arch_version = lambda: 9
+tp_size = H.tp_size  # the spec's --tensor-model-parallel-size
+shim_device_arch = H.shim_device_arch  # validate_args' GPU-architecture question at TP > 1
 
 
 def init_parallel(spec, pp: int, vp: int) -> None:
