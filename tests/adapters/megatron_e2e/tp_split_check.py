@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_pretrain_split_e2e as E  # noqa: E402
-from e2e_runs import launch, loss_table  # noqa: E402
+from e2e_runs import MEGATRON_LAYOUT, launch, loss_table, split_head_plans  # noqa: E402
 from megatron_harness import grad_mismatches  # noqa: E402  (on sys.path through e2e_runs)
 
 MOE = {"--num-experts", "--moe-layer-freq", "--moe-router-topk", "--moe-router-load-balancing-type",
@@ -59,12 +59,12 @@ def shard_want(got: dict, want: dict) -> dict:
 def main() -> int:
     """Both launches, the table, the checks; 0 when the split run matches Megatron's."""
     sp = "--sequence-parallel" in sys.argv[1:]
-    E.KINDS = ["embedding"] + ["dense"] * 4 + ["lm_head"]  # the plans' layer kinds without the MoE layers
     d = Path(tempfile.mkdtemp(prefix="octopipe-tp-split-"))
-    _, split = E._plans(d)
+    # the plans' layer kinds without the MoE layers
+    _, split = split_head_plans(d, kinds=["embedding"] + ["dense"] * 4 + ["lm_head"])
     args = dense(E.ARGS) + ["--tensor-model-parallel-size", "2"] + (["--sequence-parallel"] if sp else [])
     out = {}
-    for name, extra in (("megatron", ["--pipeline-model-parallel-layout", E.MEGATRON_LAYOUT]),
+    for name, extra in (("megatron", ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]),
                         ("split", ["--pipeline-schedule", "octopipe", "--octopipe-plan", split])):
         out[name] = launch(d / f"{name}.log", *args, *extra, nproc=4, script=E.PROBE,
                            env={"OCTOPIPE_E2E_GRADS": str(d / f"grads_{name}.pt")})
