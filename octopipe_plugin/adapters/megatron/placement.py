@@ -13,7 +13,8 @@ Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec`
 - `plan_model_provider(plan, model, provider)` -> a Megatron `model_provider` that builds the plan's chunks;
 - `attach_head_shard(plan, chunks, rank, config, vocab_size)`: under a split LM head, the rank's
   `HeadShard` (vocab_shards.py) as `output_layer` of its chunk, before DDP wrapping (called by
-  `plan_model_provider` once the rank's last chunk is built);
+  `plan_model_provider` once the rank's last chunk is built); `attach_embedding_shard`: the same for a split
+  embedding (split_embedding.py), stage 0's word_embeddings made its fed lookup;
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
   answer for the plan (get_batch's labels, MTP, get_model's pre/post flags), and a HybridModel built
   inside takes the plan's segment of its '|' pattern (hooks.pipeline_view); HybridModels take no

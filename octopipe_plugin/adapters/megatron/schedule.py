@@ -76,8 +76,10 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
 
     `shards(rank=, model=, config=, report=, hidden_meta=)`: the rank's shards of the plan's split layers (a
     VocabShards, or a stand-in), made each step; `report` is the owner's loss report (MegatronStages.head_loss)
-    on the LM head's owner rank, None elsewhere; `hidden_meta` the head input's TensorMeta. Default for plans
-    with `splits`: `head_shards(plan)`, the HeadShard each shard rank's chunk holds (placement.attach_head_shard)."""
+    on the LM head's owner rank, None elsewhere; `hidden_meta` the head input's TensorMeta; under a split embedding
+    also `tokens=` (mb -> the micro-batch's token ids [seq, mbs], read ahead on stage 0's rank and sent to the
+    shards before the step: split_embedding.py). Default for plans with `splits`: `head_shards(plan)`, the
+    HeadShard / EmbeddingShard each shard rank's chunks hold (placement.attach_head_shard / attach_embedding_shard)."""
     options = options or ScheduleOptions()
     executors = _Executors(plan, options)
     if shards is None and plan.splits:

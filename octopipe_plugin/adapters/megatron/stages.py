@@ -25,9 +25,12 @@ Split layers (docs/formats.md, "Split layers"): the shard actions (H, J, K; E, G
 `shards=` object (a VocabShards, or a stand-in). Under a split LM head the owner (the last
 stage) runs without Megatron's output layer and loss: its F hands on `(hidden, targets, coef)`
 (`split_head`), its backward starts from the shards' summed partial input gradients, and its
-J reports Megatron's loss through the forward step's `loss_func` (`head_loss`). A chunk holding
-a head shard's weight starts its gradient reduction after the step (its gradients arrive at K,
-which is no weight-gradient action of any stage).
+J reports Megatron's loss through the forward step's `loss_func` (`head_loss`). Under a split
+embedding stage 0's forward steps are read ahead (`read_stage0_calls`, split_embedding.py), its
+F replays the kept model call on the shards' summed partials (fed to its word_embeddings) and
+its backward gives their gradient back. A chunk holding a shard weight starts its gradient
+reduction after the step (its gradients arrive at K or G, which are no weight-gradient actions
+of any stage).
 """
 
 from __future__ import annotations
