@@ -232,6 +232,7 @@ def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
         assert "splits[0]" in msg and words in msg and "\n" not in msg, msg
     with pytest.raises(OctoPipeError, match="runs shard actions and needs its shards"):
         check_split_plan(PP2, 1, None, _config(), False)
+    assert check_split_plan(EMB_PP2, 0, object(), _config(), False) is False  # runs; no head split
 
 
 def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
@@ -254,3 +255,47 @@ def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
             _refuse_splits(SimpleNamespace(**{**untied, **over}), PP2)
         msg = str(err.value)
         assert msg.startswith("--pipeline-schedule octopipe: plan splits") and words in msg and "\n" not in msg, msg
+    _refuse_splits(SimpleNamespace(**untied), EMB_PP2)  # an untied split embedding runs
+    with pytest.raises(OctoPipeError, match=r"plan splits\[0\] \(layer 0\): a split embedding tied to the LM head"):
+        _refuse_splits(SimpleNamespace(**{**untied, "untie_embeddings_and_output_weights": False}), EMB_PP2)
+
+
+class _Model(torch.nn.Module):
+    """A chunk with GPTModel's call signature (the recorder binds the call to it to find input_ids)."""
+
+    embedding = None
+
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        return input_ids
+
+
+def test_stage0_forward_steps_are_read_ahead_and_replayed():
+    """split_embedding.read_model_calls: the forward step runs once per micro-batch against a recorder (token ids
+    kept sequence-major, the loss_func kept); replay makes the kept call; a forward step that calls the model twice
+    or changes its output is refused by name."""
+    from octopipe_plugin.adapters.megatron.split_embedding import read_model_calls, replay
+
+    data = [torch.arange(6).view(2, 3) + 10 * k for k in range(2)]
+    model = _Model()
+
+    def step(it, m):
+        tokens = next(it)
+        return m(tokens, None, labels=None), ("loss", int(tokens[0, 0]))
+
+    calls = read_model_calls(step, lambda mb: iter([data[mb]]), model, 2, torch.device("cpu"))
+    assert [c.loss_func for c in calls] == [("loss", 0), ("loss", 10)]
+    assert torch.equal(calls[1].tokens, data[1].t()) and calls[1].tokens.dtype == torch.int64
+    out, loss_func = replay(calls[1])(None, model)
+    assert torch.equal(out, data[1]) and loss_func == ("loss", 10)
+
+    def twice(it, m):
+        tokens = next(it)
+        m(tokens, None)
+        return m(tokens, None), None
+
+    def changed(it, m):
+        return [m(next(it), None)], None
+
+    for bad, words in ((twice, "called the model 2 times"), (changed, "returned something other than")):
+        with pytest.raises(OctoPipeError, match=words):
+            read_model_calls(bad, lambda mb: iter([data[mb]]), model, 1, torch.device("cpu"))
