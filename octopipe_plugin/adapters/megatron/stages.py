@@ -209,6 +209,7 @@ class MegatronStages(StageCore):
         self.owner_loss: dict[int, split_head.OwnerLoss] = {}
         self._viewing: Forwarded | None = None
         self.stage0_calls: list | None = None  # stage 0's forward steps read ahead (`read_stage0_calls`)
+        self.lookup = None  # stage 0's fed word_embeddings (split_embedding.fed_lookup), found by read_stage0_calls
 
     def read_stage0_calls(self) -> list | None:
         """Under a split embedding, on stage 0's rank: the forward step of each of the step's micro-batches, read

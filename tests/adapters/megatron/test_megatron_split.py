@@ -4,10 +4,12 @@ Each shard rank holds a `HeadShard` (rows of Megatron's output_layer.weight, ini
 owner's Megatron-built head) attached to its chunk before DDP wrapping; the owner's chunk returns its
 final-norm hidden states with the labels and Megatron's per-token loss coefficients, the shards run
 the vocabulary-parallel cross-entropy across the shard group, and the owner's J reports through the
-forward step's own loss_func. Oracle: the same model at PP=1 in one process (Megatron's own
+forward step's own loss_func. A split embedding (split_embedding.py): the shard ranks hold
+EmbeddingShards (rows of the word embedding), stage 0's forward steps are read ahead and their
+token ids sent to them, stage 0's lookup returns the shards' summed partials. Oracle: the same model at PP=1 in one process (Megatron's own
 no-pipelining schedule on the unsplit model), same seeds. Compared: the per-step losses (3 optimizer
 steps), every parameter's main_grad after the step-0 reduction before the optimizer (the shards' rows
-against the matching rows of the unsplit output_layer gradient; relative 1e-3, which a 1% scale
+against the matching rows of the unsplit output_layer / word embedding gradient; relative 1e-3, which a 1% scale
 error fails), and the weights after three steps.
 """
 
