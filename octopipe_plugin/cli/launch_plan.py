@@ -99,8 +99,9 @@ def run_from_megatron(args) -> int:
 
 def _deepspeed_splits(args, job, cluster, result):
     """--splits auto for a DeepSpeed job: the split-aware tune, kept only where OctoPipeEngine runs its splits
-    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, the owner among its shards, no split
-    embedding); otherwise the plan without splits, with the reason."""
+    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, or a head tied to the embedding whose
+    forward_fn is the projection x @ W^T, the owner among its shards, no split embedding); otherwise the plan
+    without splits, with the reason."""
     from ..adapters.deepspeed.config import parse_block
     from ..adapters.deepspeed.head_split import split_problem
     from .plan_split import with_splits

@@ -128,12 +128,34 @@ def calc_loss(model, per_token: torch.Tensor, loss_func, config, vp_stage, num_m
                                                 num_microbatches, store, cp_size, True)
 
 
+@contextlib.contextmanager
+def _unrecorded_by_rerun_checks():
+    """A probe of the loss function is no loss of the run: Megatron's loss functions hand their result to the
+    rerun state machine (`validate_result`: NaN checks, `--check-for-spiky-loss`'s running maximum, result
+    validation that may request a rerun of the iteration), so during a probe the machine is switched off and
+    its spiky-loss statistics are restored after (`.mode` set directly: `set_mode` logs every call)."""
+    from megatron.core import rerun_state_machine as rsm
+
+    machine = rsm.get_rerun_state_machine()  # the one the loss function would reach (made if none yet)
+    saved = machine.mode, dict(machine.large_value_counts), dict(machine.max_values)
+    machine.mode = rsm.RerunMode.DISABLED
+    try:
+        yield
+    finally:
+        machine.mode = saved[0]
+        machine.large_value_counts.clear()
+        machine.large_value_counts.update(saved[1])
+        machine.max_values.clear()
+        machine.max_values.update(saved[2])
+
+
 def loss_rule(model, loss_func, config, vp_stage, num_microbatches: int, cp_size: int, labels_shape):
     """The step's backward root as a function of the micro-batch's per-token losses ([seq * mbs], the hidden
     states' row order): the forward step's loss_func, Megatron's scaling, config.grad_scale_func."""
     def rule(losses: torch.Tensor) -> torch.Tensor:
         per_token = per_token_losses(losses.to(PROBE_DTYPE), labels_shape)
-        out, _ = calc_loss(model, per_token, loss_func, config, vp_stage, num_microbatches, cp_size, [])
+        with _unrecorded_by_rerun_checks():
+            out, _ = calc_loss(model, per_token, loss_func, config, vp_stage, num_microbatches, cp_size, [])
         return config.grad_scale_func(out) if config.grad_scale_func is not None else out
 
     return rule
