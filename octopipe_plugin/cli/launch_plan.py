@@ -16,7 +16,7 @@ from ..formats import bind_plan, plan_to_dict, write_model, write_plan
 from ..schedules.registry import build_plan
 from ..simulator import simulate
 from ..tuner.compare import comparison_rows, format_table
-from ..tuner.constraints import FRAMEWORK_SPLITS
+from ..tuner.constraints import framework_splits
 from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
 
 DEFAULT_PLAN = "octopipe-plan.json"
@@ -54,7 +54,7 @@ def run_from_megatron(args) -> int:
         from .plan_split import with_splits
 
         result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
-                                                     constraints=replace(cons, **FRAMEWORK_SPLITS),
+                                                     constraints=replace(cons, **framework_splits("megatron")),
                                                      refusal=lambda p: split_refusal(view.args, p))
     plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
@@ -109,7 +109,7 @@ def _deepspeed_splits(args, job, cluster, result):
     block = parse_block(job.config)
     owners = block.layer_of_spec if block is not None else None
     chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result,
-                                     constraints=replace(constraints_of(args), **FRAMEWORK_SPLITS))
+                                     constraints=replace(constraints_of(args), **framework_splits("deepspeed")))
     problem = split_problem(chosen.plan, job.layers, owners) if chosen.plan.splits else None
     if problem is None:
         return chosen, rows, line

@@ -206,13 +206,14 @@ def global_names(model) -> dict[str, torch.nn.Parameter]:
                            ("mtp.layers.", getattr(getattr(model, "mtp", None), "layers", None))):
         for i, layer in enumerate(layers or ()):
             layer_ids[f"{prefix}{i}."] = f"{prefix}{layer.layer_number - 1}."
-    shard_rows = {id(m.weight): m.rows for m in model.modules() if type(m).__name__ == "HeadShard"}
+    shard_rows = {id(m.weight): m.rows for m in model.modules()
+                  if type(m).__name__ in ("HeadShard", "EmbeddingShard")}
     for name, p in model.named_parameters():
         for local, glob in layer_ids.items():
             if name.startswith(local):
                 name = glob + name[len(local):]
                 break
-        if id(p) in shard_rows:  # a split head's shard: its rows of output_layer.weight (each shard rank has one)
+        if id(p) in shard_rows:  # a split head's / embedding's shard: its rows of output_layer.weight / the embedding
             lo, hi = shard_rows[id(p)]
             name = f"{name}[{lo}:{hi}]"
         out[name] = p

@@ -1,4 +1,5 @@
-"""End to end through megatron.training.pretrain: a plan that splits the LM head (examples/megatron/train_gpt.py).
+"""End to end through megatron.training.pretrain: a plan that splits the LM head and the embedding
+(examples/megatron/train_gpt.py).
 
 2 gloo ranks (pipeline size 2), the tiny GPT of test_pretrain_e2e.py (MoE layers with aux loss),
 embeddings untied (a split head tied to the embedding is refused by name), 4 micro-batches per step.
@@ -6,16 +7,18 @@ Three launches, same seeds, probe script train_gpt_grads.py saving the first ste
 
 - Megatron's own schedule on the layout "Et|t|t|tL";
 - an OctoPipe plan on the same stages (looped, so the same initial weights) without splits;
-- the same plan with the LM head split over both ranks (uneven shares; the owner, rank 1, holds one):
-  each rank's HeadShard is attached by the model-construction hooks before DDP wrapping, initialised
-  from the owner's Megatron-built head.
+- the same plan with the LM head split over both ranks (uneven shares; the owner, rank 1, holds one)
+  and the embedding too (stage 0's rank 0 holds one share): each rank's HeadShard and EmbeddingShard
+  are attached by the model-construction hooks before DDP wrapping, initialised from the owners'
+  Megatron-built head and word embedding; stage 0's forward steps (train_gpt.py's get_batch on the
+  ranks Megatron builds data on) are read ahead and their token ids sent to rank 1's shard.
 
 Checked: the split run's logged training and validation losses (evaluation every 3 iterations on 2
 micro-batches: the executor's forward-only split program, H and J's loss) equal the unsplit runs'
 per iteration (relative 1e-5: the shards sum the softmax in another order than Megatron's
 vocab-parallel cross-entropy), and every parameter's main_grad before the first optimizer step
-equals Megatron's (the shards' rows against the same rows of Megatron's output_layer gradient) at a
-tolerance a 1% scale error fails.
+equals Megatron's (the shards' rows against the same rows of Megatron's output_layer and word
+embedding gradients) at a tolerance a 1% scale error fails.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_runs import MEGATRON_LAYOUT, MODEL, SPLIT_M, launch, loss_table, split_head_plans
+from e2e_runs import MEGATRON_LAYOUT, MODEL, SPLIT_KINDS, SPLIT_M, launch, loss_table, split_head_plans
 from megatron_harness import grad_mismatches  # on sys.path through e2e_runs
+from octopipe_plugin.formats.splits import SplitLayer
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed,
               # the shards' math is the executor's VocabShards (SHARD_API.md, being built on branch w-shardcore)
@@ -37,12 +41,15 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed,
 PROBE = Path(__file__).with_name("train_gpt_grads.py")
 ARGS = [*MODEL, "--global-batch-size", str(SPLIT_M), "--eval-global-batch-size", "2",
         "--untie-embeddings-and-output-weights"]
+# the LM head and the embedding split over both ranks (uneven shares, owner rank 1)
+SPLITS = (SplitLayer(layer=0, devices=(1, 0), shares=(0.45, 0.55)),
+          SplitLayer(layer=len(SPLIT_KINDS) - 1, devices=(1, 0), shares=(0.35, 0.65)))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e_split")
-    plain, split = split_head_plans(d)
+    plain, split = split_head_plans(d, splits=SPLITS)
     out = {}
     for name, extra in (("megatron", ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]),
                         ("octopipe", ["--pipeline-schedule", "octopipe", "--octopipe-plan", plain]),
@@ -72,13 +79,14 @@ def test_split_plan_logs_the_unsplit_losses(runs):
 
 @pytest.mark.timeout(1800)
 def test_split_plan_main_grads_match_megatron(runs):
-    """Every parameter's reduced main_grad before the first step: the shards' rows against Megatron's head rows."""
+    """Every parameter's reduced main_grad before the first step: the shards' rows against Megatron's head and word
+    embedding rows."""
     got, want = runs["grads"]["split"], runs["grads"]["megatron"]
-    shard_keys = [k for k in got if k.startswith("output_layer.weight[")]
-    assert len(shard_keys) == 2, sorted(got)
-    rows = {k: want["output_layer.weight"][slice(*map(int, k[len("output_layer.weight["):-1].split(":")))]
-            for k in shard_keys}
-    want_split = {**{k: v for k, v in want.items() if k != "output_layer.weight"}, **rows}
+    sharded = ("output_layer.weight", "embedding.word_embeddings.weight")
+    shard_keys = [k for k in got if k.startswith(tuple(f"{n}[" for n in sharded))]
+    assert len(shard_keys) == 4, sorted(got)
+    rows = {k: want[k.split("[")[0]][slice(*map(int, k.split("[")[1][:-1].split(":")))] for k in shard_keys}
+    want_split = {**{k: v for k, v in want.items() if k not in sharded}, **rows}
     assert len(want) > 10 and set(got) == set(want_split)
     assert grad_mismatches(got, want_split) == []
     assert grad_mismatches({k: 1.01 * v for k, v in got.items()}, want_split), "a 1% scale error passes"
