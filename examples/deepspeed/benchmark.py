@@ -79,7 +79,7 @@ def plans(args, model, cluster, param_divisor):
     from octopipe_plugin.formats import read_plan
     from octopipe_plugin.schedules.registry import build_plan
     from octopipe_plugin.tuner import tune
-    from octopipe_plugin.tuner.constraints import FRAMEWORK_SPLITS, Constraints
+    from octopipe_plugin.tuner.constraints import Constraints, framework_splits
     from octopipe_plugin.tuner.split import VARIANTS, tune_split
 
     p, m = cluster.num_devices, args.microbatches
@@ -103,7 +103,7 @@ def plans(args, model, cluster, param_divisor):
         # DeepSpeed's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
         split = tune_split(model, cluster, m, time_budget_s=args.tune_budget, unsplit=res,
                            variant_budget_s=args.tune_budget / len(VARIANTS),
-                           constraints=Constraints(**FRAMEWORK_SPLITS)).plan
+                           constraints=Constraints(**framework_splits("deepspeed"))).plan
     if split.splits:
         out["octopipe-split"] = split
     return out

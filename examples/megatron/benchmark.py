@@ -115,7 +115,7 @@ def octopipe_plans(model, cluster, args):
     """(the plan without splits, the plan with splits or None): given files, else tuned now (`tune`, then
     `tune_split` on top of it); None also where the split-aware tuner keeps the plan without splits."""
     from octopipe_plugin.tuner import tune
-    from octopipe_plugin.tuner.constraints import FRAMEWORK_SPLITS, Constraints
+    from octopipe_plugin.tuner.constraints import Constraints, framework_splits
     from octopipe_plugin.tuner.split import VARIANTS, tune_split
 
     res = None
@@ -137,7 +137,7 @@ def octopipe_plans(model, cluster, args):
     # Megatron's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
     split = tune_split(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed,
                        unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS),
-                       constraints=Constraints(**FRAMEWORK_SPLITS)).plan
+                       constraints=Constraints(**framework_splits("megatron-stand-in"))).plan
     return plain, split if split.splits else None
 
 

@@ -12,7 +12,9 @@ of the command line, exactly as a GPU launch would. `--distributed-backend gloo`
 unless given. Switch off what needs CUDA in the Megatron arguments: `--transformer-impl local
 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
 --no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion`, and on resumed runs
-`--no-load-rng` (the shimmed CUDA RNG state saved is empty). On Python 3.11 the
+`--no-load-rng` (the shimmed CUDA RNG state saved is empty). `--tensor-model-parallel-size` > 1
+runs (validate_args' GPU-architecture question is shimmed), and `--sequence-parallel` with
+LayerNorm (apex's layer-norm kernel shimmed by torch's). On Python 3.11 the
 `typing.override` that megatron.training imports reaches every child process (the
 distributed-checkpoint writer's too) through a sitecustomize.py on PYTHONPATH.
 Exit status: the first non-zero exit status of a rank, else 0.
@@ -77,6 +79,8 @@ def worker(rest: list[str]) -> None:
     script, _ = launch.split_argv(rest)
     sys.path.insert(0, os.path.dirname(script))
     cpu_shims.install_for_pretrain()
+    if "--sequence-parallel" in rest and "RMSNorm" not in rest:  # the local spec's LayerNorm refuses SP on CPU
+        cpu_shims.shim_sequence_parallel_norm()
     launch.main(rest)
 
 

@@ -110,6 +110,45 @@ def _torch_adam_resume() -> None:
     cls.load_state_dict = load_state_dict
 
 
+def shim_device_arch() -> None:
+    """Tensor (or context) parallelism on CPU: validate_args asks the GPU's architecture (to require
+    CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell, a CUDA stream setting); it answers Hopper's (9), and the
+    variable is set as required (idempotent)."""
+    import megatron.training.arguments as arguments
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    arguments.get_device_arch_version = lambda: 9
+
+
+class _CpuFusedLayerNormAffine:
+    """apex's FusedLayerNormAffineFunction (a CUDA kernel) as torch's layer_norm on CPU, same signature."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps):
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def apply(input, weight, bias, normalized_shape, eps):
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+def shim_sequence_parallel_norm() -> None:
+    """--sequence-parallel on CPU with LayerNorm models (idempotent; call before the model is built). Megatron's
+    local spec without apex builds torch's LayerNorm, which refuses sequence parallelism (torch_norm.
+    WrappedTorchNorm); with apex it builds Megatron's FusedLayerNorm (marks its weights `sequence_parallel`, so
+    finalize_model_grads all-reduces them over TP), whose kernel is CUDA. As on a GPU install with apex:
+    FusedLayerNorm in the layer specs and the final norm, its kernel torch's layer_norm (the same function).
+    Not for RMSNorm models (FusedLayerNorm is LayerNorm only), so not part of `install()`."""
+    import megatron.core.fusions.fused_layer_norm as fused
+    import megatron.core.models.backends as backends
+    import megatron.core.transformer.transformer_block as block
+
+    fused.HAVE_FUSED_LAYER_NORM = True
+    fused.FusedLayerNormAffineFunction = _CpuFusedLayerNormAffine
+    backends.LNImpl = fused.FusedLayerNorm
+    block.LayerNormImpl = fused.FusedLayerNorm
+
+
 def install_for_pretrain() -> None:
     """`install()` plus what megatron.training's start-up needs on a machine without a GPU (idempotent).
 
@@ -117,12 +156,14 @@ def install_for_pretrain() -> None:
       call gets it;
     - `_initialize_distributed` opens Megatron's model-parallel groups only when
       `torch.cuda.device_count() > 0` (then `set_device(local_rank)`): one "device", set_device a no-op;
+    - at TP > 1 validate_args asks the GPU's architecture (`shim_device_arch`);
     - not CUDA: start-up runs `make` on the dataset helpers on rank 0; the pip wheel ships them compiled
       but no Makefile (exit 1), and a checkout's Makefile needs pybind11 (and, under pyenv, reads the
       checkout's .python-version: another Python's extension suffix). With the helpers importable for
       this Python, that compilation is skipped.
     """
     install()
+    shim_device_arch()  # --tensor-model-parallel-size > 1
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *a, **k: None
     import functools

@@ -16,7 +16,7 @@ from ..formats import bind_plan, plan_to_dict, write_model, write_plan
 from ..schedules.registry import build_plan
 from ..simulator import simulate
 from ..tuner.compare import comparison_rows, format_table
-from ..tuner.constraints import FRAMEWORK_SPLITS
+from ..tuner.constraints import framework_splits
 from ._options import Costs, apply_headroom, check_writable, constraints_of, keep_on_failure, load_cluster
 
 DEFAULT_PLAN = "octopipe-plan.json"
@@ -50,11 +50,11 @@ def run_from_megatron(args) -> int:
     result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
     split_rows, split_line = None, None
     if args.splits == "auto":
-        from ..adapters.megatron.startup import split_refusal
+        from ..adapters.megatron.startup import run_splits, split_refusal
         from .plan_split import with_splits
 
         result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
-                                                     constraints=replace(cons, **FRAMEWORK_SPLITS),
+                                                     constraints=replace(cons, **run_splits(view.args)),
                                                      refusal=lambda p: split_refusal(view.args, p))
     plan = bind_plan(stamp(result.plan, view, args.cluster), model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)
@@ -99,8 +99,9 @@ def run_from_megatron(args) -> int:
 
 def _deepspeed_splits(args, job, cluster, result):
     """--splits auto for a DeepSpeed job: the split-aware tune, kept only where OctoPipeEngine runs its splits
-    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, the owner among its shards, no split
-    embedding); otherwise the plan without splits, with the reason."""
+    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, or a head tied to the embedding whose
+    forward_fn is the projection x @ W^T, the owner among its shards, no split embedding); otherwise the plan
+    without splits, with the reason."""
     from ..adapters.deepspeed.config import parse_block
     from ..adapters.deepspeed.head_split import split_problem
     from .plan_split import with_splits
@@ -108,7 +109,7 @@ def _deepspeed_splits(args, job, cluster, result):
     block = parse_block(job.config)
     owners = block.layer_of_spec if block is not None else None
     chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result,
-                                     constraints=replace(constraints_of(args), **FRAMEWORK_SPLITS))
+                                     constraints=replace(constraints_of(args), **framework_splits("deepspeed")))
     problem = split_problem(chosen.plan, job.layers, owners) if chosen.plan.splits else None
     if problem is None:
         return chosen, rows, line
@@ -117,9 +118,10 @@ def _deepspeed_splits(args, job, cluster, result):
 
 def run_from_deepspeed(args) -> int:
     """Plan from a DeepSpeed config and the function returning its PipelineModule's layer list."""
-    from ..adapters.deepspeed.from_config import view_job
+    from ..adapters.deepspeed.from_config import import_deepspeed, view_job
     from .plan_report import check_size, summary, tuned
 
+    import_deepspeed()  # before --module's script imports it: DeepSpeed's import-time log lines go to stderr
     output, bare = _prepare(args, "--deepspeed-config and --module")
     job = view_job(args.deepspeed_config, args.module, bare, world_size=args.world_size, gpu=args.gpu,
                    partition_method=args.partition_method)

@@ -14,8 +14,11 @@ and the returned plan (checked once more before it is returned). Runtimes that n
   Megatron and DeepSpeed runners report the loss through the framework's own loss function on
   the owner, from its shard's J (docs: /work/wt/SHARD_API.md's framework-side rules). Off for
   OctoPipe's executor (`SplitTorchStages` lets any shard report the loss).
-- `split_embedding=False`: runners that split the LM head only (the Megatron and DeepSpeed
-  runners this round): the split search tries no embedding split.
+- `split_embedding=False`: runners that split the LM head only (DeepSpeed's, and the Megatron
+  stand-in benchmark's chunks): the split search tries no embedding split.
+
+`FRAMEWORK_SPLITS[framework]` is what each framework runner runs of a split plan, the one place
+that says it (`framework_splits(name)`, then `replace(c, **...)`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,22 @@ from ..errors import OctoPipeError
 from ..schedules.placement import Placement, place_stages
 
 PLACEMENTS = ("looped", "v", "any")
-# what the Megatron and DeepSpeed runners run of a split plan: the LM head only, its owner holding a shard
-# (the owner reports the loss through the framework's own loss function): `replace(c, **FRAMEWORK_SPLITS)`
-FRAMEWORK_SPLITS = MappingProxyType({"owner_shard": True, "split_embedding": False})
+# what each framework runner runs of a split plan (`replace(c, **framework_splits(name))`): the LM head's owner
+# holds a shard (it reports the loss through the framework's own loss function); Megatron's runner also splits the
+# embedding (adapters/megatron/split_embedding.py), DeepSpeed's not yet, nor the Megatron benchmark's stand-in
+# chunks (testing/megatron_standin.py takes no fed embedding)
+FRAMEWORK_SPLITS = MappingProxyType({
+    "megatron": MappingProxyType({"owner_shard": True, "split_embedding": True}),
+    "megatron-stand-in": MappingProxyType({"owner_shard": True, "split_embedding": False}),
+    "deepspeed": MappingProxyType({"owner_shard": True, "split_embedding": False}),
+})
+
+
+def framework_splits(framework: str):
+    """The Constraints fields of what `framework`'s runner runs of a split plan (FRAMEWORK_SPLITS)."""
+    if framework not in FRAMEWORK_SPLITS:
+        raise OctoPipeError(f"framework {framework!r}: expected one of {', '.join(FRAMEWORK_SPLITS)}")
+    return FRAMEWORK_SPLITS[framework]
 _SPLIT_KINDS = frozenset({Kind.I, Kind.W})
 
 

@@ -1,4 +1,4 @@
-"""A table of bad inputs walked through the real `octopipe` CLI in subprocesses (issue 13).
+"""A table of bad inputs walked through the real `octopipe` CLI in processes of their own (issue 13).
 
 Each case must exit 2 with exactly one line on stderr, `octopipe CMD: error: ...`, naming the
 option or file and what was expected, with no traceback and nothing on stdout, before any
@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -221,12 +220,19 @@ CASES = [  # (id, argv with {file} placeholders, fragments the one error line mu
 
 
 @pytest.fixture(scope="module")
-def outcomes(files) -> dict[str, subprocess.CompletedProcess]:
-    """Every case run once, a few at a time (each is a separate interpreter, mostly waiting on its imports)."""
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        runs = {case: pool.submit(octopipe, *[a.format(**files) if a.startswith("{") else a for a in argv])
-                for case, argv, _ in CASES}
-        return {case: run.result() for case, run in runs.items()}
+def outcomes(files, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every case run once, each in a process of its own forked from one interpreter that imported the CLI
+    (cli_forks.py: the imports are paid once, not once per case); the tests below run fresh interpreters."""
+    todo = {case: [a.format(**files) if a.startswith("{") else a for a in argv] for case, argv, _ in CASES}
+    path = tmp_path_factory.mktemp("bad_input_cases") / "cases.json"
+    path.write_text(json.dumps(todo))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("cli_forks.py")), str(path),
+                           str(RUN_TIMEOUT_S)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=len(CASES) * RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {case: subprocess.CompletedProcess(todo[case], rc, out, err)
+            for case, (rc, out, err) in json.loads(done.stdout).items()}
 
 
 @pytest.mark.timeout(len(CASES) * RUN_TIMEOUT_S)

@@ -118,3 +118,21 @@ def test_the_blocks_headroom_is_used_unless_overridden(capsys, job):
     doc = json.loads(_plan(capsys, cfg, "--module", "myjob:build", "--json", "-o", str(tmp / "p.json"),
                            "--memory-headroom", "0"))
     assert doc["memory_headroom_bytes"] == 0
+
+
+def test_json_on_a_first_import_is_clean_and_the_parts_are_plain_ints(job):
+    """A fresh `octopipe plan --json` process: DeepSpeed's import-time log lines (its accelerator warning on a
+    machine without a GPU) stay off stdout, and partition_balanced's numpy ints print as plain ints."""
+    import re
+    import subprocess
+
+    tmp, cfg, _ = job
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "octopipe_plugin", "plan", "--cluster", "h100x2", "--iterations",
+                           "20", "--no-progress", "--deepspeed-config", cfg, "--module", "myjob:build", "--json",
+                           "-o", str(tmp / "p.json")], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
+    stages = doc["job"]["current"]["stages"]
+    assert re.search(r"'parameters' \(parts \[0, \d+, 9\]\)", stages), stages

@@ -108,10 +108,13 @@ def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, 
         assert "head over" in line
     else:
         assert "the launch cannot run it" in line or "none" in line, line
-    # the tune keeps to what the runner runs (head only, the owner holding a shard): the split is kept, tied
-    # (Megatron's default: the shards are tied to the embedding) or not
-    assert plan.splits and all(sp.layer == plan.stages[-1].end - 1 for sp in plan.splits), line
-    assert plan.stages[-1].device in plan.splits[0].devices
+    if tied:  # the head's split is kept (its shards tied to the embedding); a tied launch splits no embedding
+        assert plan.splits and all(sp.layer == plan.stages[-1].end - 1 for sp in plan.splits), line
+        assert plan.stages[-1].device in plan.splits[0].devices
+    else:  # the tune keeps to what the runner runs (the head's owner holding a shard; the embedding too): kept
+        head = [sp for sp in plan.splits if sp.layer == plan.stages[-1].end - 1]
+        assert head and all(sp.layer in (0, plan.stages[-1].end - 1) for sp in plan.splits), line
+        assert plan.stages[-1].device in head[0].devices
 
 
 def test_auto_on_a_model_without_a_head_says_so_and_keeps_the_plain_table(tmp_path, capsys):

@@ -99,3 +99,17 @@ def test_split_embedding_off_keeps_the_embedding_whole_and_names_a_plan_that_spl
     assert "splits the input embedding" in " ".join(cons.plan_problems(bad))
     assert Constraints().allows_plan(bad) and "no-split-embedding" in cons.describe()
     assert cons.as_dict()["split_embedding"] is False
+
+
+def test_framework_splits_say_per_framework_what_its_runner_splits():
+    """One place: Megatron's runner splits the embedding too, DeepSpeed's and the Megatron stand-in benchmark's not;
+    every framework's keeps a shard on the head's owner."""
+    from octopipe_plugin.errors import OctoPipeError
+    from octopipe_plugin.tuner.constraints import Constraints, framework_splits
+
+    assert framework_splits("megatron") == {"owner_shard": True, "split_embedding": True}
+    assert not framework_splits("deepspeed")["split_embedding"]
+    assert not framework_splits("megatron-stand-in")["split_embedding"]
+    assert Constraints(**framework_splits("deepspeed")) == Constraints(owner_shard=True, split_embedding=False)
+    with pytest.raises(OctoPipeError, match="framework 'torch': expected one of megatron"):
+        framework_splits("torch")

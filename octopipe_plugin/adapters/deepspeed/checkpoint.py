@@ -15,6 +15,13 @@ the owner's rank, so a checkpoint of a split plan loads under DeepSpeed's own en
 plan, and the reverse (each shard reads its rows of the file). Its optimizer state is recorded per
 shard under the head's name with the rows (`layer_08.weight[0:5]`) and mapped by rows: the pieces
 put together, then cut to the loading parameter's rows.
+
+A split head tied to the embedding has no file of its own: DeepSpeed writes the tied weight in
+the layer file of the key's first entry without forward_fn (the embedding, `layer_00`) from the
+rank holding it, and the head's entry (a forward_fn, no state_dict) in none, under a split plan
+as under DeepSpeed's engine. Its shards load their rows from that file; their optimizer state is
+recorded under the tied weight's name with the rows (`tied_embed.weight[0:5]`), so it maps by
+rows onto and from the whole weight's state (`tied_embed.weight`).
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ def parameter_names(module) -> dict[int, str]:
     head, shard = getattr(module, "octopipe_head", None), getattr(module, "head_shard", lambda: None)()
     if head is not None and shard is not None:
         lo, hi = shard.rows
-        names[id(shard.weight)] = f"layer_{head.index:02d}.weight[{lo}:{hi}]"
+        base = f"tied_{head.tied.key}.{head.tied.attr}" if head.tied is not None else f"layer_{head.index:02d}.weight"
+        names[id(shard.weight)] = f"{base}[{lo}:{hi}]"
     return names
 
 
@@ -56,8 +64,9 @@ def save_head(module, save_dir: str, checkpoint_engine) -> None:
     """Write a split head's layer file as DeepSpeed's own (the whole weight), gathered on the owner's rank of
     data-parallel replica 0 (every rank of that pipeline calls this; the others return)."""
     head = module.octopipe_head
-    if head is None or module._grid.data_parallel_id != 0 or module.stage_id not in head.split.devices:
-        return
+    if head is None or head.tied is not None or module._grid.data_parallel_id != 0 \
+            or module.stage_id not in head.split.devices:
+        return  # a tied head: the tied weight's holder wrote its file as DeepSpeed does
     w = module.head_shard().weight.detach()
     owner = head.owner_device
     if module.stage_id != owner:
@@ -80,14 +89,22 @@ def load_head(module, load_dir: str, checkpoint_engine) -> None:
     head, shard = module.octopipe_head, module.head_shard()
     if head is None or shard is None:
         return
-    files = sorted(glob.glob(os.path.join(load_dir, f"layer_{head.index:02d}-*model_states.pt")))
+    entry, field = head.index, "weight"
+    if head.tied is not None:
+        entry, field = head.tied.file_entry, head.tied.attr
+        if entry is None:
+            raise OctoPipeError(f"{load_dir}: the split LM head is tied to key {head.tied.key!r}, whose entries all "
+                                "have a forward_fn, so DeepSpeed writes no layer file of the tied weight to load its "
+                                "rows from; give the embedding's TiedLayerSpec no forward_fn, or load with an "
+                                "unsplit plan")
+    files = sorted(glob.glob(os.path.join(load_dir, f"layer_{entry:02d}-*model_states.pt")))
     if not files:
-        raise OctoPipeError(f"{load_dir}: no layer_{head.index:02d}-model_states.pt for the split LM head (list "
-                            f"entry {head.index}); the checkpoint was written for another layer list")
-    w = checkpoint_engine.load(files[0], map_location="cpu").get("weight")
+        raise OctoPipeError(f"{load_dir}: no layer_{entry:02d}-model_states.pt for the split LM head (list "
+                            f"entry {entry}); the checkpoint was written for another layer list")
+    w = checkpoint_engine.load(files[0], map_location="cpu").get(field)
     if w is None or tuple(w.shape) != (head.vocab, head.hidden):
         got = None if w is None else tuple(w.shape)
-        raise OctoPipeError(f"{files[0]}: field weight: expected the head's [{head.vocab}, {head.hidden}] weight, "
+        raise OctoPipeError(f"{files[0]}: field {field}: expected the head's [{head.vocab}, {head.hidden}] weight, "
                             f"got {got} (a checkpoint of another model)")
     lo, hi = shard.rows
     with torch.no_grad():

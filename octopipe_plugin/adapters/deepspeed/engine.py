@@ -30,6 +30,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from ...executor.engine import forward_plan
+from ...executor.tied_rows import sum_rows
 from ...executor.vocab_shard import VocabShards
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
@@ -218,6 +219,26 @@ class OctoPipeEngine(PipelineEngine):
             self.total_loss = total
             self.fwd_outputs = [self._runner.losses[mb] for mb in sorted(self._runner.losses)]
         return result
+
+    def _exec_reduce_tied_grads(self):
+        """A split head tied to the embedding: its shards' gradients and the whole weight's summed (tied_rows), then
+        DeepSpeed's tied all-reduce (over the whole weight's holders only; the head's entry is in no tie group).
+        Before data-parallel reduction and ZeRO, as DeepSpeed's own tied reduction runs."""
+        tie = self.module.head_tie()
+        if tie is not None:
+            full, shard = self.module.head_tie_tensors()
+            sum_rows(tie, self._tied_grad(full), self._tied_grad(shard))
+        super()._exec_reduce_tied_grads()
+
+    def _tied_grad(self, p):
+        """The gradient DeepSpeed's tied reduction reduces (bf16: the fp32 master's), zeros where none came."""
+        if p is None:
+            return None
+        if self.using_bf16_optimizer:  # a flat fp32 fragment of the parameter's numel: viewed in its shape
+            return p._hp_grad.view(p.shape)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
 
     # ---- gradient clipping over every pipeline stage -------------------------------------------------
     def clip_fp32_gradients(self):

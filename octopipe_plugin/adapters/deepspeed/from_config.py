@@ -11,8 +11,10 @@ per rank) on the partition its `partition_method` gives (DeepSpeed's own partiti
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -33,6 +35,18 @@ class JobView:
     num_microbatches: int
     current: tuple[tuple[int, int], ...]  # DeepSpeed's parts as stage layer ranges
     current_source: str
+
+
+def import_deepspeed() -> None:
+    """Import DeepSpeed with its import-time output on stderr, so `octopipe plan ... --json` keeps stdout JSON.
+
+    DeepSpeed's logger binds the stdout it finds at import (deepspeed/utils/logging.py, StreamHandler(sys.stdout))
+    and logs an accelerator warning there on a machine without a GPU; imported here, its handler writes to stderr.
+    """
+    if "deepspeed" in sys.modules:
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401
 
 
 def read_config(path: str) -> dict:
@@ -115,7 +129,7 @@ def view_job(config_path: str, target: str, cluster, *, world_size: int | None =
     else:
         model = model_from_specs(layers, gpu=cost, seq_len=tune.seq_len if tune else 2048,
                                  micro_batch_size=int(config.get("train_micro_batch_size_per_gpu", 1)))
-    parts = deepspeed_parts(layers, pipe, partition_method)
+    parts = [int(p) for p in deepspeed_parts(layers, pipe, partition_method)]  # partition_balanced: numpy ints
     current = tuple(zip(parts[:-1], parts[1:]))
     return JobView(config=config, layers=layers, model=model, num_microbatches=m, current=current,
                    current_source=f"partition_method {partition_method!r} (parts {parts})")

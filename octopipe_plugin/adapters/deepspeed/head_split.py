@@ -2,15 +2,21 @@
 
 The rule (one place): the plan's split layer is its last OctoPipe layer; `layer_of_spec` (or one
 layer per entry) maps it onto the list entries [starts[L-1], starts[L]). Under a split that must be
-exactly one entry, the last of the list: a `LayerSpec(nn.Linear, hidden, vocab, bias=False)` (a
-subclass keeping Linear's forward). A head tied to the embedding (a TiedLayerSpec, whose forward_fn
-may compute anything from the shared weight) is refused by name, as is a Linear with a bias.
+exactly one entry, the last of the list: either a `LayerSpec(nn.Linear, hidden, vocab, bias=False)`
+(a subclass keeping Linear's forward; a bias is refused by name), or a head tied to the embedding,
+a `TiedLayerSpec` whose key also names an earlier entry and whose `forward_fn` is the projection
+with the tied weight (`tied_weight_attr`): checked by a probe, forward_fn(module, x) == x @ W^T in
+float64 on a few rows of W, so a scaled or biased projection, or any other use of the weight, is
+refused by name with what it computes instead.
 
 Device `devices[j]` of the split holds rows `formats.splits.row_range` of the [vocab, hidden]
-weight, initialised equal to those rows of the unsplit model's head: the LayerSpec is built whole
-under DeepSpeed's own seed rule (`seed_fn` or `set_random_seed` of base_seed + the entry's global
-index, PipelineModule._build) and cut. Without `seed_layers`, DeepSpeed's weights depend on the
-build order of each partition, and so do the shards'.
+weight. Untied: initialised equal to those rows of the unsplit model's head, the LayerSpec built
+whole under DeepSpeed's own seed rule (`seed_fn` or `set_random_seed` of base_seed + the entry's
+global index, PipelineModule._build) and cut; without `seed_layers`, DeepSpeed's weights depend on
+the build order of each partition, and so do the shards'. Tied: the rows of the tied weight as
+DeepSpeed synchronises it (its tied broadcast), copied onto the shards and their gradients summed
+with the whole weight's by `executor/tied_rows.py` (module.py, engine.py); the whole weight must be
+held by one pipeline rank (the tie has one full side).
 """
 
 from __future__ import annotations
@@ -37,6 +43,19 @@ class HeadPlacement:
     split: SplitLayer
     owner_device: int  # the pipeline rank of the stage feeding the head (DeepSpeed's loss rank)
     rows: tuple[int, int] | None  # this rank's rows [lo, hi), None when it holds no shard
+    tied: TiedHead | None = None  # the weight it shares with the embedding (None: an untied Linear head)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TiedHead:
+    """A split head tied to an earlier entry: the key, the tied weight, who holds it whole, where DeepSpeed saves it."""
+
+    key: str
+    attr: str  # the tied module's weight the head projects with (its tied_weight_attr), e.g. "weight"
+    entries: tuple[int, ...]  # the key's other list entries (the embedding)
+    full_device: int  # the pipeline rank holding those entries, hence the whole weight
+    file_entry: int | None  # the first of them DeepSpeed writes a layer file for (forward_fn None), None: none
+    dtype: torch.dtype  # the tied weight's dtype as built (the shards' too)
 
 
 class HeadShard(nn.Module):
@@ -78,13 +97,17 @@ def head_placement(plan, specs, layer_of_spec, rank: int) -> HeadPlacement | Non
         return None
     n = plan.stages[-1].end
     split = next(sp for sp in plan.splits if side_of(sp, n) == "output")
-    vocab, hidden = _linear_head(specs[index], index)
+    tied = None
+    if _is_tied(specs[index]):
+        tied, (vocab, hidden) = _tied_head(plan, specs, layer_of_spec, index)
+    else:
+        vocab, hidden = _linear_head(specs[index], index)
     rows = row_range(split, vocab, rank)
     if any(hi <= lo for lo, hi in (row_range(split, vocab, d) for d in split.devices)):
         raise OctoPipeError(f"plan's split of the LM head gives a device no rows of the {vocab}-row vocabulary "
                             "(raise its share or drop it from the split)")
     return HeadPlacement(index=index, vocab=vocab, hidden=hidden, split=split, owner_device=plan.stages[-1].device,
-                         rows=rows)
+                         rows=rows, tied=tied)
 
 
 def split_problem(plan, specs, layer_of_spec) -> str | None:
@@ -111,9 +134,7 @@ def _linear_head(spec, index: int) -> tuple[int, int]:
 
     what = f"list entry {index} (the split LM head)"
     if isinstance(spec, TiedLayerSpec):
-        raise OctoPipeError(f"{what} is TiedLayerSpec {spec.key!r}, tied to the embedding: a split head tied to its "
-                            "embedding is not supported under DeepSpeed (untie it: LayerSpec(nn.Linear, hidden, "
-                            "vocab, bias=False), or drop the split)")
+        raise OctoPipeError(f"{what} is TiedLayerSpec {spec.key!r}: a tied head is split by _tied_head")
     typ = getattr(spec, "typename", None)
     if not (isinstance(spec, LayerSpec) and isinstance(typ, type) and issubclass(typ, nn.Linear)
             and typ.forward is nn.Linear.forward):
@@ -131,15 +152,116 @@ def _linear_head(spec, index: int) -> tuple[int, int]:
     return int(arg(1, "out_features")), int(arg(0, "in_features"))
 
 
+def _is_tied(spec) -> bool:
+    from deepspeed.pipe import TiedLayerSpec
+
+    return isinstance(spec, TiedLayerSpec)
+
+
+_PROBE_ROWS = 64  # rows of the tied weight the probe uses: its cost stays small at any vocabulary
+_PROBE_TOL = 1e-5  # relative to the largest logit: a forward_fn casting to float32 passes, a scale of 1.0001 fails
+_FIX = ("a split head tied to its embedding computes x @ weight^T exactly (forward_fn=lambda m, x: "
+        "F.linear(x, m.weight)); fold anything else into the layer before it, untie the head (LayerSpec(nn.Linear, "
+        "hidden, vocab, bias=False)), or drop the split")
+
+
+def _tied_head(plan, specs, layer_of_spec, index: int) -> tuple[TiedHead, tuple[int, int]]:
+    """The tie of a TiedLayerSpec head and its (vocab, hidden), or the refusal naming what it is instead."""
+    spec = specs[index]
+    what = f"list entry {index} (the split LM head, TiedLayerSpec {spec.key!r})"
+    entries = tuple(i for i in range(index) if _is_tied(specs[i]) and specs[i].key == spec.key)
+    if not entries:
+        raise OctoPipeError(f"{what}: its key names no earlier entry, so nothing is tied to it; give the embedding "
+                            "the same key, or make the head LayerSpec(nn.Linear, hidden, vocab, bias=False)")
+    if len(spec.tied_weight_attr) != 1:
+        raise OctoPipeError(f"{what}: tied_weight_attr {list(spec.tied_weight_attr)}: a split tied head ties one "
+                            "weight (its rows are what the shards hold); tie only the projection's weight, or drop "
+                            "the split")
+    if spec.forward_fn is None:
+        raise OctoPipeError(f"{what} has no forward_fn: it runs the tied module's own forward (the embedding "
+                            f"lookup), not a projection; {_FIX}")
+    attr = spec.tied_weight_attr[0]
+    vocab, hidden, dtype = _probe_projection(spec, attr, what)
+    starts = layer_starts(layer_of_spec, plan.stages[-1].end) if layer_of_spec is not None else None
+    holders = sorted({_entry_device(plan, starts, i) for i in entries})
+    if len(holders) != 1:
+        raise OctoPipeError(f"{what}: the tied weight is held whole by pipeline ranks {holders} (entries "
+                            f"{list(entries)}); a split head tied to it needs one holder (place those entries on one "
+                            "device, or drop the split)")
+    file_entry = next((i for i in entries if specs[i].forward_fn is None), None)
+    return TiedHead(key=spec.key, attr=attr, entries=entries, full_device=holders[0], file_entry=file_entry,
+                    dtype=dtype), (vocab, hidden)
+
+
+def _entry_device(plan, starts, entry: int) -> int:
+    """The device of the plan's stage holding list entry `entry` (starts: the entries' layer starts, None: one each)."""
+    for st in plan.stages:
+        lo, hi = (starts[st.start], starts[st.end]) if starts is not None else (st.start, st.end)
+        if lo <= entry < hi:
+            return st.device
+    raise OctoPipeError(f"list entry {entry} is in no stage of the plan")
+
+
+def _probe_projection(spec, attr: str, what: str) -> tuple[int, int, torch.dtype]:
+    """(vocab, hidden, dtype) of the tied weight, once forward_fn(module, x) is checked to be x @ weight^T."""
+    try:
+        with torch.device("meta"):  # no memory, no init compute: only the weight's shape and dtype are read
+            module = spec.build()
+        *path, name = attr.split(".")
+        parent = module
+        for part in path:
+            parent = getattr(parent, part)
+        weight = getattr(parent, name)
+    except Exception as exc:  # noqa: BLE001 - the refusal names it
+        raise OctoPipeError(f"{what}: reading its tied weight {attr!r} from {spec.typename.__name__} built on the "
+                            f"meta device failed ({type(exc).__name__}: {exc}); {_FIX}") from None
+    if not (torch.is_tensor(weight) and weight.dim() == 2):
+        raise OctoPipeError(f"{what}: its tied weight {attr!r} is "
+                            f"{tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__}, not a "
+                            f"[vocab, hidden] matrix; {_FIX}")
+    vocab, hidden = (int(n) for n in weight.shape)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(min(vocab, _PROBE_ROWS), hidden, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, 3, hidden, generator=gen, dtype=torch.float64)
+    setattr(parent, name, nn.Parameter(w, requires_grad=False))
+    try:
+        with torch.no_grad():
+            out = spec.forward_fn(module, x)
+    except Exception as exc:  # noqa: BLE001 - the refusal names it
+        raise OctoPipeError(f"{what}: its forward_fn on (module, x) raised {type(exc).__name__}: {exc}; it is no "
+                            f"plain projection with {attr!r}; {_FIX}") from None
+    want = x @ w.t()
+    if not (torch.is_tensor(out) and tuple(out.shape) == tuple(want.shape)):
+        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise OctoPipeError(f"{what}: its forward_fn returns {got} where x @ {attr}^T is {tuple(want.shape)}; {_FIX}")
+    out = out.detach().to(torch.float64)
+    scale = float(want.abs().max())
+    err = float((out - want).abs().max())
+    if err > _PROBE_TOL * scale:
+        ratio = float((out * want).sum() / (want * want).sum())
+        if float((out - ratio * want).abs().max()) <= _PROBE_TOL * scale:
+            instead = f"x @ {attr}^T times {ratio:.6g} (a scaled projection)"
+        else:
+            instead = f"something other than x @ {attr}^T (off by {err:.3g} of {scale:.3g})"
+        raise OctoPipeError(f"{what}: its forward_fn computes {instead}; {_FIX}")
+    return vocab, hidden, weight.dtype
+
+
 def build_shard(module, placement: HeadPlacement) -> HeadShard:
-    """This rank's HeadShard: the head built whole under DeepSpeed's seed rule, cut to the rank's rows."""
+    """This rank's HeadShard: the head built whole under DeepSpeed's seed rule, cut to the rank's rows; of a tied
+    head, its rows of the tied weight (filled by the module from the weight's holder after DeepSpeed's tied sync)."""
     from deepspeed.runtime import utils as ds_utils
 
+    lo, hi = placement.rows
+    if placement.tied is not None:
+        shard = HeadShard(torch.zeros((hi - lo, placement.hidden), dtype=placement.tied.dtype), (lo, hi))
+        for p in shard.parameters():
+            p.ds_pipe_replicated = True  # copies of the tied weight's rows: the whole weight counts them in norms
+        return shard
     if module.seed_layers:
         seed = module.base_seed + placement.index
         (module.seed_fn or ds_utils.set_random_seed)(seed)
     full = module._layer_specs[placement.index].build()
-    lo, hi = placement.rows
     shard = HeadShard(full.weight[lo:hi], (lo, hi))
     for p in shard.parameters():
         p.ds_pipe_replicated = False  # as PipelineModule._build marks every pipeline parameter

@@ -6,6 +6,11 @@ plan is built on its device, several per rank when the plan says so (looped, V-s
 and `OctoPipeEngine` runs the plan's own action order. Tied layers are tied across the ranks that
 really hold them: `stage_owner` answers with the owning pipeline rank, which is what
 PipelineModule's tie-group construction and its checkpoint files rely on.
+
+A split head tied to the embedding (head_split.py) leaves DeepSpeed's tie: its entry is kept out
+of the tie groups (the owner stage is built without it), and its shards are tied to the whole
+weight's holder by `executor/tied_rows.py` instead: rows copied after DeepSpeed's tied broadcast at
+construction (`head_tie`), gradients summed at the engine's tied-gradient step (engine.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from deepspeed.runtime.pipe.module import PipelineModule
 import logging
 
 from ...errors import OctoPipeError
+from ...executor.tied_rows import TiedRows, copy_rows
+from ...formats.splits import row_range
 from .checkpoint import load_head, save_head
 from .config import refused
 from .head_split import SHARD_NAME, build_shard, head_entry, head_placement
@@ -82,7 +89,12 @@ class OctoPipePipelineModule(PipelineModule):
             num_stages = self.octopipe_plan.num_devices
         if kwargs.get("topology") is None:
             kwargs["num_stages"] = num_stages
+        self._octopipe_defer_sync = False  # load_state_dir: DeepSpeed's tied broadcast once, not once per stage
         super().__init__(layers=layers, partition_method="octopipe", **kwargs)
+        tie = self.head_tie()
+        if tie is not None:  # the shards := their rows of the tied weight as DeepSpeed just synchronised it
+            full, shard = self.head_tie_tensors()
+            copy_rows(tie, full, shard)
 
     # ---- partition and build -------------------------------------------------------------------------
     def _partition_layers(self, method: str = "octopipe") -> None:
@@ -118,8 +130,42 @@ class OctoPipePipelineModule(PipelineModule):
         """DeepSpeed's broadcast of tied weights, under no_grad: an in-place collective on a parameter in
         grad mode leaves an autograd record that warns "c10d::broadcast_: an autograd kernel was not
         registered" at every later backward (harmless, but noise)."""
+        if self._octopipe_defer_sync:
+            return
         with torch.no_grad():
             super()._synchronize_tied_weights()
+
+    def _index_tied_modules(self):
+        """DeepSpeed's tie groups without a split head's entry: the owner stage is built without it (its rows are in
+        the shards, tied by head_tie), so neither builds the tied module for it nor joins the group."""
+        head = self._head_index
+        if head is None:
+            return super()._index_tied_modules()
+        specs = self._layer_specs
+        self._layer_specs = specs[:head] + [None] + specs[head + 1:]  # None: no TiedLayerSpec, no tie
+        try:
+            return super()._index_tied_modules()
+        finally:
+            self._layer_specs = specs
+
+    def head_tie(self) -> TiedRows | None:
+        """The tie of a split head's shards to the tied weight's holder, over this data-parallel replica's pipeline
+        (global ranks), or None (no split head tied to the embedding)."""
+        head = self.octopipe_head
+        if head is None or head.tied is None:
+            return None
+        grid = self._grid
+        rows = {grid.stage_to_global(d): row_range(head.split, head.vocab, d) for d in head.split.devices}
+        return TiedRows(full_rank=grid.stage_to_global(head.tied.full_device), rows=rows,
+                        group=grid.get_pipe_parallel_group())
+
+    def head_tie_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the whole tied weight where this rank holds it, this rank's shard weight) of a split tied head."""
+        tied = self.octopipe_head.tied
+        full = (self._recursive_getattr(self.tied_modules[tied.key], tied.attr)
+                if self.stage_id == tied.full_device else None)
+        shard = self.head_shard()
+        return full, shard.weight if shard is not None else None
 
     def stage_owner(self, layer_idx: int) -> int:
         """The pipeline rank that holds list entry `layer_idx` (tie groups and checkpoints ask this)."""
@@ -188,8 +234,13 @@ class OctoPipePipelineModule(PipelineModule):
     def load_state_dir(self, *args, **kwargs) -> None:
         """Load every local stage's layers from global layer files (any partition wrote them), and this rank's rows
         of a split head from the head's file."""
-        for _ in self._each_stage():
-            super().load_state_dir(*args, **kwargs)
+        self._octopipe_defer_sync = True  # ranks holding different stage counts broadcast the same number of times
+        try:
+            for _ in self._each_stage():
+                super().load_state_dir(*args, **kwargs)
+        finally:
+            self._octopipe_defer_sync = False
+        self._synchronize_tied_weights()
         load_dir, engine = _dir_and_engine(args, kwargs, "load_dir")
         load_head(self, load_dir, engine)
 

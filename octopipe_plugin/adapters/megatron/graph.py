@@ -29,6 +29,8 @@ HYBRID_KINDS = {"M": ("mamba", "mamba"), "*": ("attention", "attention"), "-": (
                 "E": ("moe", "moe_mlp")}
 COST_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms", "state_bytes", "activation_bytes", "output_bytes",
                "recompute_activation_bytes")
+# what a measurement may give on top: the fused B over I + W (Layer.fused_ratio; the analytic model has none)
+MEASURED_FIELDS = (*COST_FIELDS, "fused_ratio")
 # Megatron argument name -> TransformerConfig attribute where the two differ.
 _ALIASES = {"num_experts": "num_moe_experts", "swiglu": "gated_linear_unit"}
 
@@ -217,7 +219,7 @@ def _check_measured(measured: Mapping, specs: list[LayerSpec]) -> None:
         if key not in known:
             raise OctoPipeError(f"measured costs for {key!r}: the model has no such layer or kind; layer names are "
                                 f"like 'decoder.layers.0', kinds are {sorted({s.kind for s in specs})}")
-        bad = sorted(set(values) - set(COST_FIELDS))
+        bad = sorted(set(values) - set(MEASURED_FIELDS))
         if bad:
-            raise OctoPipeError(f"measured costs for {key!r}: unknown field(s) {bad}; expected among {COST_FIELDS}")
+            raise OctoPipeError(f"measured costs for {key!r}: unknown field(s) {bad}; expected among {MEASURED_FIELDS}")
 

@@ -130,7 +130,7 @@ def copy_ranks(plan, model, tied: bool) -> list[int]:
     """Pipeline ranks holding a word-embedding copy: embedding, MTP, and (when tied) the LM head, in model order.
 
     A tied head that the plan splits holds no whole copy: its shards are rows of the embedding, tied to it by
-    `executor.tied_rows` (embeddings.tie_head_shards), so the head's rank joins Megatron's embedding group only
+    `executor.tied_rows` (placement._attach_tied_head_shard), so the head's rank joins Megatron's embedding group only
     for another copy it holds."""
     syms = stage_symbols(plan, model)
     whole_head = tied and head_split(plan) is None
@@ -221,21 +221,43 @@ def head_split(plan):
     return next((sp for sp in plan.splits if side_of(sp, n) == "output"), None)
 
 
-def split_problem(plan, *, mtp_layers: int = 0) -> str | None:
+def embedding_split(plan):
+    """The plan's split of the input embedding (a formats.splits.SplitLayer), or None."""
+    from ...formats.splits import side_of
+
+    n = plan.stages[-1].end
+    return next((sp for sp in plan.splits if side_of(sp, n) == "input"), None)
+
+
+def tied_embedding_split_problem(plan) -> str | None:
+    """Why a model whose embedding is tied to its LM head cannot run the plan's split embedding, or None."""
+    sp = embedding_split(plan)
+    if sp is None:
+        return None
+    return (f"plan splits[{plan.splits.index(sp)}] (layer {sp.layer}): a split embedding tied to the LM head is not "
+            f"supported; pass --untie-embeddings-and-output-weights or drop the embedding's split")
+
+
+def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
     """Why a Megatron run cannot run the plan's split layers (one line naming the plan field), or None.
 
-    Tensor parallelism (and sequence parallelism) is no refusal: each TP rank's shards hold rows of its TP slice
-    of the vocabulary (vocab_shards.head_rows) and reduce their statistics over the TP group first
-    (vocab_shards.shard_tensor_parallel)."""
+    Tensor parallelism (and sequence parallelism) is no refusal for the LM head: each TP rank's shards hold rows
+    of its TP slice of the vocabulary (vocab_shards.head_rows) and reduce their statistics over the TP group
+    first (vocab_shards.shard_tensor_parallel). The split embedding runs at TP=1 only (`tp_size`)."""
     from ...formats.splits import side_of
 
     n = plan.stages[-1].end
     owner = plan.stages[-1].device
     for i, sp in enumerate(plan.splits):
         where = f"plan splits[{i}] (layer {sp.layer})"
-        if side_of(sp, n) == "input":
-            return (f"{where}: a split embedding is not supported in Megatron runs yet; split only the LM head "
-                    f"(drop the layer-0 entry from `splits`)")
+        if side_of(sp, n) == "input":  # split_embedding.py: stage 0's rank need not hold a shard
+            if mtp_layers:
+                return (f"{where}: --mtp-num-layers {mtp_layers} with a split embedding is not supported (MTP looks "
+                        f"up the word embedding); drop the embedding's split or MTP")
+            if tp_size > 1:
+                return (f"{where}: tensor parallelism (size {tp_size}) with a split embedding is not supported yet; "
+                        f"split the embedding at --tensor-model-parallel-size 1")
+            continue
         if owner not in sp.devices:
             return (f"{where}: devices {list(sp.devices)} must include device {owner}, the LM head's owner (the last "
                     f"stage's device: its J reports Megatron's loss); add it to the split's devices")

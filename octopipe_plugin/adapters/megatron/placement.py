@@ -14,7 +14,8 @@ Public entry points (used by the launch integration; `chunk_specs` / `ChunkSpec`
 - `attach_head_shard(plan, chunks, rank, config, vocab_size)`: under a split LM head, the rank's
   `HeadShard` (vocab_shards.py) as `output_layer` of its chunk, before DDP wrapping (called by
   `plan_model_provider` once the rank's last chunk is built; a tied head's rows come from the
-  embedding's rank and stay tied to it, embeddings.py);
+  embedding's rank and stay tied to it, embeddings.py); `attach_embedding_shard`: the same for a split
+  embedding (split_embedding.py), stage 0's word_embeddings made its fed lookup;
 - `plan_pipeline_view(plan, rank)` -> context in which `parallel_state.is_pipeline_first/last_stage`
   answer for the plan (get_batch's labels, MTP, get_model's pre/post flags), and a HybridModel built
   inside takes the plan's segment of its '|' pattern (hooks.pipeline_view); HybridModels take no
@@ -26,7 +27,8 @@ from __future__ import annotations
 from ...errors import OctoPipeError
 from .embeddings import tie_local_copies
 from .hooks import pipeline_view, replace_forward
-from .mapping import chunk_specs, head_split, split_problem, stage_symbols
+from .mapping import (chunk_specs, embedding_split, head_split, split_problem, stage_symbols,
+                      tied_embedding_split_problem)
 
 
 def _layout_base():
@@ -140,6 +142,7 @@ def plan_model_provider(plan, model, provider, *, hybrid: bool = False, vocab_si
         tie_local_copies(built)
         if len(built) == len(plan.stages_of(rank)) and plan.splits:
             attach_head_shard(plan, built, rank, config, vocab_size)
+            attach_embedding_shard(plan, built, rank, config, vocab_size)  # after the head's: same order everywhere
         return chunk
 
     return wrapped
@@ -211,6 +214,45 @@ def _attach_tied_head_shard(plan, sp, chunks, rank: int, config, vocab: int):
     if emb_chunk is not None:
         uneven_embedding_entry(emb_chunk)
     register_head_tie(chunks, HeadTie(tie=tie, full=emb_weight, shard=shard.weight if shard is not None else None))
+    return shard
+
+
+def attach_embedding_shard(plan, chunks, rank: int, config, vocab_size: int | None = None):
+    """Under a split embedding: this rank's EmbeddingShard (split_embedding.py; None off the shard set), and stage
+    0's word_embeddings made its fed lookup.
+
+    Collective over stage 0's rank and the shard ranks (each gets its rows of the word embedding stage 0's
+    chunk built as the unsplit run builds it). On stage 0's rank the shard (or a FedLookup, without rows)
+    replaces `embedding.word_embeddings`; another shard rank's sits in an `embedding` of its first chunk
+    (EmbeddingRows: Megatron's parameter name, no forward uses it). Called before Float16Module / DDP
+    wrapping, so the optimizer, DDP's buffers and checkpoints (`embedding.word_embeddings.weight`) include it.
+    """
+    from megatron.core import parallel_state
+
+    from .split_embedding import EmbeddingRows, FedLookup, build_embedding_shard
+
+    sp = embedding_split(plan)
+    if sp is None:
+        return None
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
+                            tp_size=parallel_state.get_tensor_model_parallel_world_size())
+    if problem is None and any(getattr(c, "share_embeddings_and_output_weights", False) for c in chunks):
+        problem = tied_embedding_split_problem(plan)
+    if problem is not None:  # before the collective: a refused plan sends nothing
+        raise OctoPipeError(problem)
+    owner = plan.stages[0].device
+    if rank != owner and rank not in sp.devices:
+        return None
+    vocab = padded_vocab_size() if vocab_size is None else vocab_size
+    owner_chunk = chunks[plan.stages_of(rank).index(0)] if rank == owner else None
+    shard = build_embedding_shard(config, split=sp, device=rank, owner=owner, vocab_size=vocab,
+                                  hidden_size=config.hidden_size,
+                                  owner_weight=owner_chunk.embedding.word_embeddings.weight if owner_chunk is not None
+                                  else None)
+    if owner_chunk is not None:
+        owner_chunk.embedding.word_embeddings = shard if shard is not None else FedLookup(vocab)
+    else:
+        chunks[0].embedding = EmbeddingRows(shard)
     return shard
 
 

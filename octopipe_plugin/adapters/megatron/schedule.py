@@ -32,6 +32,7 @@ from ...errors import OctoPipeError
 from ...executor import ExecutorOptions, PipelineExecutor
 from ...executor.interface import TensorMeta
 from .embeddings import sum_head_tie, sum_local_grads
+from .mapping import embedding_split
 from .placement import plan_float16_wrappers, plan_pipeline_view
 from .loss_transfer import recv_loss_dicts, send_loss_dicts
 from .stages import MegatronStages, split_phases
@@ -75,8 +76,10 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
 
     `shards(rank=, model=, config=, report=, hidden_meta=)`: the rank's shards of the plan's split layers (a
     VocabShards, or a stand-in), made each step; `report` is the owner's loss report (MegatronStages.head_loss)
-    on the LM head's owner rank, None elsewhere; `hidden_meta` the head input's TensorMeta. Default for plans
-    with `splits`: `head_shards(plan)`, the HeadShard each shard rank's chunk holds (placement.attach_head_shard)."""
+    on the LM head's owner rank, None elsewhere; `hidden_meta` the head input's TensorMeta; under a split embedding
+    also `tokens=` (mb -> the micro-batch's token ids [seq, mbs], read ahead on stage 0's rank and sent to the
+    shards before the step: split_embedding.py). Default for plans with `splits`: `head_shards(plan)`, the
+    HeadShard / EmbeddingShard each shard rank's chunks hold (placement.attach_head_shard / attach_embedding_shard)."""
     options = options or ScheduleOptions()
     executors = _Executors(plan, options)
     if shards is None and plan.splits:
@@ -116,19 +119,29 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         saved_sync = config.grad_sync_func, config.param_sync_func
         made: list = []  # the runner, for the owner's report (the shards are made before it)
         step_shards = None
+        emb_split = embedding_split(plan)
+        step_tokens: list = []  # a split embedding's token ids of this step ([m, seq, mbs]), exchanged below
         if shards is not None and plan.splits:
             owner = plan.stages[-1].device == rank
+            # the token ids only where the plan splits the embedding: a head-only factory need not take them
+            more = {"tokens": lambda mb: step_tokens[0][mb]} if emb_split is not None else {}
             step_shards = shards(rank=rank, model=model, config=config,
                                  report=(lambda mb, losses, coef: made[0].head_loss(mb, losses, coef)) if owner
                                  else None,
                                  hidden_meta=TensorMeta(shape=(seq, micro_batch_size, config.hidden_size),
-                                                        dtype=config.pipeline_dtype or torch.float32))
+                                                        dtype=config.pipeline_dtype or torch.float32), **more)
         runner = MegatronStages(plan=plan, rank=rank, model=model, forward_step_func=forward_step_func,
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
                                 collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases,
                                 shards=step_shards, tp=(dist.get_rank(tp_group), tp_size))
         made.append(runner)
+        if emb_split is not None:  # stage 0's forward steps read ahead; their token ids to the embedding's shards
+            from .split_embedding import exchange_tokens
+
+            step_tokens.append(exchange_tokens(emb_split, owner=plan.stages[0].device, rank=rank, group=pp_group,
+                                               calls=runner.read_stage0_calls(), shape=(seq, micro_batch_size),
+                                               num_microbatches=num_microbatches, device=runner.device))
         ex = executors.get(runner, rank, pp_group)
         try:
             if forward_only:
@@ -157,30 +170,41 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
 
 
 def head_shards(plan):
-    """The default shards factory: a VocabShards over the HeadShard of this rank's chunks (None off the shard set),
-    its statistics and partials reduced over Megatron's tensor-parallel group at TP > 1 (build_head_shard's TP rank)."""
+    """The default shards factory: a VocabShards over the HeadShard and EmbeddingShard of this rank's chunks (None
+    off the shard set; stage 0's rank of a split embedding gets one without rows: it receives the partials), the
+    head's statistics and partials reduced over Megatron's tensor-parallel group at TP > 1 (build_head_shard's TP
+    rank; a split embedding runs at TP=1 only)."""
     from ...executor.vocab_shard import VocabShards
 
     from .vocab_shards import shard_tensor_parallel
 
-    def make(*, rank, model, config, report, hidden_meta):
-        shard = find_head_shard(model)
-        if shard is None:
+    def make(*, rank, model, config, report, hidden_meta, tokens=None):
+        from .split_embedding import EmbeddingShard, FedLookup
+
+        head, emb = find_head_shard(model), find_head_shard(model, EmbeddingShard)
+        # stage 0's rank of a split embedding without rows of it (a FedLookup) still receives the partials
+        some = head or emb or find_head_shard(model, FedLookup)
+        if some is None:
             return None  # a rank off the shard set runs no shard action
-        return VocabShards(plan=plan, rank=rank, vocab_size=shard.vocab_size, head_weight=shard.weight,
-                           head_rows=shard.rows, hidden_meta=hidden_meta, report=report, grad_sink="autograd",
-                           tp=shard_tensor_parallel(shard, config))
+        return VocabShards(plan=plan, rank=rank, vocab_size=some.vocab_size, head_weight=head.weight if head else None,
+                           head_rows=head.rows if head else None, embedding_weight=emb.weight if emb else None,
+                           embedding_rows=emb.rows if emb else None, hidden_meta=hidden_meta, tokens=tokens,
+                           report=report, grad_sink="autograd",
+                           tp=shard_tensor_parallel(head, config) if head is not None else None)
 
     return make
 
 
-def find_head_shard(model):
-    """The HeadShard among the rank's chunks (placement.attach_head_shard put it there), or None."""
+def find_head_shard(model, kind=None):
+    """The HeadShard among the rank's chunks (placement.attach_head_shard put it there), or None; `kind`: the
+    shard class to look for instead (split_embedding.EmbeddingShard, a HeadShard under the embedding's key)."""
+    from .split_embedding import EmbeddingShard
     from .vocab_shards import HeadShard
 
     for chunk in model:
         for m in chunk.modules():
-            if isinstance(m, HeadShard):
+            if (isinstance(m, kind) if kind is not None
+                    else isinstance(m, HeadShard) and not isinstance(m, EmbeddingShard)):
                 return m
     return None
 

@@ -25,9 +25,12 @@ Split layers (docs/formats.md, "Split layers"): the shard actions (H, J, K; E, G
 `shards=` object (a VocabShards, or a stand-in). Under a split LM head the owner (the last
 stage) runs without Megatron's output layer and loss: its F hands on `(hidden, targets, coef)`
 (`split_head`), its backward starts from the shards' summed partial input gradients, and its
-J reports Megatron's loss through the forward step's `loss_func` (`head_loss`). A chunk holding
-a head shard's weight starts its gradient reduction after the step (its gradients arrive at K,
-which is no weight-gradient action of any stage).
+J reports Megatron's loss through the forward step's `loss_func` (`head_loss`). Under a split
+embedding stage 0's forward steps are read ahead (`read_stage0_calls`, split_embedding.py), its
+F replays the kept model call on the shards' summed partials (fed to its word_embeddings) and
+its backward gives their gradient back. A chunk holding a shard weight starts its gradient
+reduction after the step (its gradients arrive at K or G, which are no weight-gradient actions
+of any stage).
 """
 
 from __future__ import annotations
@@ -168,6 +171,10 @@ class MegatronStages(StageCore):
         self.rank = rank
         # from the plan (a stand-in shards object need not say): the owner's backward starts from the partials
         self.head_split = check_split_plan(plan, rank, shards, config, collect_non_loss_data)
+        from .mapping import embedding_split
+
+        # stage 0 takes the shards' summed partials and gives their gradient back (split_embedding.py)
+        self.embedding_split = embedding_split(plan) is not None
         self.stages = plan.stages_of(rank)
         if len(model) != len(self.stages):
             raise ValueError(f"pipeline rank {rank}: the plan places {len(self.stages)} stages "
@@ -204,6 +211,23 @@ class MegatronStages(StageCore):
             self.capture = split_head.head_capture(self.model[self.chunk_of[owner]])
         self.owner_loss: dict[int, split_head.OwnerLoss] = {}
         self._viewing: Forwarded | None = None
+        self.stage0_calls: list | None = None  # stage 0's forward steps read ahead (`read_stage0_calls`)
+        self.lookup = None  # stage 0's fed word_embeddings (split_embedding.fed_lookup), found by read_stage0_calls
+
+    def read_stage0_calls(self) -> list | None:
+        """Under a split embedding, on stage 0's rank: the forward step of each of the step's micro-batches, read
+        ahead (split_embedding.read_model_calls; their token ids go to the shards before the step); else None."""
+        if not self.embedding_split or 0 not in self.chunk_of:
+            return None
+        from . import split_embedding
+
+        c = self.chunk_of[0]
+        with pipeline_view(self.plan, self.rank, running=0):  # get_batch's rank-level question: stage 0
+            self.stage0_calls = split_embedding.read_model_calls(
+                self.forward_step_func, lambda mb: _BatchAt(self.batches[c], mb), self.model[c],
+                self.num_microbatches, self.device)
+        self.lookup = split_embedding.fed_lookup(self.model[c])
+        return self.stage0_calls
 
     def _shard_chunks(self) -> set[int]:
         """Chunks holding a shard weight (their gradients arrive at K/G, outside any stage's last B/W: their
@@ -260,7 +284,10 @@ class MegatronStages(StageCore):
     # -- StageCore hooks ---------------------------------------------------------------------------
 
     def _stage_input(self, stage: int, mb: int, inputs, keep: bool):
-        return inputs.detach().requires_grad_(not self.forward_only) if stage > 0 else None
+        if stage == 0 and not self.embedding_split:
+            return None
+        # stage 0 under a split embedding: the summed partials (no graph), whose gradient goes to every G
+        return inputs.detach().requires_grad_(keep and not self.forward_only)
 
     def _forward(self, stage: int, mb: int, x, batch, keep: bool):
         from megatron.core.pipeline_parallel import schedules
@@ -270,13 +297,21 @@ class MegatronStages(StageCore):
         store: list = []
         last = stage == self.num_stages - 1
         owner = last and self.head_split  # the split head's owner: its F hands on the head's input, no loss
-        step_func, loss_funcs = (_keeping_loss_func(self.forward_step_func) if owner
-                                 else (self.forward_step_func, None))
-        with pipeline_view(self.plan, self.rank, running=stage):  # get_batch's rank-level question: this chunk
+        step_func, fed = self.forward_step_func, contextlib.nullcontext()
+        if stage == 0 and self.embedding_split:  # the forward step read ahead: its model call, on the fed partials
+            from . import split_embedding
+
+            if self.stage0_calls is None:
+                raise OctoPipeError("plan splits the embedding: stage 0's forward steps were not read ahead (call "
+                                    "MegatronStages.read_stage0_calls before the step)")
+            step_func, fed = split_embedding.replay(self.stage0_calls[mb]), split_embedding.feeding(self.lookup, x)
+        step_func, loss_funcs = _keeping_loss_func(step_func) if owner else (step_func, None)
+        with pipeline_view(self.plan, self.rank, running=stage), fed:  # get_batch's rank-level question: this chunk
             out, num_tokens = schedules.forward_step(
-                step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches, x,
-                store, self.config, cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
-                is_first_microbatch=first, current_microbatch=mb, vp_stage=c, is_last_stage=last and not owner)
+                step_func, _BatchAt(self.batches[c], mb), self.model[c], self.num_microbatches,
+                None if stage == 0 else x, store, self.config, cp_group_size=self.cp_size,
+                collect_non_loss_data=self.collect_non_loss_data, is_first_microbatch=first, current_microbatch=mb,
+                vp_stage=c, is_last_stage=last and not owner)
         handed = out
         if owner:
             handed = self._head_input(c, mb, out, loss_funcs[0])
@@ -324,7 +359,7 @@ class MegatronStages(StageCore):
         whole = self.head_split and stage == self.num_stages - 1  # the owner kept its output whole (see _forward)
         with _kept_whole(self.config) if whole else contextlib.nullcontext():
             dx = backward_step(fwd.input, fwd.output, grad_output, self.config)
-        return dx if want_dx and stage > 0 else None
+        return dx if want_dx and (stage > 0 or self.embedding_split) else None
 
     def _split_input(self, stage: int, outs: list, gs: list, ins: list):
         """I: the linears run their input GEMM only; the captured gradients are kept for W."""
@@ -404,7 +439,8 @@ def check_split_plan(plan, rank: int, shards, config, collect_non_loss_data: boo
         raise OctoPipeError(f"plan splits (layers {[sp.layer for sp in plan.splits]}): pipeline rank {rank} runs shard "
                             f"actions and needs its shards (MegatronStages(shards=...), make_forward_backward_func("
                             f"shards=...)); none given")
-    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0)
+    problem = split_problem(plan, mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
+                            tp_size=getattr(config, "tensor_model_parallel_size", 1) or 1)
     if problem is not None:
         raise OctoPipeError(problem)
     head = head_split(plan) is not None

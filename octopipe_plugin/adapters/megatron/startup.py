@@ -31,7 +31,7 @@ from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
-from .mapping import head_split, is_looped, split_problem, stage_layout_args
+from .mapping import head_split, is_looped, split_problem, stage_layout_args, tied_embedding_split_problem
 from .pretrain_hooks import MODEL_HOOKS
 from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
@@ -82,15 +82,26 @@ def split_refusal(args, plan) -> str | None:
     """Why a Megatron run of `args` cannot run the plan's split layers (one line naming the plan field), or None."""
     if not plan.splits:
         return None
-    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0))
-    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    if problem is None and tied and head_split(plan) is not None and len(plan.splits) > 1:
-        problem = (f"plan splits[{plan.splits.index(head_split(plan))}]: a split LM head tied to a split word "
-                   f"embedding is not supported; split one of them, or pass --untie-embeddings-and-output-weights")
+    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
+                            tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
     if problem is None and hybrid_pattern(args):
         problem = (f"plan splits: a HybridModel's forward gives no hook for its final-norm hidden states "
                    f"(GPTModel's output_processor); drop `splits` for --hybrid-layer-pattern models")
+    # a split head tied to the embedding runs (its shards tied by executor.tied_rows); a split embedding tied does not
+    if problem is None and not getattr(args, "untie_embeddings_and_output_weights", False):
+        problem = tied_embedding_split_problem(plan)
     return problem
+
+
+def run_splits(args) -> dict:
+    """The Constraints fields of what a Megatron run of `args` runs of a split plan: FRAMEWORK_SPLITS' Megatron
+    entry, without the split embedding when the embedding is tied to the head (tied_embedding_split_problem)."""
+    from ...tuner.constraints import framework_splits
+
+    fields = dict(framework_splits("megatron"))
+    if not getattr(args, "untie_embeddings_and_output_weights", False):
+        fields["split_embedding"] = False  # the head's split is tied to the embedding; a split embedding is not
+    return fields
 
 
 def check_plan_matches_run(plan, specs: list[LayerSpec], facts: RunFacts, *, source: str = "plan",

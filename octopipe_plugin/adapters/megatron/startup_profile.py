@@ -59,14 +59,25 @@ def profiled_costs(args, *, name: str = "megatron") -> dict[str, dict[str, float
     out: dict[str, dict[str, float]] = {}
     for layer, record in zip(result.model.layers, result.model.meta["profile"]["layers"]):
         if layer.source == "measured" and layer.kind in kinds:
-            fields = {f: getattr(layer, f) for f in COST_FIELDS}
-            if fused and layer.kind in TE_KINDS and (record or {}).get("fused_bwd_ms") is not None:
-                fields.update(bwd_ms=float(record["fused_bwd_ms"]), wgrad_ms=0.0)
-            out.setdefault(layer.kind, fields)
+            out.setdefault(layer.kind, kind_costs(layer, record, fused=fused))
     log.info("octopipe: measured layer kinds %s on %s (%d measured, %d from the cache); analytic for %s",
              sorted(out), result.model.meta["gpu"], result.stats.measured, result.stats.cache_hits,
              sorted(kinds - set(out)) or "none")
     return out
+
+
+def kind_costs(layer, record: dict | None, *, fused: bool) -> dict[str, float]:
+    """The cost fields a profiled Layer hands the graph for its kind, its measured fused_ratio with them.
+
+    `fused` (TE layers running fused B): a TE kind's B is its measured fused backward itself (wgrad 0), so
+    no ratio is carried on top of it.
+    """
+    fields = {f: getattr(layer, f) for f in COST_FIELDS}
+    if fused and layer.kind in TE_KINDS and (record or {}).get("fused_bwd_ms") is not None:
+        return {**fields, "bwd_ms": float(record["fused_bwd_ms"]), "wgrad_ms": 0.0}
+    if layer.fused_ratio is not None:  # B = (I + W) x ratio in the simulator (simulator/costs.py)
+        fields["fused_ratio"] = layer.fused_ratio
+    return fields
 
 
 def merge_costs(profiled: dict, given: dict) -> dict:

@@ -6,6 +6,10 @@ Layers: embedding (0), NUM_BLOCKS residual blocks, `LayerSpec(nn.Linear, HID, VO
 list entry 8), all seeded by DeepSpeed's seed_layers, so the split run's shards start from the rows of
 the unsplit head. Each scenario saves per rank its losses, every weight it holds by global layer index,
 and its head shard's rows; `head_weight` reassembles the head from the shards.
+
+A scenario with `tied` runs ds_harness's model instead: the head a TiedLayerSpec of the embedding's key
+(forward_fn x @ W^T); its weights carry the tied module as `tied_embed`, and `tied_weights` checks every
+shard's rows equal to the tied weight's.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ def _weights(module) -> dict:
     for name, sub in module.named_children():
         if name.isdigit():
             out[name] = {k: v.detach().float().clone() for k, v in sub.state_dict().items()}
+    for key, sub in module.tied_modules.items():
+        out[f"tied_{key}"] = {k: v.detach().float().clone() for k, v in sub.state_dict().items()}
     return out
 
 
@@ -91,12 +97,13 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
 
     cfg = sc["config"]
     kwargs = dict(loss_fn=LOSSES[sc.get("loss", "mean")], seed_layers=True, base_seed=H.BASE_SEED)
+    specs = H.layer_specs() if sc.get("tied") else layer_specs()  # tied: the head a TiedLayerSpec of the embedding
     if sc.get("parts") is not None:  # DeepSpeed's own PipelineEngine on the unsplit model, at these boundaries
-        module = OctoPipePipelineModule(layer_specs(), parts=sc["parts"], **kwargs)
+        module = OctoPipePipelineModule(specs, parts=sc["parts"], **kwargs)
     elif sc.get("plain"):  # a plain PipelineModule with the block: rebuilt at the plan by the engine choice
-        module = PipelineModule(layer_specs(), num_stages=sc["pp"], partition_method="uniform", **kwargs)
+        module = PipelineModule(specs, num_stages=sc["pp"], partition_method="uniform", **kwargs)
     else:
-        module = OctoPipePipelineModule(layer_specs(), config=cfg, **kwargs)
+        module = OctoPipePipelineModule(specs, config=cfg, **kwargs)
     engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     if sc.get("grad_scale") is not None:  # a deliberate scale error: the comparisons must see it
@@ -157,7 +164,8 @@ def head_weight(reports) -> torch.Tensor:
 
 
 def all_grads(reports, step: int) -> dict:
-    """Name -> gradient before optimizer step `step`, the head's rows put together (copies identical)."""
+    """Name -> gradient before optimizer step `step`, the head's rows put together (copies identical); rows of a
+    weight also held whole (a tied head's shards) must equal its rows."""
     merged, rows = {}, {}
     for rep in reports:
         for name, g in rep["grads"][step].items():
@@ -170,7 +178,11 @@ def all_grads(reports, step: int) -> dict:
             else:
                 merged[name] = g
     for base, parts in rows.items():
-        merged[base] = torch.cat([parts[k] for k in sorted(parts)])
+        if base in merged:  # shards of the tied weight: the tie gives them its gradient's rows, bit for bit
+            for (lo, hi), g in parts.items():
+                assert torch.equal(merged[base][lo:hi], g), f"step {step}: {base}[{lo}:{hi}] is not tied"
+        else:
+            merged[base] = torch.cat([parts[k] for k in sorted(parts)])
     return merged
 
 
@@ -178,4 +190,15 @@ def all_weights(reports) -> dict:
     """Layer index -> weights (every copy identical), the head included whichever way it is held."""
     merged = H.merged_weights(reports)
     merged[str(HEAD)] = {"weight": head_weight(reports)}
+    return merged
+
+
+def tied_weights(reports) -> dict:
+    """Weights of a tied-model run (copies identical), every head shard checked equal to its rows of the tied weight."""
+    merged = H.merged_weights(reports)
+    tied = merged["tied_embed"]["weight"]
+    for rep in reports:
+        if rep["shard"] is not None:
+            (lo, hi), w = rep["shard"]
+            assert torch.equal(tied[lo:hi], w), f"head shard rows [{lo}, {hi}) differ from the tied weight's"
     return merged

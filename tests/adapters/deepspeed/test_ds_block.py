@@ -69,6 +69,7 @@ def test_plan_checked_against_the_run():
     cases = [
         (RunShape(14, None, 2, 2, 4), r"\$\.octopipe\.plan: expected a plan for the PipelineModule's 14 list "
                                       r"entries; the plan has 6 layers"),
+        (RunShape(4, None, 2, 2, 4), r"the PipelineModule's 4 list entries; the plan has 6 layers"),  # more layers
         (RunShape(7, (0, 1, 2, 3, 4, 5, 6), 2, 2, 4), r"the 7 layers layer_of_spec maps .* has 6 layers"),
         (RunShape(6, (0, 1), 2, 2, 4), r"\$\.octopipe\.layer_of_spec: expected one OctoPipe layer index per"),
         (RunShape(6, None, 4, 4, 4), r"a plan for the pipeline's 4 ranks; the plan has 2 devices"),

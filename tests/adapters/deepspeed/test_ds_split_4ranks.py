@@ -2,7 +2,9 @@
 pipeline 2 x data-parallel 2 (the shard weights' gradients in DeepSpeed's data-parallel all-reduce, also under
 ZeRO-1) and an irregular 5-stage map on 4 ranks with the head split over 3 of them in uneven shares. SGD with
 momentum, no clipping: losses and weights after the steps at 1e-5 (a 1% gradient scale error fails that, see
-test_ds_split_2ranks.py)."""
+test_ds_split_2ranks.py). The `tied_` scenarios: the head a TiedLayerSpec of the embedding (ds_harness's
+model), its shards tied to the embedding's rank by tied_rows before the data-parallel reduction (pipeline 2 x
+data 2, the stages' reductions overlapped with the step)."""
 
 import json
 
@@ -38,6 +40,8 @@ def runs(tmp_path_factory):
         dict(name="split_pp2_dp2_zero1", config=cfg(v2, 2, **zero1)),
         dict(name="stock_pp4", config=cfg(None, 1), parts=[0, 2, 3, 6, S.NUM_LAYERS]),
         dict(name="split_pp4", config=cfg(pp4, 1)),
+        dict(name="tied_stock_pp2_dp2", config=cfg(None, 2), parts=[0, 4, S.NUM_LAYERS], tied=True),
+        dict(name="tied_split_pp2_dp2", config=cfg(v2, 2), tied=True),
     ]
     S.run_all(scenarios, 4, str(tmp))
     return tmp
@@ -64,3 +68,21 @@ def test_irregular_map_head_split_over_three_ranks_in_uneven_shares(runs):
     ours = H.load(runs, "split_pp4", 4)
     _same_run(ours, H.load(runs, "stock_pp4", 4))
     assert [r["shard"][0] if r["shard"] else None for r in ours] == [(12, 16), None, (4, 12), (0, 4)]
+
+
+def _same_tied_run(ours, stock):
+    assert {r["engine"] for r in ours} == {"OctoPipeEngine"} and {r["engine"] for r in stock} == {"PipelineEngine"}
+    for rep in ours:
+        assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5, abs=1e-5)
+    wa, wb = S.tied_weights(ours), S.tied_weights(stock)  # every shard equal to its rows of the tied weight
+    assert sorted(wa) == sorted(wb)
+    for idx in wb:
+        for k in wb[idx]:
+            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_a_split_head_tied_to_the_embedding_under_data_parallelism(runs):
+    ours = H.load(runs, "tied_split_pp2_dp2", 4)
+    _same_tied_run(ours, H.load(runs, "tied_stock_pp2_dp2", 4))
+    assert all(r["shard"] is not None for r in ours)  # both replicas' pipelines tied on their own

@@ -1,5 +1,6 @@
 """`octopipe plan --deepspeed-config --module --splits auto`: split plans for the DeepSpeed job, kept only where
-OctoPipeEngine runs them (an untied bias-free Linear head, its owner among the shards)."""
+OctoPipeEngine runs them (an untied bias-free Linear head, or a head tied to the embedding whose forward_fn is the
+projection x @ W^T, its owner among the shards)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,21 @@ MODULE = '''
 import sys
 sys.path.insert(0, {examples!r})
 from torch import nn
-from deepspeed.pipe import LayerSpec
+from torch.nn import functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from train_gpt import Block, gpt_specs
 
 def untied():
     return ([LayerSpec(nn.Embedding, 64000, 256)] + [LayerSpec(Block, 256, 4) for _ in range(6)]
             + [LayerSpec(nn.LayerNorm, 256), LayerSpec(nn.Linear, 256, 64000, bias=False)])
 
-def tied():
+def tied():  # the example's head: x @ W^T / sqrt(hidden), a scaled projection
     return gpt_specs(vocab=64000, hidden=256, heads=4, layers=6)
+
+def tied_projection():
+    specs = gpt_specs(vocab=64000, hidden=256, heads=4, layers=6)
+    specs[-1] = TiedLayerSpec("embed", nn.Embedding, 64000, 256, forward_fn=lambda m, x: F.linear(x, m.weight))
+    return specs
 '''
 
 
@@ -59,8 +66,17 @@ def test_an_untied_linear_head_is_split_with_its_owner_among_the_shards(capsys, 
     assert [r["label"] for r in doc["comparison"]][:2] == ["OctoPipe (split layers)", "OctoPipe (no split)"]
 
 
-def test_a_head_tied_to_the_embedding_keeps_the_plan_without_splits_and_says_why(capsys, job):
+def test_a_head_tied_to_the_embedding_is_split_when_its_forward_fn_is_the_projection(capsys, job):
+    tmp, cfg = job
+    doc = _plan(capsys, cfg, "splitjob:tied_projection", str(tmp / "p.json"))
+    assert doc["split_layers"].startswith("split layers   head over") and "not kept" not in doc["split_layers"]
+    (split,) = read_plan(tmp / "p.json").splits
+    assert split.layer == 8
+
+
+def test_a_tied_head_that_scales_the_projection_keeps_the_plan_without_splits_and_says_why(capsys, job):
     tmp, cfg = job
     doc = _plan(capsys, cfg, "splitjob:tied", str(tmp / "p.json"))
-    assert "not kept: list entry 8 (the split LM head) is TiedLayerSpec 'embed'" in doc["split_layers"]
+    assert ("not kept: list entry 8 (the split LM head, TiedLayerSpec 'embed'): its forward_fn computes x @ weight^T "
+            "times 0.0625 (a scaled projection)") in doc["split_layers"]
     assert not read_plan(tmp / "p.json").splits

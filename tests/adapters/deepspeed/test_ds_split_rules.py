@@ -1,5 +1,6 @@
-"""The single-process rules of a split LM head under DeepSpeed: which list entry is the head, and the loss terms
-read from the user's loss_fn (targets and coefficients), checked against autograd on whole logits."""
+"""The single-process rules of a split LM head under DeepSpeed: which list entry is the head (an untied Linear, or a
+head tied to the embedding whose forward_fn a probe shows is the projection), and the loss terms read from the user's
+loss_fn (targets and coefficients), checked against autograd on whole logits."""
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def test_the_head_is_the_last_list_entry_an_untied_linear_without_bias():
     place = head_placement(plan, _specs(LayerSpec(nn.Linear, HID, V, bias=False)), None, 1)
     assert (place.index, place.vocab, place.hidden, place.rows, place.owner_device) == (3, V, HID, (6, 11), 1)
     assert head_placement(plan, _specs(LayerSpec(nn.Linear, HID, V, bias=False)), None, 0).rows == (0, 6)
-    with pytest.raises(OctoPipeError, match="TiedLayerSpec 'embed', tied to the embedding"):
+    with pytest.raises(OctoPipeError, match="TiedLayerSpec 'embed'\\): its key names no earlier entry"):
         head_placement(plan, _specs(TiedLayerSpec("embed", nn.Embedding, V, HID, forward_fn=lambda m, x: x)),
                        None, 0)
     with pytest.raises(OctoPipeError, match="with a bias"):
@@ -53,6 +54,43 @@ def test_the_head_is_the_last_list_entry_an_untied_linear_without_bias():
         head_entry(_plan(4, split_devices=(0,), shares=(1.0,)), None)
     with pytest.raises(OctoPipeError, match="only the LM head"):
         head_entry(_plan(4, layer=0), None)
+
+
+def _tied(forward_fn, **kwargs):
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    head = TiedLayerSpec("embed", nn.Embedding, V, HID, forward_fn=forward_fn, **kwargs)
+    blocks = [LayerSpec(nn.Linear, HID, HID), LayerSpec(nn.Linear, HID, HID)]
+    return [TiedLayerSpec("embed", nn.Embedding, V, HID), *blocks, head]
+
+
+def test_a_head_tied_to_the_embedding_splits_when_its_forward_fn_is_the_projection():
+    from deepspeed.pipe import TiedLayerSpec
+
+    plan = _plan(4)
+    for fn in (lambda m, x: nn.functional.linear(x, m.weight), lambda m, x: (x.float() @ m.weight.float().t())):
+        place = head_placement(plan, _tied(fn), None, 0)
+        assert (place.index, place.vocab, place.hidden, place.rows) == (3, V, HID, (0, 6))
+        assert (place.tied.key, place.tied.attr, place.tied.entries, place.tied.full_device,
+                place.tied.file_entry, place.tied.dtype) == ("embed", "weight", (0,), 0, 0, torch.float32)
+    refused = {  # forward_fn -> what the refusal says it computes instead
+        "scaled": (lambda m, x: x @ m.weight.t() / m.embedding_dim ** 0.5, r"times 0\.447214 \(a scaled projection\)"),
+        "biased": (lambda m, x: nn.functional.linear(x, m.weight) + 1.0, "something other than x @ weight"),
+        "a lookup": (None, "has no forward_fn: it runs the tied module's own forward"),
+        "the module": (lambda m, x: m(x), "its forward_fn on \\(module, x\\) raised RuntimeError"),
+        "the identity": (lambda m, x: x, r"returns \(2, 3, 5\) where x @ weight\^T is \(2, 3, 11\)"),
+    }
+    for name, (fn, why) in refused.items():
+        with pytest.raises(OctoPipeError, match=f"list entry 3 \\(the split LM head, TiedLayerSpec 'embed'\\).*{why}.*"
+                                                "F.linear\\(x, m.weight\\)"):
+            head_placement(plan, _tied(fn), None, 0)
+    with pytest.raises(OctoPipeError, match=r"tied_weight_attr \['weight', 'other'\]: a split tied head ties one"):
+        head_placement(plan, _tied(lambda m, x: x @ m.weight.t(), tied_weight_attr=["weight", "other"]), None, 0)
+    # the whole weight on two pipeline ranks (entries 0 and 2): the tie needs one holder
+    specs = _tied(lambda m, x: x @ m.weight.t())
+    specs[2] = TiedLayerSpec("embed", nn.Embedding, V, HID)
+    with pytest.raises(OctoPipeError, match=r"held whole by pipeline ranks \[0, 1\] \(entries \[0, 2\]\)"):
+        head_placement(plan, specs, None, 0)
 
 
 def _reference(loss_fn, logits, labels):

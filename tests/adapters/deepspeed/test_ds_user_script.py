@@ -85,11 +85,12 @@ def _trained(flags):
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("layers", [10, 40])
-def test_plan_for_another_layer_count_is_refused(tmp_path, layers):
-    line = _refused(["--plan", _plan(tmp_path, layers)], "ds_config: field $.octopipe.plan: expected a plan for the "
+def test_plan_for_another_layer_count_is_refused(tmp_path):
+    # one count (fewer than the 14 entries): plan_check.check_plan refuses any other count by one `!=` (more
+    # and fewer layers unit-tested in test_ds_block.py); this launch checks the line reaches every rank
+    line = _refused(["--plan", _plan(tmp_path, 10)], "ds_config: field $.octopipe.plan: expected a plan for the "
                     "PipelineModule's 14 list entries")
-    assert f"has {layers} layers" in line
+    assert "has 10 layers" in line
 
 
 @pytest.mark.timeout(360)
@@ -112,8 +113,8 @@ def test_subclass_overriding_forward_is_refused(tmp_path):
 
 @pytest.mark.timeout(1300)
 def test_positional_model_early_import_and_subclass_all_run_the_plan(tmp_path):
+    # the three ways in one launch: the plugin replaces only the engine names `initialize` looks up at call time
+    # (adapters/deepspeed/hooks.py), so each way fails this launch on its own (no path of one needs another)
     plan = _plan(tmp_path, 14)
     keyword = _trained(["--plan", plan])
-    assert _trained(["--plan", plan, "--positional"]) == keyword
-    assert _trained(["--plan", plan, "--early-import"]) == keyword
     assert _trained(["--plan", plan, "--subclass", "init", "--positional", "--early-import"]) == keyword

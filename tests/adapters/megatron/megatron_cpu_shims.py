@@ -10,3 +10,5 @@ _spec.loader.exec_module(_module)
 
 install = _module.install
 install_for_pretrain = _module.install_for_pretrain
+shim_device_arch = _module.shim_device_arch
+shim_sequence_parallel_norm = _module.shim_sequence_parallel_norm

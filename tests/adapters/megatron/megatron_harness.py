@@ -60,43 +60,8 @@ def tp_size(spec: TinyGPT) -> int:
     return int(args[args.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in args else 1
 
 
-def shim_device_arch() -> None:
-    """CUDA shim for TP > 1: validate_args asks the GPU's architecture (to require CUDA_DEVICE_MAX_CONNECTIONS=1
-    before Blackwell, a CUDA stream setting); here it answers Hopper's (9) and the variable is set as required."""
-    import os
-
-    import megatron.training.arguments as arguments
-
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    arguments.get_device_arch_version = lambda: 9
-
-
-class _CpuFusedLayerNormAffine:
-    """apex's FusedLayerNormAffineFunction (a CUDA kernel) as torch's layer_norm on CPU, same signature."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, normalized_shape, eps):
-        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
-
-    @staticmethod
-    def apply(input, weight, bias, normalized_shape, eps):
-        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
-
-
-def shim_sequence_parallel_norm() -> None:
-    """CUDA shim for --sequence-parallel (idempotent): Megatron's local spec without apex builds torch's LayerNorm,
-    which refuses sequence parallelism (torch_norm.WrappedTorchNorm); with apex it builds Megatron's FusedLayerNorm
-    (marks its weights `sequence_parallel`, so finalize_model_grads all-reduces them over TP), whose kernel is
-    CUDA. As on a GPU install with apex: FusedLayerNorm in the layer specs and the final norm, its kernel torch's
-    layer_norm (the same function)."""
-    import megatron.core.fusions.fused_layer_norm as fused
-    import megatron.core.models.backends as backends
-    import megatron.core.transformer.transformer_block as block
-
-    fused.HAVE_FUSED_LAYER_NORM = True
-    fused.FusedLayerNormAffineFunction = _CpuFusedLayerNormAffine
-    backends.LNImpl = fused.FusedLayerNorm
-    block.LayerNormImpl = fused.FusedLayerNorm
+shim_device_arch = cpu_shims.shim_device_arch  # validate_args' GPU-architecture question at TP > 1
+shim_sequence_parallel_norm = cpu_shims.shim_sequence_parallel_norm  # --sequence-parallel's norms on CPU
 
 
 def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
@@ -241,13 +206,14 @@ def global_names(model) -> dict[str, torch.nn.Parameter]:
                            ("mtp.layers.", getattr(getattr(model, "mtp", None), "layers", None))):
         for i, layer in enumerate(layers or ()):
             layer_ids[f"{prefix}{i}."] = f"{prefix}{layer.layer_number - 1}."
-    shard_rows = {id(m.weight): m.rows for m in model.modules() if type(m).__name__ == "HeadShard"}
+    shard_rows = {id(m.weight): m.rows for m in model.modules()
+                  if type(m).__name__ in ("HeadShard", "EmbeddingShard")}
     for name, p in model.named_parameters():
         for local, glob in layer_ids.items():
             if name.startswith(local):
                 name = glob + name[len(local):]
                 break
-        if id(p) in shard_rows:  # a split head's shard: its rows of output_layer.weight (each shard rank has one)
+        if id(p) in shard_rows:  # a split head's / embedding's shard: its rows of output_layer.weight / the embedding
             lo, hi = shard_rows[id(p)]
             name = f"{name}[{lo}:{hi}]"
         out[name] = p

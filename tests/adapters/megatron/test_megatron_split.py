@@ -4,10 +4,12 @@ Each shard rank holds a `HeadShard` (rows of Megatron's output_layer.weight, ini
 owner's Megatron-built head) attached to its chunk before DDP wrapping; the owner's chunk returns its
 final-norm hidden states with the labels and Megatron's per-token loss coefficients, the shards run
 the vocabulary-parallel cross-entropy across the shard group, and the owner's J reports through the
-forward step's own loss_func. Oracle: the same model at PP=1 in one process (Megatron's own
+forward step's own loss_func. A split embedding (split_embedding.py): the shard ranks hold
+EmbeddingShards (rows of the word embedding), stage 0's forward steps are read ahead and their
+token ids sent to them, stage 0's lookup returns the shards' summed partials. Oracle: the same model at PP=1 in one process (Megatron's own
 no-pipelining schedule on the unsplit model), same seeds. Compared: the per-step losses (3 optimizer
 steps), every parameter's main_grad after the step-0 reduction before the optimizer (the shards' rows
-against the matching rows of the unsplit output_layer gradient; relative 1e-3, which a 1% scale
+against the matching rows of the unsplit output_layer / word embedding gradient; relative 1e-3, which a 1% scale
 error fails), and the weights after three steps.
 Tied to the word embedding (Megatron's default), the shards are rows of the embedding, initialised from
 the embedding's rank and tied to it (executor/tied_rows.py): against the unsplit tied model, the
@@ -43,19 +45,22 @@ DENSE = H.TinyGPT(num_layers=8)
 HEAD = 9  # graph layers: 0 = embedding, 1..8 = decoder layers, 9 = the LM head (final norm, output layer, loss)
 
 
-def split_plan(spec, bounds, devices, num_devices, seed, shard_devices, shares, m=M):
+def split_plan(spec, bounds, devices, num_devices, seed, shard_devices=None, shares=None, m=M, embedding=None):
     """A random valid order of the stages (I/W split at random) into which the LM head's shard actions, split over
-    `shard_devices`, can be placed (the first such seed from `seed` on: a random order may leave them no room)."""
+    `shard_devices`, and the embedding's (`embedding`: (devices, shares)) can be placed (the first such seed from
+    `seed` on: a random order may leave them no room)."""
     cluster = replace(zero_cost_cluster(num_devices), memory_bytes=1 << 40)
-    split = SplitLayer(layer=HEAD, devices=tuple(shard_devices), shares=tuple(shares))
+    splits = tuple(([SplitLayer(layer=0, devices=tuple(embedding[0]), shares=tuple(embedding[1]))] if embedding
+                    else []) + ([SplitLayer(layer=HEAD, devices=tuple(shard_devices), shares=tuple(shares))]
+                                if shard_devices else []))
     for s in range(seed, seed + 50):
         plan = make_plan(stage_devices=devices, bounds=bounds, num_devices=num_devices, num_microbatches=m,
                          schedule=sample_schedule(devices, num_devices, m, random.Random(s)), model="tiny-gpt")
-        out = insert_shards(spec.graph(), cluster, replace(plan, splits=(split,)), ShardPolicy())
+        out = insert_shards(spec.graph(), cluster, replace(plan, splits=splits), ShardPolicy())
         if out is not None:
             check_runnable(out)
             return out
-    raise AssertionError(f"no order from seeds {seed}..{seed + 49} takes the shard actions of {split}")
+    raise AssertionError(f"no order from seeds {seed}..{seed + 49} takes the shard actions of {splits}")
 
 
 # owner = the last stage's device; it must hold a shard
@@ -64,6 +69,12 @@ LOOPED = split_plan(DENSE, [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 
                     4, seed=12, shard_devices=[3, 0, 2], shares=[0.25, 0.45, 0.3])
 VSHAPE = split_plan(DENSE, [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10)], placement("v", 8, 4), 4,
                     seed=13, shard_devices=[0, 1, 2, 3], shares=[0.1, 0.3, 0.2, 0.4])
+# a split embedding (split_embedding.py): stage 0's rank holding rows (PP=2), and a V-shape whose stage 0's rank
+# holds none (its lookup only fed) beside a split head over every rank
+EMB_PP2 = split_plan(DENSE, [(0, 4), (4, 10)], [0, 1], 2, seed=15, embedding=([1, 0], [0.6, 0.4]))
+EMB_VSHAPE = split_plan(DENSE, [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10)], placement("v", 8, 4),
+                        4, seed=16, shard_devices=[0, 1, 2, 3], shares=[0.1, 0.3, 0.2, 0.4],
+                        embedding=([1, 2, 3], [0.3, 0.3, 0.4]))
 DP_PLAN = split_plan(DENSE, [(0, 3), (3, 4), (4, 8), (8, 10)], [0, 1, 0, 1], 2, seed=14, shard_devices=[1, 0],
                      shares=[0.5, 0.5])
 
@@ -72,7 +83,7 @@ TWO_TUPLE = H.TinyGPT(num_layers=8, three_tuple_loss=False)  # the legacy (loss,
 BF16 = H.TinyGPT(num_layers=8, bf16=True)  # Float16Module: the head's input stays bf16, the shards' loss is fp32
 TIED = H.TinyGPT(num_layers=8, tied=True)  # Megatron's default: the head is the word embedding
 
-REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M),
+REFERENCE = [dict(name="dense", spec=DENSE, pp=1, microbatches=M, eval=True),
              dict(name="dense_2m", spec=DENSE, pp=1, microbatches=2 * M),
              dict(name="per_token", spec=PER_TOKEN, pp=1, microbatches=M),
              dict(name="two_tuple", spec=TWO_TUPLE, pp=1, microbatches=M),
@@ -91,6 +102,11 @@ SPLITS = [
     # V-shape: the owner (and the loss) on rank 0; every rank a shard; tensors placed on the model's device
     dict(name="split_vshape", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(VSHAPE), ref="dense", world=4,
          device_check=True),
+    # the split embedding: token ids read ahead on stage 0's rank, sent to the shards; evaluation steps too
+    dict(name="split_embedding_pp2", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(EMB_PP2), ref="dense",
+         world=2, eval=True),
+    dict(name="split_embedding_vshape", spec=DENSE, pp=4, microbatches=M, plan=plan_to_dict(EMB_VSHAPE), ref="dense",
+         world=4, device_check=True),
     # PP=2 x DP=2, each chunk's reduce-scatter overlapped (the shard's chunk reduces after the step)
     dict(name="split_pp2_dp2_overlap", spec=DENSE, pp=2, microbatches=M, plan=plan_to_dict(DP_PLAN),
          overlap_grad_reduce=True, ref="dense_2m", world=4),
@@ -114,11 +130,6 @@ def head_key(case: dict) -> str:
     return EMBEDDING if case["spec"].tied else "output_layer.weight"
 
 
-def shard_rows_of(key: str) -> slice:
-    """The rows of a shard's name "output_layer.weight[lo:hi]"."""
-    return slice(*map(int, key[len("output_layer.weight["):-1].split(":")))
-
-
 # Tensor parallelism: TP2 x PP2 (4 gloo ranks), plain and with --sequence-parallel, against Megatron's own schedule on
 # the unsplit model at the same TP2 x PP2, same seeds (TP slices seeded apart, compared per TP rank: "name@tp<r>")
 TP2 = H.TinyGPT(num_layers=8, args=("--tensor-model-parallel-size", "2"))
@@ -140,13 +151,18 @@ TP_SPLITS = [
 ]
 
 
+SHARDED = ("output_layer.weight", "embedding.word_embeddings.weight")  # the weights a split plan holds in rows
+
+
 def joined(values: dict) -> dict:
-    """The shards' rows of output_layer.weight ("output_layer.weight[lo:hi]") put together as the one weight."""
-    out = {k: v for k, v in values.items() if not k.startswith("output_layer.weight[")}
-    rows = sorted((int(k[len("output_layer.weight["):-1].split(":")[0]), v) for k, v in values.items()
-                  if k.startswith("output_layer.weight["))
-    if rows:
-        out["output_layer.weight"] = torch.cat([v for _, v in rows])
+    """The shards' rows of output_layer.weight and the word embedding ("NAME[lo:hi]") put together as the one
+    weight."""
+    out = {k: v for k, v in values.items() if not k.startswith(tuple(f"{n}[" for n in SHARDED))}
+    for name in SHARDED:
+        rows = sorted((int(k[len(name) + 1:-1].split(":")[0]), v) for k, v in values.items()
+                      if k.startswith(f"{name}["))
+        if rows:
+            out[name] = torch.cat([v for _, v in rows])
     return out
 
 
@@ -181,6 +197,8 @@ def test_split_head_trains_as_the_unsplit_model(case, reference, splits):
     # so an element whose gradient is near zero carries that rounding up to ~1% of an lr=1e-2 step
     wt = spec.get("weight_tol", dict(rtol=1e-4, atol=2e-4))
     torch.testing.assert_close(got["losses"], want["losses"], **lt, msg=f"{case}: losses")
+    if got.get("evals") is not None:
+        torch.testing.assert_close(got["evals"], want["evals"], **lt, msg=f"{case}: eval losses")
     if half:
         # bf16: the head's GEMMs round differently from Megatron's output layer (its gradients differ by 0.7%
         # (median) to 1.7% relative, about bf16's rounding, checked below at a bf16 tolerance), and Adam turns the
@@ -206,11 +224,13 @@ def test_split_head_gradients_match_before_the_optimizer(case, reference, splits
     spec = next(c for c in SPLITS if c["name"] == case)
     want = reference[spec["ref"]]["grads"]
     got = splits[case]["grads"]
-    shard_keys = [k for k in got if k.startswith("output_layer.weight[")]
-    assert len(shard_keys) == len(spec["plan"]["splits"][0]["devices"]), shard_keys
-    # tied: the embedding's rank holds the whole tied gradient, each shard its rows of it
-    per_rows = {k: want[head_key(spec)][shard_rows_of(k)] for k in shard_keys}
-    want_split = {**{k: v for k, v in want.items() if k != "output_layer.weight"}, **per_rows}
+    shard_keys = [k for k in got if k.startswith(tuple(f"{n}[" for n in SHARDED))]
+    assert len(shard_keys) == sum(len(sp["devices"]) for sp in spec["plan"]["splits"]), shard_keys
+    # tied: the head's shards are rows of the embedding, whose rank holds the whole tied gradient
+    per_rows = {k: want[head_key(spec) if k.startswith("output_layer.weight[") else k.split("[")[0]]
+                [slice(*map(int, k.split("[")[1][:-1].split(":")))] for k in shard_keys}
+    split_names = {k.split("[")[0] for k in shard_keys}
+    want_split = {**{k: v for k, v in want.items() if k not in split_names}, **per_rows}
     bad = H.grad_mismatches(got, want_split)
     assert not bad, f"{case}: " + "; ".join(bad[:5])
     scaled = {k: v * 1.01 for k, v in got.items()}
@@ -233,10 +253,11 @@ def test_split_head_bf16_gradients_match_at_bf16_rounding(reference, splits):
 
 @needs_vocab_shards
 @pytest.mark.timeout(600)
-def test_split_head_places_every_tensor_on_the_model_device(splits):
-    """The owner's hand-over, the shards' statistics and partials, the loss report: nothing made without the
-    model's device, no tensor through pickling."""
-    problems = [p for rank in splits["split_vshape"]["device_problems"] for p in rank]
+@pytest.mark.parametrize("case", [c["name"] for c in SPLITS if c.get("device_check")])
+def test_split_head_places_every_tensor_on_the_model_device(case, splits):
+    """The owner's hand-over, the shards' statistics and partials, the loss report, a split embedding's token ids
+    and partials: nothing made without the model's device, no tensor through pickling."""
+    problems = [p for rank in splits[case]["device_problems"] for p in rank]
     assert not problems, "\n".join(sorted(set(problems)))
 
 
@@ -298,15 +319,17 @@ def _config(**over):
 
 
 def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
-    """Owner without a shard, MTP, a split embedding, no shards: one line naming `splits`; tensor parallelism
-    passes."""
+    """Owner without a shard, MTP, a split embedding with MTP or tensor parallelism, no shards: one line naming
+    `splits` (a split embedding itself runs: split_embedding.py); tensor parallelism passes for the head."""
     from octopipe_plugin.adapters.megatron.stages import check_split_plan
 
     owner_out = replace(PP2, splits=(SplitLayer(layer=HEAD, devices=(0,), shares=(1.0,)),))
     cases = [(owner_out, _config(), "must include device 1, the LM head's owner"),
              (PP2, _config(mtp_num_layers=1), "--mtp-num-layers 1"),
-             (replace(PP2, splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),)), _config(),
-              "a split embedding is not supported")]
+             (replace(PP2, splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),)),
+              _config(mtp_num_layers=1), "with a split embedding is not supported (MTP"),
+             (replace(PP2, splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),)),
+              _config(tensor_model_parallel_size=2), "tensor parallelism (size 2) with a split embedding")]
     for plan, config, words in cases:
         with pytest.raises(OctoPipeError) as err:
             check_split_plan(plan, 1, object(), config, False)
@@ -315,6 +338,7 @@ def test_split_plans_a_megatron_run_cannot_run_are_refused_by_plan_field():
     with pytest.raises(OctoPipeError, match="runs shard actions and needs its shards"):
         check_split_plan(PP2, 1, None, _config(), False)
     assert check_split_plan(PP2, 1, object(), _config(tensor_model_parallel_size=2, sequence_parallel=True), False)
+    assert check_split_plan(EMB_PP2, 0, object(), _config(), False) is False  # runs; no head split
 
 
 def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
@@ -340,3 +364,47 @@ def test_start_up_refuses_split_heads_a_megatron_run_cannot_run():
             _refuse_splits(SimpleNamespace(**{**untied, **over}), PP2)
         msg = str(err.value)
         assert msg.startswith("--pipeline-schedule octopipe: plan splits") and words in msg and "\n" not in msg, msg
+    _refuse_splits(SimpleNamespace(**untied), EMB_PP2)  # an untied split embedding runs
+    with pytest.raises(OctoPipeError, match=r"plan splits\[0\] \(layer 0\): a split embedding tied to the LM head"):
+        _refuse_splits(SimpleNamespace(**{**untied, "untie_embeddings_and_output_weights": False}), EMB_PP2)
+
+
+class _Model(torch.nn.Module):
+    """A chunk with GPTModel's call signature (the recorder binds the call to it to find input_ids)."""
+
+    embedding = None
+
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        return input_ids
+
+
+def test_stage0_forward_steps_are_read_ahead_and_replayed():
+    """split_embedding.read_model_calls: the forward step runs once per micro-batch against a recorder (token ids
+    kept sequence-major, the loss_func kept); replay makes the kept call; a forward step that calls the model twice
+    or changes its output is refused by name."""
+    from octopipe_plugin.adapters.megatron.split_embedding import read_model_calls, replay
+
+    data = [torch.arange(6).view(2, 3) + 10 * k for k in range(2)]
+    model = _Model()
+
+    def step(it, m):
+        tokens = next(it)
+        return m(tokens, None, labels=None), ("loss", int(tokens[0, 0]))
+
+    calls = read_model_calls(step, lambda mb: iter([data[mb]]), model, 2, torch.device("cpu"))
+    assert [c.loss_func for c in calls] == [("loss", 0), ("loss", 10)]
+    assert torch.equal(calls[1].tokens, data[1].t()) and calls[1].tokens.dtype == torch.int64
+    out, loss_func = replay(calls[1])(None, model)
+    assert torch.equal(out, data[1]) and loss_func == ("loss", 10)
+
+    def twice(it, m):
+        tokens = next(it)
+        m(tokens, None)
+        return m(tokens, None), None
+
+    def changed(it, m):
+        return [m(next(it), None)], None
+
+    for bad, words in ((twice, "called the model 2 times"), (changed, "returned something other than")):
+        with pytest.raises(OctoPipeError, match=words):
+            read_model_calls(bad, lambda mb: iter([data[mb]]), model, 1, torch.device("cpu"))

@@ -1,4 +1,5 @@
-"""Shared by the pretrain() end-to-end tests: the tiny GPT's Megatron arguments, one launch, its logged losses.
+"""Shared by the pretrain() end-to-end tests: the tiny GPT's Megatron arguments, one launch, its logged losses,
+the split-head tests' plans.
 
 A launch is `examples/megatron/cpu_run.py --nproc N SCRIPT ARGS...` (the documented CPU way: gloo
 ranks, the CPU shims, examples/megatron/launch.py); Megatron's own log lines are the oracle.
@@ -7,10 +8,18 @@ ranks, the CPU shims, examples/megatron/launch.py); Megatron's own log lines are
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+from octopipe_plugin.executor.dryrun import zero_cost_cluster
+from octopipe_plugin.formats import Layer, Model, write_plan
+from octopipe_plugin.formats.splits import SplitLayer
+from octopipe_plugin.testing.plans import make_plan, sample_schedule
+from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAIN_GPT = ROOT / "examples" / "megatron" / "train_gpt.py"
@@ -65,3 +74,33 @@ def loss_table(out: dict, iterations: int = 6) -> str:
             if any(v is not None for v in vals):
                 rows.append(f"{kind} {it:>3}  " + " ".join(f"{v:17.6E}" if v is not None else " " * 17 for v in vals))
     return "\n".join(rows)
+
+
+# The split-head runs (test_pretrain_split_e2e.py, test_pretrain_split_resume_e2e.py): embeddings untied,
+# M micro-batches per step, Megatron's stages "Et|t|t|tL" looped over the 2 ranks (the same initial weights).
+SPLIT_M = 4
+SPLIT_BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
+SPLIT_KINDS = ["embedding", "dense", "moe", "dense", "moe", "lm_head"]  # --moe-layer-freq [0,1,0,1]
+MEGATRON_LAYOUT = "Et|t|t|tL"
+
+
+def split_head_plans(d: Path, *, kinds: list[str] = SPLIT_KINDS,
+                     splits: tuple[SplitLayer, ...] | None = None) -> tuple[str, str]:
+    """(the looped plan's file, the same plan with `splits`, by default its LM head split over both ranks with
+    uneven shares), written in `d`; `kinds`: the graph's layer kinds (another run's, e.g. without MoE)."""
+    graph = Model(name="train_gpt", layers=tuple(
+        Layer(name=f"l{i}", kind=k, fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1,
+              output_bytes=1) for i, k in enumerate(kinds)))
+    devices = [0, 1, 0, 1]
+    splits = splits if splits is not None else (SplitLayer(layer=len(kinds) - 1, devices=(1, 0), shares=(0.35, 0.65)),)
+    cluster = replace(zero_cost_cluster(2), memory_bytes=1 << 40)
+    for seed in range(21, 71):  # the first random order (I/W split at random) that takes the shard actions
+        plan = make_plan(stage_devices=devices, bounds=SPLIT_BOUNDS, num_devices=2, num_microbatches=SPLIT_M,
+                         schedule=sample_schedule(devices, 2, SPLIT_M, random.Random(seed)), model="train_gpt")
+        with_split = insert_shards(graph, cluster, replace(plan, splits=splits), ShardPolicy())
+        if with_split is not None:
+            break
+    assert with_split is not None, "no order takes the shard actions"
+    write_plan(plan, d / "plan.json")
+    write_plan(with_split, d / "split.json")
+    return str(d / "plan.json"), str(d / "split.json")

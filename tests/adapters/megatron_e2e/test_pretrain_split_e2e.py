@@ -1,4 +1,5 @@
-"""End to end through megatron.training.pretrain: a plan that splits the LM head (examples/megatron/train_gpt.py).
+"""End to end through megatron.training.pretrain: a plan that splits the LM head and the embedding
+(examples/megatron/train_gpt.py).
 
 2 gloo ranks (pipeline size 2), the tiny GPT of test_pretrain_e2e.py (MoE layers with aux loss),
 embeddings untied (tied split heads: test_megatron_split.py), 4 micro-batches per step.
@@ -6,34 +7,30 @@ Three launches, same seeds, probe script train_gpt_grads.py saving the first ste
 
 - Megatron's own schedule on the layout "Et|t|t|tL";
 - an OctoPipe plan on the same stages (looped, so the same initial weights) without splits;
-- the same plan with the LM head split over both ranks (uneven shares; the owner, rank 1, holds one):
-  each rank's HeadShard is attached by the model-construction hooks before DDP wrapping, initialised
-  from the owner's Megatron-built head.
+- the same plan with the LM head split over both ranks (uneven shares; the owner, rank 1, holds one)
+  and the embedding too (stage 0's rank 0 holds one share): each rank's HeadShard and EmbeddingShard
+  are attached by the model-construction hooks before DDP wrapping, initialised from the owners'
+  Megatron-built head and word embedding; stage 0's forward steps (train_gpt.py's get_batch on the
+  ranks Megatron builds data on) are read ahead and their token ids sent to rank 1's shard.
 
 Checked: the split run's logged training and validation losses (evaluation every 3 iterations on 2
 micro-batches: the executor's forward-only split program, H and J's loss) equal the unsplit runs'
 per iteration (relative 1e-5: the shards sum the softmax in another order than Megatron's
 vocab-parallel cross-entropy), and every parameter's main_grad before the first optimizer step
-equals Megatron's (the shards' rows against the same rows of Megatron's output_layer gradient) at a
-tolerance a 1% scale error fails.
+equals Megatron's (the shards' rows against the same rows of Megatron's output_layer and word
+embedding gradients) at a tolerance a 1% scale error fails.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from e2e_runs import MODEL, launch, loss_table
+from e2e_runs import MEGATRON_LAYOUT, MODEL, SPLIT_KINDS, SPLIT_M, launch, loss_table, split_head_plans
 from megatron_harness import grad_mismatches  # on sys.path through e2e_runs
-from octopipe_plugin.executor.dryrun import zero_cost_cluster
-from octopipe_plugin.formats import Layer, Model, write_plan
 from octopipe_plugin.formats.splits import SplitLayer
-from octopipe_plugin.testing.plans import make_plan, sample_schedule
-from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed,
               # the shards' math is the executor's VocabShards (SHARD_API.md, being built on branch w-shardcore)
@@ -42,40 +39,17 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed,
                                  reason="executor.vocab_shard.VocabShards is not on this branch yet (w-shardcore)")]
 
 PROBE = Path(__file__).with_name("train_gpt_grads.py")
-M = 4
-BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
-KINDS = ["embedding", "dense", "moe", "dense", "moe", "lm_head"]  # --moe-layer-freq [0,1,0,1]
-MEGATRON_LAYOUT = "Et|t|t|tL"
-ARGS = [*MODEL, "--global-batch-size", str(M), "--eval-global-batch-size", "2", "--untie-embeddings-and-output-weights"]
-
-
-def _graph() -> Model:
-    return Model(name="train_gpt", layers=tuple(
-        Layer(name=f"l{i}", kind=k, fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1,
-              output_bytes=1) for i, k in enumerate(KINDS)))
-
-
-def _plans(d: Path) -> tuple[str, str]:
-    """(the unsplit plan's file, the same plan with its LM head split over both ranks)."""
-    devices = [0, 1, 0, 1]
-    split = SplitLayer(layer=len(KINDS) - 1, devices=(1, 0), shares=(0.35, 0.65))
-    cluster = replace(zero_cost_cluster(2), memory_bytes=1 << 40)
-    for seed in range(21, 71):  # the first random order (I/W split at random) that takes the shard actions
-        plan = make_plan(stage_devices=devices, bounds=BOUNDS, num_devices=2, num_microbatches=M,
-                         schedule=sample_schedule(devices, 2, M, random.Random(seed)), model="train_gpt")
-        with_split = insert_shards(_graph(), cluster, replace(plan, splits=(split,)), ShardPolicy())
-        if with_split is not None:
-            break
-    assert with_split is not None, "no order takes the shard actions"
-    write_plan(plan, d / "plan.json")
-    write_plan(with_split, d / "split.json")
-    return str(d / "plan.json"), str(d / "split.json")
+ARGS = [*MODEL, "--global-batch-size", str(SPLIT_M), "--eval-global-batch-size", "2",
+        "--untie-embeddings-and-output-weights"]
+# the LM head and the embedding split over both ranks (uneven shares, owner rank 1)
+SPLITS = (SplitLayer(layer=0, devices=(1, 0), shares=(0.45, 0.55)),
+          SplitLayer(layer=len(SPLIT_KINDS) - 1, devices=(1, 0), shares=(0.35, 0.65)))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e_split")
-    plain, split = _plans(d)
+    plain, split = split_head_plans(d, splits=SPLITS)
     out = {}
     for name, extra in (("megatron", ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]),
                         ("octopipe", ["--pipeline-schedule", "octopipe", "--octopipe-plan", plain]),
@@ -105,13 +79,14 @@ def test_split_plan_logs_the_unsplit_losses(runs):
 
 @pytest.mark.timeout(1800)
 def test_split_plan_main_grads_match_megatron(runs):
-    """Every parameter's reduced main_grad before the first step: the shards' rows against Megatron's head rows."""
+    """Every parameter's reduced main_grad before the first step: the shards' rows against Megatron's head and word
+    embedding rows."""
     got, want = runs["grads"]["split"], runs["grads"]["megatron"]
-    shard_keys = [k for k in got if k.startswith("output_layer.weight[")]
-    assert len(shard_keys) == 2, sorted(got)
-    rows = {k: want["output_layer.weight"][slice(*map(int, k[len("output_layer.weight["):-1].split(":")))]
-            for k in shard_keys}
-    want_split = {**{k: v for k, v in want.items() if k != "output_layer.weight"}, **rows}
+    sharded = ("output_layer.weight", "embedding.word_embeddings.weight")
+    shard_keys = [k for k in got if k.startswith(tuple(f"{n}[" for n in sharded))]
+    assert len(shard_keys) == 4, sorted(got)
+    rows = {k: want[k.split("[")[0]][slice(*map(int, k.split("[")[1][:-1].split(":")))] for k in shard_keys}
+    want_split = {**{k: v for k, v in want.items() if k not in sharded}, **rows}
     assert len(want) > 10 and set(got) == set(want_split)
     assert grad_mismatches(got, want_split) == []
     assert grad_mismatches({k: 1.01 * v for k, v in got.items()}, want_split), "a 1% scale error passes"

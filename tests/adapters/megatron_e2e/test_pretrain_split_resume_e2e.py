@@ -19,18 +19,9 @@ row of the head (and of everything else) to have travelled; iteration 6 also end
 
 from __future__ import annotations
 
-import random
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 
-from e2e_runs import MODEL, RESUME, launch, loss_table
-from octopipe_plugin.executor.dryrun import zero_cost_cluster
-from octopipe_plugin.formats import Layer, Model, write_plan
-from octopipe_plugin.formats.splits import SplitLayer
-from octopipe_plugin.testing.plans import make_plan, sample_schedule
-from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
+from e2e_runs import MEGATRON_LAYOUT, MODEL, RESUME, SPLIT_M, launch, loss_table, split_head_plans
 
 
 def _has_split_runtime() -> bool:
@@ -51,39 +42,13 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed,
                                  reason="the Megatron split-head runtime (placement.attach_head_shard, "
                                         "executor.vocab_shard.VocabShards) is not on this branch yet")]
 
-M = 4
-BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
-KINDS = ["embedding", "dense", "moe", "dense", "moe", "lm_head"]  # --moe-layer-freq [0,1,0,1]
-MEGATRON_LAYOUT = "Et|t|t|tL"
 # evaluation off: a split plan's evaluation step is not run by the adapter yet (test_pretrain_split_e2e.py)
-ARGS = [*MODEL, "--global-batch-size", str(M), "--untie-embeddings-and-output-weights", "--eval-iters", "0"]
-
-
-def _graph() -> Model:
-    return Model(name="train_gpt", layers=tuple(
-        Layer(name=f"l{i}", kind=k, fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1,
-              output_bytes=1) for i, k in enumerate(KINDS)))
-
-
-def _split_plan(d: Path) -> str:
-    """A looped plan on Megatron's stages (the same initial weights) with its LM head split over both ranks."""
-    devices = [0, 1, 0, 1]
-    split = SplitLayer(layer=len(KINDS) - 1, devices=(1, 0), shares=(0.35, 0.65))
-    cluster = replace(zero_cost_cluster(2), memory_bytes=1 << 40)
-    for seed in range(21, 71):  # the first random order (I/W split at random) that takes the shard actions
-        plan = make_plan(stage_devices=devices, bounds=BOUNDS, num_devices=2, num_microbatches=M,
-                         schedule=sample_schedule(devices, 2, M, random.Random(seed)), model="train_gpt")
-        with_split = insert_shards(_graph(), cluster, replace(plan, splits=(split,)), ShardPolicy())
-        if with_split is not None:
-            break
-    assert with_split is not None, "no order takes the shard actions"
-    write_plan(with_split, d / "split.json")
-    return str(d / "split.json")
+ARGS = [*MODEL, "--global-batch-size", str(SPLIT_M), "--untie-embeddings-and-output-weights", "--eval-iters", "0"]
 
 
 @pytest.mark.timeout(2400)
 def test_split_plan_and_megatron_resume_from_each_others_checkpoints(tmp_path):
-    split = ["--pipeline-schedule", "octopipe", "--octopipe-plan", _split_plan(tmp_path)]
+    split = ["--pipeline-schedule", "octopipe", "--octopipe-plan", split_head_plans(tmp_path)[1]]
     megatron = ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]
     out = {
         "split": launch(tmp_path / "split.log", *ARGS, *split, "--save", str(tmp_path / "ck_split")),

@@ -30,11 +30,14 @@ import megatron_ckpt_scenarios as S  # noqa: E402
 import megatron_harness as H  # noqa: E402
 
 HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+ROWS = (HEAD, EMBEDDING)  # the global tensors a split plan holds in rows (split_embedding.EmbeddingShard: the latter)
 
 
-def split_plan(spec, bounds, devices, head_devices, shares, seed: int = 0) -> dict:
-    """A complete plan document: stages on `devices`, the LM head split over `head_devices` (shard actions placed
-    by the tuner's inserter, the plan validated by the format's reader)."""
+def split_plan(spec, bounds, devices, head_devices, shares, seed: int = 0, embedding=None) -> dict:
+    """A complete plan document: stages on `devices`, the LM head split over `head_devices` and, with `embedding`
+    ((devices, shares)), the embedding too (shard actions placed by the tuner's inserter, the plan validated by the
+    format's reader)."""
     import random
 
     from octopipe_plugin.executor.dryrun import zero_cost_cluster
@@ -48,8 +51,9 @@ def split_plan(spec, bounds, devices, head_devices, shares, seed: int = 0) -> di
     plan = make_plan(stage_devices=devices, bounds=bounds, num_devices=nd, num_microbatches=S.M,
                      schedule=sample_schedule(devices, nd, S.M, random.Random(seed)), model="tiny-gpt")
     split = SplitLayer(layer=graph.num_layers - 1, devices=tuple(head_devices), shares=tuple(shares))
+    emb = (SplitLayer(layer=0, devices=tuple(embedding[0]), shares=tuple(embedding[1])),) if embedding else ()
     cluster = replace(zero_cost_cluster(nd), memory_bytes=1 << 40)
-    full = insert_shards(graph, cluster, replace(plan, splits=(split,)), ShardPolicy())
+    full = insert_shards(graph, cluster, replace(plan, splits=emb + (split,)), ShardPolicy())
     assert full is not None, "could not place the shard actions"
     doc = plan_to_dict(full)
     plan_from_dict(doc)  # validated: stages, schedule with every H/J/K, splits
@@ -70,7 +74,10 @@ def build(spec, layout: dict, megatron_init: bool = False):
     if layout.get("plan"):
         plan = plan_from_dict(layout["plan"])
         graph = spec.graph()
-        split = plan.splits[0] if plan.splits and layout.get("split", True) else None
+        from octopipe_plugin.adapters.megatron.mapping import head_split
+        from octopipe_plugin.adapters.megatron.placement import attach_embedding_shard
+
+        split = head_split(plan) if plan.splits and layout.get("split", True) else None
         ranks = None
         if spec.tied:  # the ranks holding whole copies (a split tied head holds none: mapping.copy_ranks)
             from octopipe_plugin.adapters.megatron.mapping import embedding_ranks_fn
@@ -92,6 +99,7 @@ def build(spec, layout: dict, megatron_init: bool = False):
                 attach_head_shard(plan, chunks, rank, config, spec.vocab)
         elif split is not None:
             _attach_shards(chunks, plan, split, rank, config, spec, build_head_shard)
+            attach_embedding_shard(plan, chunks, rank, config, spec.vocab)  # the adapter's own (None: no split)
         return chunks, config, split
     text = layout["layout"]
     vp = len(text.split("|")) // pp
@@ -188,10 +196,13 @@ def _pieces(chunks) -> list:
         inner = c.module if isinstance(c, DistributedDataParallel) else c
         inner = inner if hasattr(inner, "decoder") else getattr(inner, "module", inner)  # Float16Module
         head = getattr(inner, "output_layer", None)
+        emb = getattr(getattr(inner, "embedding", None), "word_embeddings", None)
         for name, p in H.global_names(inner).items():
             if isinstance(head, HeadShard) and p is head.weight:  # (the harness may name it with its rows)
                 out.append((HEAD, head.rows[0], p))
-            elif name == HEAD:  # Megatron's output_layer: its TP slice
+            elif isinstance(emb, HeadShard) and p is emb.weight:  # a split embedding's EmbeddingShard
+                out.append((EMBEDDING, emb.rows[0], p))
+            elif name in ROWS:  # Megatron's output_layer / word embedding: its TP slice of the rows
                 out.append((name, tp_rank * p.shape[0], p))
             else:
                 split_tp = tp > 1 and getattr(p, "tensor_model_parallel", False)  # replicated over TP: one value
@@ -201,7 +212,7 @@ def _pieces(chunks) -> list:
 
 def _full_shape(spec, name: str, p) -> tuple:
     """The global tensor a piece belongs to: the whole head, or the parameter (TP slice) itself."""
-    return (spec.vocab, spec.hidden) if name == HEAD else tuple(p.shape)
+    return (spec.vocab, spec.hidden) if name in ROWS else tuple(p.shape)
 
 
 def gathered(spec, chunks, value) -> dict[str, torch.Tensor]:
@@ -302,13 +313,25 @@ def run_case(spec, case: dict, root: str) -> dict:
     saved_w, saved_adam = gathered(spec, chunks, lambda p: p), adam_state(spec, opt, chunks)
     path = os.path.join(root, case["name"].replace(" ", "_").replace(">", ""))
     S.save(chunks, opt, path)
+    first_chunks = chunks
     embedding = embedding_rows(spec, case["embedding_rows"], path) if case.get("embedding_rows") else None
     chunks, opt, _ = setup(spec, case["second"])
+    shards = [_embedding_shards(c) for c in (first_chunks, chunks)]
     S.load(chunks, opt, path)
     loaded_w, loaded_adam = gathered(spec, chunks, lambda p: p), adam_state(spec, opt, chunks)
     step_with(spec, chunks, opt, range(1, 2))
     return {"saved_w": saved_w, "loaded_w": loaded_w, "saved_adam": saved_adam, "loaded_adam": loaded_adam,
-            "straight": straight, "resumed": gathered(spec, chunks, lambda p: p), "embedding": embedding}
+            "straight": straight, "resumed": gathered(spec, chunks, lambda p: p), "embedding": embedding,
+            "embedding_shards": shards}
+
+
+def _embedding_shards(chunks) -> int:
+    """EmbeddingShards over the pipeline (a split embedding's ranks each hold one)."""
+    from octopipe_plugin.adapters.megatron.split_embedding import EmbeddingShard
+
+    n = torch.tensor(sum(isinstance(m, EmbeddingShard) for c in chunks for m in c.modules()))
+    dist.all_reduce(n)
+    return int(n)
 
 
 def embedding_rows(spec, rows: list, path: str) -> torch.Tensor:

@@ -12,19 +12,10 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.framework, pytest.mark.distributed, pytest.mark.timeout(400)]
 
 
-def test_stand_in_benchmark_runs_megatron_and_octopipe_side_by_side(tmp_path):
-    # a tiny run (2 ranks, 4 micro-batches, 0.3 s steps): the figures' format, not their values, is the check
+def test_benchmark_without_stand_in_is_refused(tmp_path):
+    # the default-clock run's figure lines (megatron, octopipe, the speedup) are checked by the split test below,
+    # on 4 ranks; --splits off's last line by the wall-clock test: this file runs no third benchmark for them
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--stand-in", "--model",
-                          "llama2-7b", "--cluster", "h100x2", "--microbatches", "4", "--tune-seconds", "1",
-                          "--target-ms", "300", "--timeout", "120", "--splits", "off"], capture_output=True, text=True, timeout=380,
-                         env=env, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
-    for label in ("megatron", "octopipe"):
-        assert any(re.match(rf"{label}\s+measured step\s+[\d.]+ ms\s+simulated\s+[\d.]+ ms\s+tokens/s [\d,]+", ln)
-                   for ln in lines), out.stdout
-    assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
     refused = subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--model", "llama2-7b"],
                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert refused.returncode == 2 and "--stand-in" in refused.stderr

@@ -8,9 +8,10 @@ Checkpoints: torch_dist checkpoints (model chunks and distributed Adam, fully re
 megatron.training writes them) saved under one layout load under another: split plan -> Megatron's own
 layout (unsplit output_layer), Megatron -> split plan, split plan -> another split plan (other owner, shard
 order, shares and placement), at PP=2, TP=2 x PP=2, DP=2 x PP=2 and in bf16; the word embedding's rows
-load as HeadShards under its own key; a head tied to the embedding (Megatron's default) splits into copies
-of the embedding's rows and round-trips with Megatron's tied layout. The oracle is the same run without a checkpoint: weights, fp32 main
-weights and Adam's step and moments identical at load, and after one more step the same weights.
+load as HeadShards under its own key, and a split embedding's EmbeddingShards (split_embedding.py) save to
+and load from Megatron's layout; a head tied to the embedding (Megatron's default) splits into copies of the
+embedding's rows and round-trips with Megatron's tied layout. The oracle is the same run without a checkpoint:
+weights, fp32 main weights and Adam's step and moments identical at load, and after one more step the same weights.
 Shards that overlap or leave rows uncovered are refused at save.
 """
 
@@ -38,6 +39,10 @@ SPLIT_A = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 3), (3, 6)], [0, 1], (1, 0)
 SPLIT_B = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 2), (2, 3), (3, 4), (4, 6)], [0, 1, 1, 0], (0, 1), (0.3, 0.7),
                                           seed=2)}
 MEGATRON = {"pp": 2, "layout": "Ett|ttL"}
+# the embedding split too (placement.attach_embedding_shard): rank 1 rows [0, 26) in an EmbeddingRows of its
+# chunk, stage 0's rank 0 rows [26, 64) as its word_embeddings
+SPLIT_E = {"pp": 2, "plan": HS.split_plan(SPEC, [(0, 3), (3, 6)], [0, 1], (1, 0), (0.625, 0.375), seed=11,
+                                          embedding=((1, 0), (0.4, 0.6)))}
 # tied to the word embedding (Megatron's default): the shards save as copies of the embedding's rows, the embedding
 # (on its rank) as the main replica; Megatron's tied layout keeps its head's copy the same way, whole
 SPEC_TIED = H.TinyGPT(num_layers=4, tied=True)
@@ -47,6 +52,9 @@ CASES = [
      "embedding_rows": [(0, 27), (27, 64)]},
     {"name": "megatron layout -> split plan", "first": MEGATRON, "second": SPLIT_A},
     {"name": "split plan -> other split plan", "first": SPLIT_A, "second": SPLIT_B},
+    # a split embedding's rows save as their slice of the one word embedding, and load back from Megatron's
+    {"name": "split embedding -> megatron layout", "first": SPLIT_E, "second": MEGATRON},
+    {"name": "megatron layout -> split embedding", "first": MEGATRON, "second": SPLIT_E},
     # tied: split head -> Megatron's tied layout, and Megatron's -> a V-shape split (the embedding and the owner on
     # one rank: a local tie)
     {"name": "tied split plan -> megatron layout", "first": SPLIT_A, "second": MEGATRON, "spec": SPEC_TIED},
@@ -126,6 +134,9 @@ def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_split
         if case.get("spec", SPEC).tied:  # the tie held: the head (shards or Megatron's copy) is the embedding
             for w in ("saved_w", "loaded_w"):
                 assert torch.equal(r[w][HS.HEAD], r[w]["embedding.word_embeddings.weight"]), (case["name"], w)
+    # the split embedding's layout held its rows in EmbeddingShards (2 ranks), Megatron's in its own embedding
+    assert results["split embedding -> megatron layout"]["embedding_shards"] == [2, 0]
+    assert results["megatron layout -> split embedding"]["embedding_shards"] == [0, 2]
 
 
 @pytest.mark.timeout(600)

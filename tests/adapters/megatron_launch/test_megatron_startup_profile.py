@@ -50,6 +50,24 @@ def test_profiled_costs_reach_the_model_graph(monkeypatch):
     assert {(l.fwd_ms, l.bwd_ms, l.wgrad_ms) for l in dense} == {(7.0, 9.0, 5.0)}
 
 
+def test_the_measured_fused_ratio_reaches_the_graph_unless_te_runs_fused_b():
+    from octopipe_plugin.adapters.megatron.startup_profile import kind_costs
+    from octopipe_plugin.formats import Layer
+
+    layer = Layer(name="decoder.layers.0", kind="dense", fwd_ms=2.0, bwd_ms=3.0, wgrad_ms=1.0, state_bytes=1,
+                  activation_bytes=1, output_bytes=1, source="measured", fused_ratio=0.9)
+    record = {"fused_bwd_ms": 3.6}
+    fields = kind_costs(layer, record, fused=False)
+    assert fields["fused_ratio"] == 0.9 and (fields["bwd_ms"], fields["wgrad_ms"]) == (3.0, 1.0)
+    # TE layers running fused B: B is the measured fused backward itself, no ratio on top of it
+    te = kind_costs(layer, record, fused=True)
+    assert "fused_ratio" not in te and (te["bwd_ms"], te["wgrad_ms"]) == (3.6, 0.0)
+    args = parse(TINY_GPT + ["--global-batch-size", "2"], octopipe=False, validate=False)
+    model = startup.model_from_megatron(args, gpu="H100", measured={"dense": fields})
+    assert {l.fused_ratio for l in model.layers if l.kind == "dense"} == {0.9}
+    assert {l.fused_ratio for l in model.layers if l.kind != "dense"} == {None}
+
+
 def test_merge_puts_the_costs_file_on_top():
     merged = startup.merge_costs({"dense": {"fwd_ms": 1.0, "bwd_ms": 2.0}}, {"dense": {"fwd_ms": 4.0}, "moe": {}})
     assert merged == {"dense": {"fwd_ms": 4.0, "bwd_ms": 2.0}, "moe": {}}
@@ -64,6 +82,7 @@ def test_real_profiler_at_startup(tmp_path):
     first, second = json.loads(line[len("RESULT "):])
     assert sorted(first["measured"]) == ["dense", "embedding", "lm_head"]
     assert all(first["measured"][k]["fwd_ms"] > 0 for k in ("dense", "lm_head"))
+    assert first["measured"]["dense"]["fused_ratio"] > 0  # the measured fused B over I + W travels with its kind
     assert first["plan_meta"]["tuned_for"]["profiled_kinds"] == ["dense", "embedding", "lm_head"]
     assert not first["left_open"]  # Megatron's own initialisation starts from nothing
     # the second start-up read the cache: the same entries and the very same figures (a re-measure differs)
