@@ -2,7 +2,7 @@
 (examples/megatron/train_gpt.py).
 
 2 gloo ranks (pipeline size 2), the tiny GPT of test_pretrain_e2e.py (MoE layers with aux loss),
-embeddings untied (tied split heads: test_megatron_split.py), 4 micro-batches per step.
+embeddings untied, 4 micro-batches per step (tied: below).
 Three launches, same seeds, probe script train_gpt_grads.py saving the first step's reduced gradients:
 
 - Megatron's own schedule on the layout "Et|t|t|tL";
@@ -19,6 +19,10 @@ per iteration (relative 1e-5: the shards sum the softmax in another order than M
 vocab-parallel cross-entropy), and every parameter's main_grad before the first optimizer step
 equals Megatron's (the shards' rows against the same rows of Megatron's output_layer and word
 embedding gradients) at a tolerance a 1% scale error fails.
+
+Tied (Megatron's default), two more launches: Megatron's own schedule and the plan splitting only the head
+(its shards are rows of the embedding, tied to it): the same losses, and the embedding's and the shards'
+main_grads against Megatron's tied gradient.
 """
 
 from __future__ import annotations
@@ -87,6 +91,44 @@ def test_split_plan_main_grads_match_megatron(runs):
     assert len(shard_keys) == 4, sorted(got)
     rows = {k: want[k.split("[")[0]][slice(*map(int, k.split("[")[1][:-1].split(":")))] for k in shard_keys}
     want_split = {**{k: v for k, v in want.items() if k not in sharded}, **rows}
+    assert len(want) > 10 and set(got) == set(want_split)
+    assert grad_mismatches(got, want_split) == []
+    assert grad_mismatches({k: 1.01 * v for k, v in got.items()}, want_split), "a 1% scale error passes"
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    """Megatron's default, the embedding tied to the head: Megatron's own schedule, and a plan splitting the head
+    (its shards rows of the embedding, tied by executor.tied_rows; rank 0 holds the embedding and a shard)."""
+    d = tmp_path_factory.mktemp("e2e_tied_split")
+    _, split = split_head_plans(d)  # the head only: a split embedding tied to the head is refused
+    tied = [a for a in ARGS if a != "--untie-embeddings-and-output-weights"]
+    out = {}
+    for name, extra in (("megatron", ["--pipeline-model-parallel-layout", MEGATRON_LAYOUT]),
+                        ("split", ["--pipeline-schedule", "octopipe", "--octopipe-plan", split])):
+        out[name] = launch(d / f"{name}.log", *tied, *extra, script=PROBE,
+                           env={"OCTOPIPE_E2E_GRADS": str(d / f"grads_{name}.pt")})
+    print(loss_table(out))
+    return {"losses": out, "grads": {name: torch.load(d / f"grads_{name}.pt") for name in out}}
+
+
+@pytest.mark.timeout(1800)
+def test_tied_split_head_logs_megatrons_losses_and_main_grads(tied_runs):
+    """Tied: every logged training and validation loss equals Megatron's tied run's (relative 1e-5), and every
+    main_grad before the first step: the embedding's the whole tied gradient, each shard's its rows of it
+    (Megatron's head copy holds the same after its embedding-group all-reduce); x1.01 fails."""
+    losses = tied_runs["losses"]
+    for kind, iters in (("train", list(range(1, 7))), ("valid", [3, 6])):
+        want, got = losses["megatron"][kind], losses["split"][kind]
+        assert sorted(want) == sorted(got) == iters, kind
+        for it in want:
+            assert got[it] == pytest.approx(want[it], rel=1e-5, abs=0), f"{kind} {it}: {got[it]} vs {want[it]}"
+    got, want = tied_runs["grads"]["split"], tied_runs["grads"]["megatron"]
+    embedding = "embedding.word_embeddings.weight"
+    shard_keys = [k for k in got if k.startswith("output_layer.weight[")]
+    assert len(shard_keys) == 2, sorted(got)
+    rows = {k: want[embedding][slice(*map(int, k[len("output_layer.weight["):-1].split(":")))] for k in shard_keys}
+    want_split = {**{k: v for k, v in want.items() if k != "output_layer.weight"}, **rows}
     assert len(want) > 10 and set(got) == set(want_split)
     assert grad_mismatches(got, want_split) == []
     assert grad_mismatches({k: 1.01 * v for k, v in got.items()}, want_split), "a 1% scale error passes"
