@@ -18,7 +18,8 @@ all rounds, and the steps and the profile are summed up by one statistic (`--sta
 quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
 preempted steps and samples out). The header prints the load average and the CPU time the hypervisor
 stole during the run (/proc/stat); per plan, `step IQR` is the inter-quartile range of its steps over
-their median and `preempt/step` the ranks' involuntary context switches per step (the OS took the core).
+their median, `preempt/step` the ranks' involuntary context switches per step (the OS took the core) and
+`threads ms` the CPU time per step of each rank's threads other than the one running the actions (gloo's).
 The executor's own host costs per action kind and per
 message are measured too (octopipe_plugin/profile/overheads.py, as `octopipe profile --overheads`
 does), and every plan gets a second, overhead-aware prediction (the simulator charging them; the
@@ -266,6 +267,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         times: list[list[float]] = [[] for _ in plans]
         busy: list[list[float]] = [[] for _ in plans]  # this rank's time inside its actions, per step
         switches: list[list[int]] = [[] for _ in plans]  # this rank's involuntary context switches, per step
+        others: list[list[float]] = [[] for _ in plans]  # CPU ms of this rank's other threads (gloo's), per step
         # rounds: the profile's samples, then one step of every plan (rotated), so a busy spell of the shared
         # machine hits the profile and every plan alike
         for i in range(args.warmup + args.steps):
@@ -276,7 +278,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                 for p in (q for mod in runner.modules.values() for q in mod.parameters()):
                     p.grad = None
                 dist.barrier()
-                c0 = _switches()[1]
+                c0, p0, m0 = _switches()[1], time.process_time(), time.thread_time()
                 t = time.perf_counter()
                 res = ex.run_step()
                 dist.barrier()
@@ -284,15 +286,16 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                     times[k].append(1000 * (time.perf_counter() - t))
                     busy[k].append(1000 * sum(t1 - t0 for _, t0, t1 in res.timeline))
                     switches[k].append(_switches()[1] - c0)
+                    others[k].append(1000 * ((time.process_time() - p0) - (time.thread_time() - m0)))
             if args.no_gc:
                 gc.collect()
         gc.enable()
         # the prediction's profile: this rank's samples of every round, then the ranks' mean (both computed at once)
         every = [None] * DEVICES
         mine = (model_to_dict(rounds.model(model, args.stat)), [_stat(b, args.stat) for b in busy],
-                [statistics.fmean(c) for c in switches])
+                [statistics.fmean(c) for c in switches], [statistics.fmean(c) for c in others])
         dist.all_gather_object(every, mine)
-        model = _mean_model([model_from_dict(d) for d, _, _ in every])
+        model = _mean_model([model_from_dict(d) for d, *_ in every])
         rows = []
         for k, ((name, plan), ts) in enumerate(zip(plans, times)):
             sim = simulate(model, cluster, plan)
@@ -300,7 +303,8 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                          "predicted_ms": sim.step_time_ms,
                          "aware_ms": simulate(model, cluster, plan, aware, detail=False).step_time_ms,
                          "busy_ms": [every[r][1][k] for r in range(DEVICES)], "predicted_busy_ms": list(sim.busy_ms),
-                         "switches": [every[r][2][k] for r in range(DEVICES)]})
+                         "switches": [every[r][2][k] for r in range(DEVICES)],
+                         "other_threads_ms": [every[r][3][k] for r in range(DEVICES)]})
         report["models"].append({"model": model_to_dict(model), "rows": rows})
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as fh:
@@ -406,7 +410,7 @@ def main() -> None:
                          f"{(l.bwd_ms + l.wgrad_ms) * (l.fused_ratio or 1.0):.1f}" for k, l in kinds.items())
         print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W/B ms: {desc}")
         print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'aware ms':>10}{'measured ms':>13}{'deviation':>11}"
-              f"{'aware dev':>11}{'step IQR':>10}{'busy dev':>10}{'preempt/step':>14}")
+              f"{'aware dev':>11}{'step IQR':>10}{'busy dev':>10}{'preempt/step':>14}{'threads ms':>12}")
         for r in rows:
             devs = {key: (r["measured_ms"] - r[key]) / r[key] for key in worst}
             worst = {key: max(worst[key], abs(devs[key])) for key in worst}
@@ -417,7 +421,8 @@ def main() -> None:
             busy = max(((b - q) / q for b, q in zip(r["busy_ms"], r["predicted_busy_ms"]) if q > 0), key=abs)
             print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['aware_ms']:>10.1f}"
                   f"{r['measured_ms']:>13.1f}{100 * devs['predicted_ms']:>+10.1f}%{100 * devs['aware_ms']:>+10.1f}%"
-                  f"{100 * spread:>9.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}")
+                  f"{100 * spread:>9.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}"
+                  f"{statistics.fmean(r['other_threads_ms']):>12.1f}")
         print(f"  ranking by measured      : {' < '.join(ranking(rows, 'measured_ms'))}")
         for key, label in (("predicted_ms", "predicted"), ("aware_ms", "overhead-aware")):
             broken = order_broken(rows, key)
