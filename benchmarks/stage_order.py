@@ -63,14 +63,18 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     res: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     ivcsw: dict[str, list[int]] = {}
+    faults: dict[str, list[int]] = {}
 
     def rec(key, fn):
-        c0, t0, n0 = time.thread_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        c0, t0 = time.thread_time(), time.perf_counter()
         r = fn()
         t1, c1 = time.perf_counter(), time.thread_time()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         res.setdefault(key, []).append(1000 * (t1 - t0))
         cpu.setdefault(key, []).append(1000 * (c1 - c0))
-        ivcsw.setdefault(key, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - n0)
+        ivcsw.setdefault(key, []).append(ru1.ru_nivcsw - ru.ru_nivcsw)
+        faults.setdefault(key, []).append(ru1.ru_minflt - ru.ru_minflt)
         return r
 
     def flush():
@@ -125,11 +129,12 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             for p in allp:
                 p.grad = None
         if r < 2:
-            res.clear(), cpu.clear(), ivcsw.clear()
+            res.clear(), cpu.clear(), ivcsw.clear(), faults.clear()
     mine = {"ms": {k: statistics.median(v) for k, v in res.items()},
             "cpu": {k: statistics.median(v) for k, v in cpu.items()},
             "stretch": {k: sum(res[k]) / max(1e-9, sum(cpu[k])) for k in res},
-            "ivcsw": {k: statistics.fmean(v) for k, v in ivcsw.items()}}
+            "ivcsw": {k: statistics.fmean(v) for k, v in ivcsw.items()},
+            "faults": {k: statistics.median(v) for k, v in faults.items()}}
     got = [None] * world
     dist.all_gather_object(got, mine)
     if rank == 0:
@@ -146,7 +151,12 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--flush-mb", type=int, default=96, help="flush buffer size (above the last-level cache)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="ranks keep glibc's heap (no trim, fixed mmap threshold): no fresh pages for new tensors")
     args = ap.parse_args()
+    if args.keep_heap:  # read by glibc when the spawned ranks start (as fidelity.py and action_costs.py)
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
+                          MALLOC_TOP_PAD_=str(64 << 20))
     load0, s0 = os.getloadavg(), steal_jiffies()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, 2, args, tmp)
@@ -154,7 +164,7 @@ def main() -> None:
             got = json.load(fh)
     s1, load1 = steal_jiffies(), os.getloadavg()
     print(f"stage order: model {args.model}, {args.layers} distinct layers per stage, {args.inflight} micro-batches "
-          f"in flight, {args.repeats} rounds; load {load0[0]:.2f} -> {load1[0]:.2f}; VM steal "
+          f"in flight, {args.repeats} rounds{', heap kept' if args.keep_heap else ''}; load {load0[0]:.2f} -> {load1[0]:.2f}; VM steal "
           f"{100 * (s1[0] - s0[0]) / max(1, s1[1] - s0[1]):.2f}% of CPU time over the run")
     n = args.layers
     for r, m in enumerate(got):
@@ -166,10 +176,11 @@ def main() -> None:
             print(f"   {k}: {rep:7.2f} {fl:7.2f} {st:7.2f}     {st / rep:6.3f}        {st / fl:6.3f}"
                   f"        {m['stretch'][f'stage {k}']:.3f}          {m['ivcsw'][f'stage {k}']:.2f}")
         c = m["cpu"]
-        print("   thread CPU ms per layer: repeat / flushed / stage, stage/repeat")
+        print("   thread CPU ms per layer: repeat / flushed / stage, stage/repeat; page faults per call repeat / stage")
         for k in ("F", "I", "W", "B"):
             rep, fl, st = c[f"repeat {k}"], c[f"flushed {k}"], c[f"stage {k}"] / n
-            print(f"   {k}: {rep:7.2f} {fl:7.2f} {st:7.2f}     {st / rep:6.3f}")
+            print(f"   {k}: {rep:7.2f} {fl:7.2f} {st:7.2f}     {st / rep:6.3f}     "
+                  f"{m['faults'][f'repeat {k}']:.0f} / {m['faults'][f'stage {k}']:.0f}")
 
 
 if __name__ == "__main__":
