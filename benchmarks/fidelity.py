@@ -18,7 +18,8 @@ all rounds, and the steps and the profile are summed up by one statistic (`--sta
 quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
 preempted steps and samples out). The header prints the load average and the CPU time the hypervisor
 stole during the run (/proc/stat); per plan, `step IQR` is the inter-quartile range of its steps over
-their median, `preempt/step` the ranks' involuntary context switches per step (the OS took the core) and
+their median, `+/- 90%` the half-width of the 90% bootstrap interval of the measured figure (a pair measured
+closer than that is not decided by the run), `preempt/step` the ranks' involuntary context switches per step (the OS took the core) and
 `threads ms` the CPU time per step of each rank's threads other than the one running the actions (gloo's).
 The executor's own host costs per action kind and per
 message are measured too (octopipe_plugin/profile/overheads.py, as `octopipe profile --overheads`
@@ -38,6 +39,7 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import resource
 import statistics
 import sys
@@ -342,6 +344,15 @@ def order_broken(rows: list[dict], key: str, apart: float = APART) -> list[tuple
     return out
 
 
+def stat_interval(samples: list[float], statistic: str, draws: int = 400, seed: int = 0) -> float:
+    """Half-width of the 90% bootstrap interval of the samples' `statistic`, over that statistic (how precisely
+    the rounds pin the plan's step: pairs measured closer than this are not decided by the run)."""
+    rng = random.Random(seed)
+    got = sorted(_stat([rng.choice(samples) for _ in samples], statistic) for _ in range(draws))
+    mid = _stat(samples, statistic)
+    return (got[int(0.95 * (draws - 1))] - got[int(0.05 * (draws - 1))]) / 2 / mid if mid > 0 else 0.0
+
+
 def paired_wins(rows: list[dict], a: str, b: str) -> int:
     """In how many rounds plan `a` stepped faster than plan `b` (the rounds ran both, one after the other)."""
     ta = next(r["steps_ms"] for r in rows if r["plan"] == a)
@@ -410,7 +421,7 @@ def main() -> None:
                          f"{(l.bwd_ms + l.wgrad_ms) * (l.fused_ratio or 1.0):.1f}" for k, l in kinds.items())
         print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W/B ms: {desc}")
         print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'aware ms':>10}{'measured ms':>13}{'deviation':>11}"
-              f"{'aware dev':>11}{'step IQR':>10}{'busy dev':>10}{'preempt/step':>14}{'threads ms':>12}")
+              f"{'aware dev':>11}{'step IQR':>10}{'+/- 90%':>9}{'busy dev':>10}{'preempt/step':>14}{'threads ms':>12}")
         for r in rows:
             devs = {key: (r["measured_ms"] - r[key]) / r[key] for key in worst}
             worst = {key: max(worst[key], abs(devs[key])) for key in worst}
@@ -421,7 +432,7 @@ def main() -> None:
             busy = max(((b - q) / q for b, q in zip(r["busy_ms"], r["predicted_busy_ms"]) if q > 0), key=abs)
             print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['aware_ms']:>10.1f}"
                   f"{r['measured_ms']:>13.1f}{100 * devs['predicted_ms']:>+10.1f}%{100 * devs['aware_ms']:>+10.1f}%"
-                  f"{100 * spread:>9.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}"
+                  f"{100 * spread:>9.1f}%{100 * stat_interval(r['steps_ms'], args.stat):>8.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}"
                   f"{statistics.fmean(r['other_threads_ms']):>12.1f}")
         print(f"  ranking by measured      : {' < '.join(ranking(rows, 'measured_ms'))}")
         for key, label in (("predicted_ms", "predicted"), ("aware_ms", "overhead-aware")):
