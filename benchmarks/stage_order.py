@@ -1,6 +1,7 @@
 """Does the profile see what a stage sees? One layer timed repeated against the same layers run as a stage runs them.
 
 Usage: PYTHONPATH=. python benchmarks/stage_order.py [--model dense] [--layers 4] [--inflight 4] [--repeats 8]
+       [--flush-mb 96] [--keep-heap]
 
 On each of 2 local ranks at once (one thread each, as the fidelity benchmark's ranks), a stage of
 `--layers` distinct decoder layers of the model. Per round, interleaved (a busy spell hits every mode):
@@ -12,8 +13,8 @@ On each of 2 local ranks at once (one thread each, as the fidelity benchmark's r
             the fused B of each (1F1B's warm-up / cool-down), and the same with I then W (split backward);
             every action's span, divided by the stage's layer count.
 Printed per kind: median ms per layer of each mode, stage / repeat and stage / flushed; wall over thread CPU
-time of the stage's actions (> 1: descheduled mid-action); involuntary context switches per action; the
-VM's steal time over the run (/proc/stat).
+time of the stage's actions (> 1: descheduled mid-action); involuntary context switches per action; the same
+three modes in thread CPU time with the page faults per call; the VM's steal time over the run (/proc/stat).
 """
 
 from __future__ import annotations
