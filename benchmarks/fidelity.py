@@ -1,24 +1,34 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
-Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 5] [--repeats 10]
-       [--models dense,moe,heavy-head] [--keep-heap] [--no-gc]
+Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 12] [--stat p25|median]
+       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
 shared one), and one with a heavy LM head (large vocabulary). Each distinct layer is profiled on
 this machine with one thread (octopipe_plugin.profile: F, I and W with the executor's split
-backward, and the fused backward B that plans without the split are charged), by both ranks at once, before and after the runs (the mean is used: the load of a
-shared machine drifts); the link between the two local ranks is measured by a gloo ping-pong. Then each plan
-(1F1B, interleaved 1F1B with two stages per device, ZB-V, and the tuner's plan for the profiled
-model) runs through the executor on 2 local processes, one thread each (this machine has 2
-cores), and its median step time is printed next to the simulator's prediction from the profiled
-costs, with the ranking of the plans by each. The executor's own host costs per action kind and per
+backward, and the fused backward B that plans without the split are charged), by both ranks at once;
+the link between the two local ranks is measured by a gloo ping-pong. The tuner plans from a first
+profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
+(round-robin over them) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
+device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
+one thread each (this machine has 2 cores), the plans' order rotated each round. A slow spell of the
+shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
+all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
+quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
+preempted steps and samples out). The header prints the load average and the CPU time the hypervisor
+stole during the run (/proc/stat); per plan, `step IQR` is the inter-quartile range of its steps over
+their median, `+/- 90%` the half-width of the 90% bootstrap interval of the measured figure (a pair measured
+closer than that is not decided by the run), `preempt/step` the ranks' involuntary context switches per step (the OS took the core) and
+`threads ms` the CPU time per step of each rank's threads other than the one running the actions (gloo's).
+The executor's own host costs per action kind and per
 message are measured too (octopipe_plugin/profile/overheads.py, as `octopipe profile --overheads`
 does), and every plan gets a second, overhead-aware prediction (the simulator charging them; the
 tuner plans with them). `ranking kept` means: every pair of plans predicted more than 3% apart is
-measured in the same order. `busy dev` is the rank furthest off in time spent inside its actions against the
-simulator's busy time for its device: compute alone, so a deviation with a small busy dev is time lost between
-the actions (waiting, the host, other processes on the cores). Last lines, one per prediction:
+measured in the same order; a broken pair says in how many rounds the two were measured the predicted
+way (both ran in each round, one after the other). `busy dev` is the rank furthest off in time spent inside
+its actions against the simulator's busy time for its device: compute alone, so a deviation with a small busy dev
+is time lost between the actions (waiting, the host, other processes on the cores). Last lines, one per prediction:
 `plain: worst deviation X.X% over N plans, ranking kept: yes|no` and the same for `overhead-aware`.
 """
 
@@ -29,6 +39,8 @@ import dataclasses
 import gc
 import json
 import os
+import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -48,7 +60,10 @@ from octopipe_plugin.executor.torch_stage import TorchStages  # noqa: E402
 from octopipe_plugin.formats import Cluster, Link, plan_from_dict, plan_to_dict  # noqa: E402
 from octopipe_plugin.formats.model import model_from_dict, model_to_dict  # noqa: E402
 from octopipe_plugin.profile import ProfileSettings  # noqa: E402
-from octopipe_plugin.profile.arch_profile import profile_arch  # noqa: E402
+from octopipe_plugin.profile.arch_profile import arch_layers, profile_arch  # noqa: E402
+from octopipe_plugin.profile.measure import LayerProfile, measure_layer  # noqa: E402
+from octopipe_plugin.profile.profiler import profiled_layer  # noqa: E402
+from octopipe_plugin.profile.timing import STATISTICS, summarise  # noqa: E402
 from octopipe_plugin.profile.device import device_name  # noqa: E402
 from octopipe_plugin.profile.overheads import OverheadSettings, format_overheads, measure_overheads  # noqa: E402
 from octopipe_plugin.profile.torch_layers import builders, token_input  # noqa: E402
@@ -155,7 +170,8 @@ def _mean_ratio(layers) -> float | None:
 def _profile_both(label: str, args) -> object:
     """Both ranks profile the model at once (as both compute during a step); the layer-wise mean of the two."""
     arch = arch_of(label)
-    settings = ProfileSettings(device="cpu", warmup=2, repeats=args.repeats, use_cache=args.cache, progress=False)
+    settings = ProfileSettings(device="cpu", warmup=2, repeats=args.repeats, use_cache=args.cache, progress=False,
+                               statistic=args.stat)
     mine = profile_arch(arch, builders(arch), settings=settings).model
     gathered = [None] * DEVICES
     dist.all_gather_object(gathered, model_to_dict(mine))
@@ -174,8 +190,63 @@ def _profile_and_plan(rank: int, label: str, cluster: Cluster, args, options) ->
     return model_from_dict(doc), [(name, plan_from_dict(p)) for name, p in plans]
 
 
+_PHASES = ("fwd", "bwd", "wgrad", "fused")  # LayerProfile's timed phases: F, I, W, B
+
+
+class RoundProfile:
+    """The model's distinct layers profiled a few samples at a time, in the rounds between the steps.
+
+    A slow spell of a shared machine then lands on the profile as on the steps it is compared with, and the
+    samples of all rounds are summed up by the same statistic as the steps (profile/timing.py STATISTICS).
+    """
+
+    def __init__(self, arch, samples_per_round: int):
+        planned = arch_layers(arch, builders(arch), impl="torch", dtype=torch.float32)
+        reps = {}
+        for p in planned:
+            if p is not None:
+                reps.setdefault(p.kind, p)
+        torch.manual_seed(0)
+        self.kinds = {k: (rep.build(), rep.example_input(torch.device("cpu"))) for k, rep in reps.items()}
+        self.n = samples_per_round
+        self.first: dict[str, LayerProfile] = {}  # each kind's first sample (its sizes)
+        self.ms: dict[str, dict[str, list[float]]] = {k: {f: [] for f in _PHASES} for k in self.kinds}
+
+    def sample(self, keep: bool) -> None:
+        """One round's samples of every distinct layer (kept when `keep`, else a warm-up)."""
+        for _ in range(self.n):
+            for k, (mod, x) in self.kinds.items():  # round-robin over the kinds, as a stage runs its layers
+                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=1)
+                if keep:
+                    self.first.setdefault(k, prof)
+                    for f in _PHASES:
+                        self.ms[k][f].append(getattr(prof, f).median_ms)  # one sample: its median is itself
+
+    def model(self, base, statistic: str):
+        """`base` with each measured kind's times from this rank's samples of every round, by `statistic`."""
+        got = {k: dataclasses.replace(self.first[k], **{f: summarise(v) for f, v in self.ms[k].items()})
+               for k in self.first}
+        layers = tuple(dataclasses.replace(profiled_layer(l.name, l.kind, got[l.kind], statistic),
+                                           state_bytes=l.state_bytes, activation_bytes=l.activation_bytes,
+                                           output_bytes=l.output_bytes)
+                       if l.kind in got else l for l in base.layers)
+        return dataclasses.replace(base, layers=layers)
+
+
+def _switches() -> tuple[int, int]:
+    """This process's (voluntary, involuntary) context switches so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_nvcsw, ru.ru_nivcsw
+
+
+def _order(i: int, n: int) -> list[int]:
+    """Round i's order of the n plans: rotated by one each round, so no plan always follows the same one."""
+    return [(i + k) % n for k in range(n)]
+
+
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     init_gloo(rank, world, port, timeout_s=900)
+    torch.set_num_threads(1)
     link = measure_link(rank, COMMON["seq_len"] * COMMON["hidden"] * 4)
     cluster = Cluster(num_devices=DEVICES, devices_per_node=DEVICES, memory_bytes=16 << 30, intra_node=link,
                       inter_node=link, name="local-gloo")
@@ -192,43 +263,70 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         for _, plan in plans:
             runner = _runner(arch, layers, plan, rank)
             runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900))))
+        rounds = RoundProfile(arch, args.round_samples)
         if args.no_gc:  # the collector off during the timed steps, collected after each round (Megatron's --manual-gc)
             gc.disable()
         times: list[list[float]] = [[] for _ in plans]
         busy: list[list[float]] = [[] for _ in plans]  # this rank's time inside its actions, per step
-        # round-robin over the plans, so a busy spell of the shared machine hits every plan alike
+        switches: list[list[int]] = [[] for _ in plans]  # this rank's involuntary context switches, per step
+        others: list[list[float]] = [[] for _ in plans]  # CPU ms of this rank's other threads (gloo's), per step
+        # rounds: the profile's samples, then one step of every plan (rotated), so a busy spell of the shared
+        # machine hits the profile and every plan alike
         for i in range(args.warmup + args.steps):
-            for k, (runner, ex) in enumerate(runs):
+            dist.barrier()
+            rounds.sample(keep=i >= args.warmup)
+            for k in _order(i, len(runs)):
+                runner, ex = runs[k]
                 for p in (q for mod in runner.modules.values() for q in mod.parameters()):
                     p.grad = None
                 dist.barrier()
+                c0, p0, m0 = _switches()[1], time.process_time(), time.thread_time()
                 t = time.perf_counter()
                 res = ex.run_step()
                 dist.barrier()
                 if i >= args.warmup:
                     times[k].append(1000 * (time.perf_counter() - t))
                     busy[k].append(1000 * sum(t1 - t0 for _, t0, t1 in res.timeline))
+                    switches[k].append(_switches()[1] - c0)
+                    others[k].append(1000 * ((time.process_time() - p0) - (time.thread_time() - m0)))
             if args.no_gc:
                 gc.collect()
         gc.enable()
-        # profile again after the runs: on a shared machine the load drifts, and the mean of the profiles
-        # taken before and after describes the time the runs took place in better than either
-        after = _profile_both(label, args)
-        model = _mean_model([model, after])
+        # the prediction's profile: this rank's samples of every round, then the ranks' mean (both computed at once)
         every = [None] * DEVICES
-        dist.all_gather_object(every, [statistics.median(b) for b in busy])
+        mine = (model_to_dict(rounds.model(model, args.stat)), [_stat(b, args.stat) for b in busy],
+                [statistics.fmean(c) for c in switches], [statistics.fmean(c) for c in others])
+        dist.all_gather_object(every, mine)
+        model = _mean_model([model_from_dict(d) for d, *_ in every])
         rows = []
         for k, ((name, plan), ts) in enumerate(zip(plans, times)):
             sim = simulate(model, cluster, plan)
-            rows.append({"plan": name, "stages": plan.num_stages, "steps_ms": ts, "measured_ms": statistics.median(ts),
+            rows.append({"plan": name, "stages": plan.num_stages, "steps_ms": ts, "measured_ms": _stat(ts, args.stat),
                          "predicted_ms": sim.step_time_ms,
                          "aware_ms": simulate(model, cluster, plan, aware, detail=False).step_time_ms,
-                         "busy_ms": [every[r][k] for r in range(DEVICES)], "predicted_busy_ms": list(sim.busy_ms)})
+                         "busy_ms": [every[r][1][k] for r in range(DEVICES)], "predicted_busy_ms": list(sim.busy_ms),
+                         "switches": [every[r][2][k] for r in range(DEVICES)],
+                         "other_threads_ms": [every[r][3][k] for r in range(DEVICES)]})
         report["models"].append({"model": model_to_dict(model), "rows": rows})
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as fh:
             json.dump(report, fh)
     dist.destroy_process_group()
+
+
+def _stat(samples: list[float], statistic: str) -> float:
+    """The samples' figure by `statistic` (the profile's rule: profile/timing.py)."""
+    return summarise(samples).at(statistic)
+
+
+def steal_jiffies() -> tuple[int, int]:
+    """(steal, all) jiffies of every CPU since boot (/proc/stat): the time the hypervisor ran something else."""
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            vals = [int(v) for v in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    return vals[7], sum(vals)
 
 
 def ranking(rows: list[dict], key: str) -> list[str]:
@@ -246,14 +344,37 @@ def order_broken(rows: list[dict], key: str, apart: float = APART) -> list[tuple
     return out
 
 
+def stat_interval(samples: list[float], statistic: str, draws: int = 400, seed: int = 0) -> float:
+    """Half-width of the 90% bootstrap interval of the samples' `statistic`, over that statistic (how precisely
+    the rounds pin the plan's step: pairs measured closer than this are not decided by the run)."""
+    rng = random.Random(seed)
+    got = sorted(_stat([rng.choice(samples) for _ in samples], statistic) for _ in range(draws))
+    mid = _stat(samples, statistic)
+    return (got[int(0.95 * (draws - 1))] - got[int(0.05 * (draws - 1))]) / 2 / mid if mid > 0 else 0.0
+
+
+def paired_wins(rows: list[dict], a: str, b: str) -> int:
+    """In how many rounds plan `a` stepped faster than plan `b` (the rounds ran both, one after the other)."""
+    ta = next(r["steps_ms"] for r in rows if r["plan"] == a)
+    tb = next(r["steps_ms"] for r in rows if r["plan"] == b)
+    return sum(x < y for x, y in zip(ta, tb))
+
+
 def main() -> None:
     """Profile, plan, run, and print measured against predicted step time per model and plan."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per plan (the median is kept)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per plan first")
-    ap.add_argument("--repeats", type=int, default=10, help="profiler repeats per distinct layer")
+    ap.add_argument("--steps", type=int, default=12,
+                    help="timed rounds: each one the profile's samples, then one step of every plan (rotated)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    ap.add_argument("--stat", choices=STATISTICS, default="p25",
+                    help="the figure taken of the steps and of the profile's samples alike (p25: the lower quartile, "
+                         "which leaves out the steps other processes slowed down; median)")
+    ap.add_argument("--round-samples", type=int, default=1,
+                    help="profile samples per distinct layer in each round (the prediction's profile)")
+    ap.add_argument("--repeats", type=int, default=10,
+                    help="profiler repeats per distinct layer before the runs (the profile the tuner plans with)")
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
     ap.add_argument("--cache", action="store_true", help="reuse cached profiles (default: measure under today's load)")
     ap.add_argument("--no-gc", action="store_true",
@@ -266,20 +387,27 @@ def main() -> None:
     if args.keep_heap:  # read by glibc when the spawned ranks start (benchmarks/action_costs.py: the same switch)
         os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
                           MALLOC_TOP_PAD_=str(64 << 20))
-    load0, t0 = os.getloadavg(), time.time()
+    load0, t0, steal0 = os.getloadavg(), time.time(), steal_jiffies()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, DEVICES, args, tmp)
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
-    load1 = os.getloadavg()
+    load1, steal1 = os.getloadavg(), steal_jiffies()
+    stat = {"p25": "lower quartile", "median": "median"}[args.stat]
     print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}"
-          f"{' (collector off in steps)' if args.no_gc else ''}, "
-          f"{args.microbatches} micro-batches, median of "
-          f"{args.steps} steps after {args.warmup} (plans interleaved step by step); profile: both ranks at once, "
-          f"median of {args.repeats} per distinct layer, mean of the profiles before and after the runs")
+          f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
+          f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
+          f"layer (both ranks at once), then one step of every plan (order rotated); the {stat} of the rounds "
+          f"taken of the steps and of the profile alike")
+    if args.stat == "p25":
+        print("  why the lower quartile: other processes and the hypervisor only ever add time to a step or a "
+              "sample, so the low quantile of interleaved rounds estimates the undisturbed run and leaves the "
+              "preempted ones out; a quartile, unlike the minimum, stays steady over a dozen rounds")
     torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
+    steal = 100 * (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1])
     print(f"machine: {device_name(torch.device('cpu'))} per rank, {os.cpu_count()} cores; load average "
-          f"{load0[0]:.2f} before, {load1[0]:.2f} after ({time.time() - t0:.0f} s)")
+          f"{load0[0]:.2f} before, {load1[0]:.2f} after ({time.time() - t0:.0f} s); CPU time stolen by the "
+          f"hypervisor during the run {steal:.2f}% (/proc/stat)")
     lat, bw = report["link"]
     print(f"link (gloo ping-pong): latency {lat:.0f} us, bandwidth {bw:.2f} GB/s")
     print(format_overheads(overheads_from_dict(report["overheads"])))
@@ -293,23 +421,25 @@ def main() -> None:
                          f"{(l.bwd_ms + l.wgrad_ms) * (l.fused_ratio or 1.0):.1f}" for k, l in kinds.items())
         print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W/B ms: {desc}")
         print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'aware ms':>10}{'measured ms':>13}{'deviation':>11}"
-              f"{'aware dev':>11}{'step spread':>13}{'busy dev':>10}")
+              f"{'aware dev':>11}{'step IQR':>10}{'+/- 90%':>9}{'busy dev':>10}{'preempt/step':>14}{'threads ms':>12}")
         for r in rows:
             devs = {key: (r["measured_ms"] - r[key]) / r[key] for key in worst}
             worst = {key: max(worst[key], abs(devs[key])) for key in worst}
             n += 1
-            spread = (max(r["steps_ms"]) - min(r["steps_ms"])) / r["measured_ms"]
+            spread = summarise(r["steps_ms"]).spread  # inter-quartile range over the median
             # the rank whose time inside its actions is furthest from the simulator's busy time (compute alone,
             # no waiting): where this is small and the deviation is not, the step lost its time between actions
             busy = max(((b - q) / q for b, q in zip(r["busy_ms"], r["predicted_busy_ms"]) if q > 0), key=abs)
             print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['aware_ms']:>10.1f}"
                   f"{r['measured_ms']:>13.1f}{100 * devs['predicted_ms']:>+10.1f}%{100 * devs['aware_ms']:>+10.1f}%"
-                  f"{100 * spread:>12.1f}%{100 * busy:>+9.1f}%")
+                  f"{100 * spread:>9.1f}%{100 * stat_interval(r['steps_ms'], args.stat):>8.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}"
+                  f"{statistics.fmean(r['other_threads_ms']):>12.1f}")
         print(f"  ranking by measured      : {' < '.join(ranking(rows, 'measured_ms'))}")
         for key, label in (("predicted_ms", "predicted"), ("aware_ms", "overhead-aware")):
             broken = order_broken(rows, key)
             kept[key] = kept[key] and not broken
-            said = "kept" if not broken else "broken: " + ", ".join(f"{a} < {b}" for a, b in broken)
+            said = "kept" if not broken else "broken: " + ", ".join(
+                f"{a} < {b} (measured so in {paired_wins(rows, a, b)} of {args.steps} rounds)" for a, b in broken)
             print(f"  ranking by {label:<14}: {' < '.join(ranking(rows, key))}  (pairs > {100 * APART:.0f}% apart "
                   f"{said})")
     load = os.getloadavg()

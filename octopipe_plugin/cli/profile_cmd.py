@@ -48,6 +48,9 @@ def add_parser(subparsers) -> None:
                    help="torch intra-op threads on CPU (default: torch's; part of the cache key, as it changes the "
                         "timings)")
     p.add_argument("--repeats", type=integer(1, 10_000), default=10, help="timed runs per layer (the median is kept)")
+    p.add_argument("--statistic", choices=("median", "p25"), default="median",
+                   help="figure kept of the timed runs: median, or p25 (the lower quartile, for a shared machine: "
+                        "other processes only add time to a run; the cache keeps both)")
     p.add_argument("--warmup", type=integer(0, 1000), default=2, help="untimed runs per layer first")
     p.add_argument("--cache-dir", help="profile cache directory (default: $OCTOPIPE_PROFILE_CACHE or "
                                        "~/.cache/octopipe/profiles)")
@@ -120,7 +123,8 @@ def run(args) -> int:
 
         builders, inputs, extra, impl = torch_builders(arch), None, (), "torch"
     settings = ProfileSettings(device=device, warmup=args.warmup, repeats=args.repeats, cache_dir=args.cache_dir,
-                               use_cache=not args.no_cache, progress=args.progress, versions_extra=extra)
+                               use_cache=not args.no_cache, progress=args.progress, versions_extra=extra,
+                               statistic=args.statistic)
     result = profile_arch(arch, builders, impl=impl, dtype=dtype, settings=settings, inputs=inputs)
     model = result.model
     if args.output:
@@ -130,7 +134,8 @@ def run(args) -> int:
         print(json.dumps(model_to_dict(model), indent=1))
         return 0
     info = model.meta["profile"]
-    print(f"profiled on {info['device']} ({impl} layers, {model.meta['dtype']}), median of {info['repeats']} "
+    stat = "lower quartile" if args.statistic == "p25" else "median"
+    print(f"profiled on {info['device']} ({impl} layers, {model.meta['dtype']}), {stat} of {info['repeats']} "
           f"runs after {info['warmup']} warm-up")
     print(format_table(model))
     st = result.stats

@@ -21,6 +21,7 @@ from .cache import ProfileCache, cache_key
 from .device import device_name, library_versions, resolve_device
 from .layer import ProfileLayer, module_signature, tensor_from_meta, tensor_meta
 from .measure import LayerProfile, measure_layer
+from .timing import STATISTICS
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,29 @@ class ProfileSettings:
     cache_dir: str | None = None
     use_cache: bool = True
     progress: bool | None = None  # None: a bar when stderr is a terminal
+    statistic: str = "median"  # which figure of the samples the layers get (timing.STATISTICS; the cache keeps all)
 
 
-def fused_ratio(prof: LayerProfile) -> float | None:
+def fused_ratio(prof: LayerProfile, statistic: str = "median") -> float | None:
     """The layer's measured fused backward B over its split halves I + W (medians), what the simulator charges B
     with (Layer.fused_ratio); None when the split halves took no time (nothing to scale).
 
     The executor's fused B runs one autograd pass where I + W run two plus the split's bookkeeping: on the 2-core
     CPU machine B came to 0.87-0.94 of I + W, profile and executor alike (benchmarks/action_costs.py).
     """
-    split = prof.bwd.median_ms + prof.wgrad.median_ms
-    if split <= 0 or prof.fused.median_ms <= 0:
+    split = prof.bwd.at(statistic) + prof.wgrad.at(statistic)
+    fused = prof.fused.at(statistic)
+    if split <= 0 or fused <= 0:
         return None
-    return min(prof.fused.median_ms / split, L.MAX_FUSED_RATIO)
+    return min(fused / split, L.MAX_FUSED_RATIO)
+
+
+def profiled_layer(name: str, kind: str, prof: LayerProfile, statistic: str = "median") -> Layer:
+    """The model's Layer from one layer's profile, every time taken by the same `statistic` (timing.STATISTICS)."""
+    return Layer(name=name, kind=kind, fwd_ms=prof.fwd.at(statistic), bwd_ms=prof.bwd.at(statistic),
+                 wgrad_ms=prof.wgrad.at(statistic), state_bytes=prof.state_bytes,
+                 activation_bytes=prof.activation_bytes, output_bytes=prof.output_bytes, source="measured",
+                 fused_ratio=fused_ratio(prof, statistic))
 
 
 def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
@@ -77,6 +88,8 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
     s = settings or ProfileSettings()
     if s.repeats < 1 or s.warmup < 0:
         raise OctoPipeError(f"profile: repeats must be >= 1 and warmup >= 0, got {s.repeats} and {s.warmup}")
+    if s.statistic not in STATISTICS:
+        raise OctoPipeError(f"profile: statistic must be one of {', '.join(STATISTICS)}, got {s.statistic!r}")
     if not layers:
         raise OctoPipeError("profile: no layers to profile")
     device = resolve_device(s.device)
@@ -135,12 +148,9 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
             bar.update(1)
     finally:
         bar.close()
-    model_layers = tuple(
-        Layer(name=l.name, kind=l.kind, fwd_ms=p.fwd.median_ms, bwd_ms=p.bwd.median_ms, wgrad_ms=p.wgrad.median_ms,
-              state_bytes=p.state_bytes, activation_bytes=p.activation_bytes, output_bytes=p.output_bytes,
-              source="measured", fused_ratio=fused_ratio(p))
-        for l, p in zip(layers, profiles))
+    model_layers = tuple(profiled_layer(l.name, l.kind, p, s.statistic) for l, p in zip(layers, profiles))
     info = {"device": dev_name, "device_type": device.type, "warmup": s.warmup, "repeats": s.repeats,
+            "statistic": s.statistic,
             "parallel": parallel, "versions": versions, "layers": records}
     model = Model(name=name, layers=model_layers, meta={"cost_model": "measured", **(meta or {}), "profile": info})
     stats = ProfileStats(layers=len(layers), distinct=len(memo), measured=measured, cache_hits=hits)

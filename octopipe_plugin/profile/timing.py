@@ -10,6 +10,14 @@ from typing import Callable
 import torch
 
 
+# Which figure of a phase's samples a profile charges. "median" (the default) is the typical call; "p25", the
+# lower quartile, is for a shared machine: other processes and the hypervisor only ever add time to a sample, so
+# the low quantile of interleaved samples estimates the undisturbed call and leaves out the preempted ones, while
+# a quartile (unlike the minimum) stays steady over a dozen samples. A run compared with such a profile must
+# take its own step times by the same statistic (benchmarks/fidelity.py does).
+STATISTICS = ("median", "p25")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Timing:
     """Summary of repeated measurements of one phase (milliseconds)."""
@@ -18,6 +26,14 @@ class Timing:
     p25_ms: float
     p75_ms: float
     samples: int
+
+    def at(self, statistic: str) -> float:
+        """The figure `statistic` names (STATISTICS): the median, or the lower quartile."""
+        if statistic == "median":
+            return self.median_ms
+        if statistic == "p25":
+            return self.p25_ms
+        raise ValueError(f"timing statistic: expected one of {', '.join(STATISTICS)}, got {statistic!r}")
 
     @property
     def spread(self) -> float:

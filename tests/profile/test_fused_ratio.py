@@ -48,3 +48,36 @@ def test_profiled_layers_charge_b_at_their_own_measured_figure(tmp_path):
                                                             cache_dir=str(tmp_path)))
     assert again.stats.cache_hits >= 1
     assert [l.fused_ratio for l in again.model.layers] == [l.fused_ratio for l in res.model.layers]
+
+
+def test_timing_at_names_the_median_or_the_lower_quartile():
+    t = Timing(median_ms=2.0, p25_ms=1.5, p75_ms=3.0, samples=8)
+    assert t.at("median") == 2.0 and t.at("p25") == 1.5
+    with pytest.raises(ValueError, match="median, p25"):
+        t.at("mean")
+
+
+def test_profile_statistic_p25_charges_every_phase_and_b_at_the_lower_quartile(tmp_path):
+    torch.manual_seed(0)
+    layers = [ProfileLayer(name="l0", kind="mlp", build=lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                                                                              nn.Linear(64, 32)),
+                           example_input=lambda dev: torch.randn(4, 16, 32, device=dev))]
+    res = profile_layers(layers, settings=ProfileSettings(device="cpu", warmup=1, repeats=5, cache_dir=str(tmp_path),
+                                                          statistic="p25"))
+    layer, prof = res.model.layers[0], res.profiles[0]
+    assert (layer.fwd_ms, layer.bwd_ms, layer.wgrad_ms) == (prof.fwd.p25_ms, prof.bwd.p25_ms, prof.wgrad.p25_ms)
+    assert layer.fused_ratio == pytest.approx(prof.fused.p25_ms / (prof.bwd.p25_ms + prof.wgrad.p25_ms))
+    assert res.model.meta["profile"]["statistic"] == "p25"
+    # the cache keeps every quantile: the median profile of the same layer reads it back, nothing measured again
+    again = profile_layers(layers, settings=ProfileSettings(device="cpu", warmup=1, repeats=5,
+                                                            cache_dir=str(tmp_path)))
+    assert again.stats.cache_hits == 1 and again.model.layers[0].fwd_ms == prof.fwd.median_ms
+
+
+def test_profile_refuses_an_unknown_statistic():
+    from octopipe_plugin.errors import OctoPipeError
+
+    layers = [ProfileLayer(name="l0", kind="mlp", build=lambda: nn.Linear(4, 4),
+                           example_input=lambda dev: torch.randn(2, 4, device=dev))]
+    with pytest.raises(OctoPipeError, match="statistic must be one of median, p25"):
+        profile_layers(layers, settings=ProfileSettings(device="cpu", use_cache=False, statistic="min"))

@@ -74,6 +74,13 @@ def test_cli_profile_writes_a_model_that_simulates_and_plans(tmp_path, capsys):
     assert main(["profile", "llama3-8b", "--seq-len", "32", *sets, "--repeats", "2", "--warmup", "0",
                  "--device", "cpu"]) == 0
     assert "measured 0, from cache 3" in capsys.readouterr().out
+    # the lower quartile from the same cached records: nothing measured again, no layer dearer than its median
+    low = tmp_path / "low.json"
+    assert main(["profile", "llama3-8b", "--seq-len", "32", *sets, "--repeats", "2", "--warmup", "0",
+                 "--device", "cpu", "--statistic", "p25", "-o", str(low)]) == 0
+    assert "lower quartile of 2 runs" in capsys.readouterr().out
+    for a, b in zip(read_model(low).layers, read_model(out).layers):
+        assert a.fwd_ms <= b.fwd_ms and a.bwd_ms <= b.bwd_ms and a.wgrad_ms <= b.wgrad_ms
     assert main(["simulate", "--model", str(out), "--cluster", "h100x2", "--schedule", "zb-v", "--devices", "2",
                  "--microbatches", "4"]) == 0
     assert main(["plan", "--model", str(out), "--cluster", "h100x2", "--microbatches", "4", "--iterations", "20",
