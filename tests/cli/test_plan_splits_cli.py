@@ -79,7 +79,8 @@ def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, 
     """--megatron-args --splits auto: the split-aware tune under the launch's constraints; the written plan is one
     the launch's Megatron run takes (adapters/megatron/startup.split_refusal), else the plan without splits with
     the reason on the split line; a tied head (Megatron's default) is split like an untied one. At
-    --tensor-model-parallel-size 2 the head's split is kept (a split head runs under tensor parallelism)."""
+    --tensor-model-parallel-size 2 the head's split is kept (a split head runs under tensor parallelism) and no
+    embedding split is tried (it runs at TP=1 only)."""
     from types import SimpleNamespace
 
     from octopipe_plugin.adapters.megatron.startup import split_refusal
@@ -115,6 +116,8 @@ def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, 
         head = [sp for sp in plan.splits if sp.layer == plan.stages[-1].end - 1]
         assert head and all(sp.layer in (0, plan.stages[-1].end - 1) for sp in plan.splits), line
         assert plan.stages[-1].device in head[0].devices
+        if tp > 1:  # a split embedding runs at TP=1 only: the tune proposes none (startup.run_splits)
+            assert all(sp.layer != 0 for sp in plan.splits), line
 
 
 def test_auto_on_a_model_without_a_head_says_so_and_keeps_the_plain_table(tmp_path, capsys):

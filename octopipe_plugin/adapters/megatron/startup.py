@@ -95,12 +95,14 @@ def split_refusal(args, plan) -> str | None:
 
 def run_splits(args) -> dict:
     """The Constraints fields of what a Megatron run of `args` runs of a split plan: FRAMEWORK_SPLITS' Megatron
-    entry, without the split embedding when the embedding is tied to the head (tied_embedding_split_problem)."""
+    entry, without the split embedding where split_refusal would refuse one (a tied embedding, TP > 1), so the
+    tuner keeps the head's split instead of proposing a plan the run refuses."""
     from ...tuner.constraints import framework_splits
 
     fields = dict(framework_splits("megatron"))
-    if not getattr(args, "untie_embeddings_and_output_weights", False):
-        fields["split_embedding"] = False  # the head's split is tied to the embedding; a split embedding is not
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    if tied or int(getattr(args, "tensor_model_parallel_size", 1) or 1) > 1:
+        fields["split_embedding"] = False  # tied_embedding_split_problem / split_problem's TP=1 rule
     return fields
 
 
