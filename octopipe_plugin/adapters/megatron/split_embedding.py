@@ -57,11 +57,7 @@ class EmbeddingShard(HeadShard):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, key=KEY, extra_state=False, **kwargs)
-        self.fed: torch.Tensor | None = None
-        # what LanguageModule.setup_embeddings_and_output_layer marks on the word embedding (decoupled LR, Muon)
-        self.weight.is_embedding_or_output_parameter = True
-        if getattr(config, "use_mup", False):
-            self.weight.is_embedding_parameter = True
+        self.fed: torch.Tensor | None = None  # (HeadShard marks the weight as Megatron marks the word embedding's)
 
     def forward(self, input_ids: torch.Tensor, *unused, **unused_kw):
         """The fed partials (stage 0's rank); no other rank calls its shard."""

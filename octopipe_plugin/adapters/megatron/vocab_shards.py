@@ -105,6 +105,12 @@ class HeadShard(torch.nn.Module):
         self.weight.partition_dim = 0
         self.weight.partition_stride = 1
         self.weight.allreduce = True
+        # what LanguageModule.setup_embeddings_and_output_layer marks on the output layer's (and the word
+        # embedding's) weight: --decoupled-lr, Muon's and MuP's optimizer groups read it, so a shard's rows train
+        # in the unsplit run's parameter group
+        self.weight.is_embedding_or_output_parameter = True
+        if getattr(config, "use_mup", False):
+            self.weight.is_embedding_parameter = True
         # ColumnParallelLinear's hook: state dicts without `_extra_state` still load
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
