@@ -193,6 +193,13 @@ def all_weights(reports) -> dict:
     return merged
 
 
+def assert_same_weights(ours: dict, theirs: dict, atol: float = 1e-5) -> None:
+    """Every weight of `theirs` ({layer: {name: tensor}}) equal in `ours` at `atol` (absolute and relative)."""
+    for idx in theirs:
+        for k in theirs[idx]:
+            torch.testing.assert_close(ours[idx][k], theirs[idx][k], atol=atol, rtol=atol, msg=f"layer {idx}: {k}")
+
+
 def tied_weights(reports) -> dict:
     """Weights of a tied-model run (copies identical), every head shard checked equal to its rows of the tied weight."""
     merged = H.merged_weights(reports)

@@ -100,9 +100,7 @@ def _same_run(ours, stock, atol=1e-5):
         assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=atol, abs=atol)
     wa, wb = S.all_weights(ours), S.all_weights(stock)
     assert sorted(wa, key=int) == [str(i) for i in range(S.NUM_LAYERS)] == sorted(wb, key=int)
-    for idx in wb:
-        for k in wb[idx]:
-            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=atol, rtol=atol)
+    S.assert_same_weights(wa, wb, atol=atol)
 
 
 @pytest.mark.timeout(900)
@@ -201,9 +199,7 @@ def _same_tied_run(ours, stock):
             torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5, msg=f"step {step}: {name}")
     wa, wb = S.tied_weights(ours), S.tied_weights(stock)
     assert sorted(wa) == sorted(wb)
-    for idx in wb:
-        for k in wb[idx]:
-            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-5, rtol=1e-5)
+    S.assert_same_weights(wa, wb, atol=1e-5)
 
 
 @pytest.mark.timeout(60)

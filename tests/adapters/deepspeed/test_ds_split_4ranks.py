@@ -52,9 +52,7 @@ def _same_run(ours, stock):
     for rep in ours:  # every rank returns the mean over micro-batches and replicas
         assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5, abs=1e-5)
     wa, wb = S.all_weights(ours), S.all_weights(stock)  # data-parallel copies of each shard identical
-    for idx in wb:
-        for k in wb[idx]:
-            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-5, rtol=1e-5)
+    S.assert_same_weights(wa, wb, atol=1e-5)
 
 
 @pytest.mark.timeout(1500)
@@ -76,9 +74,7 @@ def _same_tied_run(ours, stock):
         assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5, abs=1e-5)
     wa, wb = S.tied_weights(ours), S.tied_weights(stock)  # every shard equal to its rows of the tied weight
     assert sorted(wa) == sorted(wb)
-    for idx in wb:
-        for k in wb[idx]:
-            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=1e-5, rtol=1e-5)
+    S.assert_same_weights(wa, wb, atol=1e-5)
 
 
 @pytest.mark.timeout(60)
