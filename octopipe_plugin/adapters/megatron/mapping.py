@@ -229,13 +229,27 @@ def embedding_split(plan):
     return next((sp for sp in plan.splits if side_of(sp, n) == "input"), None)
 
 
+def embedding_split_blocker(*, mtp_layers: int = 0, tp_size: int = 1, tied: bool = False) -> str | None:
+    """Why a Megatron run with these settings cannot split its input embedding (reason and fix), or None: the one
+    rule behind split_problem, tied_embedding_split_problem and what `--splits auto` tunes (startup.run_splits)."""
+    if mtp_layers:
+        return (f"--mtp-num-layers {mtp_layers} with a split embedding is not supported (MTP looks up the word "
+                f"embedding); drop the embedding's split or MTP")
+    if tp_size > 1:
+        return (f"tensor parallelism (size {tp_size}) with a split embedding is not supported yet; split the "
+                f"embedding at --tensor-model-parallel-size 1")
+    if tied:
+        return ("a split embedding tied to the LM head is not supported; pass --untie-embeddings-and-output-weights "
+                "or drop the embedding's split")
+    return None
+
+
 def tied_embedding_split_problem(plan) -> str | None:
     """Why a model whose embedding is tied to its LM head cannot run the plan's split embedding, or None."""
     sp = embedding_split(plan)
     if sp is None:
         return None
-    return (f"plan splits[{plan.splits.index(sp)}] (layer {sp.layer}): a split embedding tied to the LM head is not "
-            f"supported; pass --untie-embeddings-and-output-weights or drop the embedding's split")
+    return f"plan splits[{plan.splits.index(sp)}] (layer {sp.layer}): {embedding_split_blocker(tied=True)}"
 
 
 def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
@@ -251,12 +265,9 @@ def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
     for i, sp in enumerate(plan.splits):
         where = f"plan splits[{i}] (layer {sp.layer})"
         if side_of(sp, n) == "input":  # split_embedding.py: stage 0's rank need not hold a shard
-            if mtp_layers:
-                return (f"{where}: --mtp-num-layers {mtp_layers} with a split embedding is not supported (MTP looks "
-                        f"up the word embedding); drop the embedding's split or MTP")
-            if tp_size > 1:
-                return (f"{where}: tensor parallelism (size {tp_size}) with a split embedding is not supported yet; "
-                        f"split the embedding at --tensor-model-parallel-size 1")
+            blocker = embedding_split_blocker(mtp_layers=mtp_layers, tp_size=tp_size)
+            if blocker is not None:
+                return f"{where}: {blocker}"
             continue
         if owner not in sp.devices:
             return (f"{where}: devices {list(sp.devices)} must include device {owner}, the LM head's owner (the last "

@@ -31,7 +31,8 @@ from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
-from .mapping import head_split, is_looped, split_problem, stage_layout_args, tied_embedding_split_problem
+from .mapping import (embedding_split_blocker, head_split, is_looped, split_problem, stage_layout_args,
+                      tied_embedding_split_problem)
 from .pretrain_hooks import MODEL_HOOKS
 from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
@@ -95,14 +96,15 @@ def split_refusal(args, plan) -> str | None:
 
 def run_splits(args) -> dict:
     """The Constraints fields of what a Megatron run of `args` runs of a split plan: FRAMEWORK_SPLITS' Megatron
-    entry, without the split embedding where split_refusal would refuse one (a tied embedding, TP > 1), so the
-    tuner keeps the head's split instead of proposing a plan the run refuses."""
+    entry, without the split embedding where split_refusal would refuse one (mapping.embedding_split_blocker: a
+    tied embedding, TP > 1, MTP), so the tuner keeps the head's split instead of proposing a plan the run refuses."""
     from ...tuner.constraints import framework_splits
 
     fields = dict(framework_splits("megatron"))
-    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    if tied or int(getattr(args, "tensor_model_parallel_size", 1) or 1) > 1:
-        fields["split_embedding"] = False  # tied_embedding_split_problem / split_problem's TP=1 rule
+    if embedding_split_blocker(mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
+                               tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+                               tied=not getattr(args, "untie_embeddings_and_output_weights", False)) is not None:
+        fields["split_embedding"] = False
     return fields
 
 
