@@ -106,6 +106,15 @@ def test_bad_launch_arguments_get_megatrons_own_error_in_one_line(capsys, launch
     assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_tensor_parallel_launch_on_a_machine_without_a_gpu_names_megatrons_question_and_the_fix(capsys):
+    """At TP > 1 validate_args asks the GPU's architecture: without one, the error says who asked and what to do."""
+    err = _plan(capsys, RUN + ["--tensor-model-parallel-size", "2"], "--cluster", "h100x4", expect=2)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "Megatron's validate_args: Torch not compiled with CUDA enabled" in err
+    assert "get_device_arch_version" in err and "run `octopipe plan` on a node that sees a GPU" in err
+
+
 def test_cluster_must_have_one_device_per_pipeline_rank(capsys):
     rc = main(["plan", "--cluster", "h100x8", "--no-progress", "--megatron-args", " ".join(RUN)])
     assert rc == 2 and "one device per pipeline rank (e.g. h100x2)" in capsys.readouterr().err

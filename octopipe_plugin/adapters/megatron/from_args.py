@@ -102,7 +102,7 @@ def parse_launch(argv: list[str], world_size: int | None = None):
         raise OctoPipeError(f"--megatron-args: Megatron's parser: {lines[-1] if lines else 'refused them'}") from None
     except (AssertionError, ValueError, TypeError, RuntimeError) as exc:
         text = " ".join(str(exc).split()) or type(exc).__name__
-        raise OctoPipeError(f"--megatron-args: Megatron's validate_args: {text}") from None
+        raise OctoPipeError(f"--megatron-args: Megatron's validate_args: {text}{_no_gpu_hint(exc)}") from None
     finally:
         sys.argv = saved[0]
         for k, v in saved[1].items():
@@ -112,6 +112,22 @@ def parse_launch(argv: list[str], world_size: int | None = None):
                 os.environ[k] = v
     args.octopipe_raw_layout = raw["layout"]
     return args
+
+
+def _no_gpu_hint(exc: BaseException) -> str:
+    """Where validate_args asked this machine's GPU and there is none (at TP or CP > 1 it reads the device's
+    architecture), the Megatron function that asked and the fix; else nothing."""
+    import traceback
+
+    import torch
+
+    if torch.cuda.is_available() or "CUDA" not in str(exc):
+        return ""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}megatron{os.sep}" in f.filename]
+    where = f" ({frames[-1].name}, {frames[-1].filename.rsplit(os.sep + 'megatron' + os.sep, 1)[-1]}:" \
+            f"{frames[-1].lineno})" if frames else ""
+    return (f"; Megatron's validation asks this machine's GPU{where} and this machine has none: run `octopipe plan` "
+            f"on a node that sees a GPU, in the launch's environment (CUDA_DEVICE_MAX_CONNECTIONS as it sets it)")
 
 
 def model_name(args) -> str:
