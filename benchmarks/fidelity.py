@@ -156,9 +156,15 @@ def _mean_model(models):
     first = models[0]
     layers = tuple(dataclasses.replace(
         ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")},
-        fused_ratio=_mean_ratio(ls))
+        fused_ratio=_mean_ratio(ls), walk_ms_per_node=_mean_walk(ls))
         for ls in zip(*(m.layers for m in models)))
     return dataclasses.replace(first, layers=layers)
+
+
+def _mean_walk(layers) -> float | None:
+    """The mean W walk cost per node below of one layer's profiles (None where none measured it)."""
+    got = [l.walk_ms_per_node for l in layers if l.walk_ms_per_node is not None]
+    return statistics.fmean(got) if got else None
 
 
 def _mean_ratio(layers) -> float | None:
@@ -216,7 +222,8 @@ class RoundProfile:
         """One round's samples of every distinct layer (kept when `keep`, else a warm-up)."""
         for _ in range(self.n):
             for k, (mod, x) in self.kinds.items():  # round-robin over the kinds, as a stage runs its layers
-                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=1)
+                # W's walk per node below is the first profile's (a difference of medians: one sample is noise)
+                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=1, walk_nodes=0)
                 if keep:
                     self.first.setdefault(k, prof)
                     for f in _PHASES:
@@ -228,7 +235,8 @@ class RoundProfile:
                for k in self.first}
         layers = tuple(dataclasses.replace(profiled_layer(l.name, l.kind, got[l.kind], statistic),
                                            state_bytes=l.state_bytes, activation_bytes=l.activation_bytes,
-                                           output_bytes=l.output_bytes)
+                                           output_bytes=l.output_bytes, graph_nodes=l.graph_nodes,
+                                           walk_ms_per_node=l.walk_ms_per_node)
                        if l.kind in got else l for l in base.layers)
         return dataclasses.replace(base, layers=layers)
 

@@ -36,6 +36,11 @@ class Layer:
     # bookkeeping make I + W dearer than B); None: B costs bwd_ms + wgrad_ms. A ratio, so scaling the layer's
     # times keeps B's share (simulator/costs.py `stage_costs` is the rule that reads it).
     fused_ratio: float | None = None
+    # Autograd nodes the layer's forward records, and the split W's extra ms per such node of the layers below it
+    # in its stage (W walks the retained graph once per parameter group, each walk traversing everything below:
+    # profile/measure.py). Both given: simulator/costs.py `stage_costs` charges the walk; None: no such charge.
+    graph_nodes: int | None = None
+    walk_ms_per_node: float | None = None
 
     @property
     def total_ms(self) -> float:
@@ -89,6 +94,8 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
         source = field(raw, "source", src, path, str, default=None)
         fused_ratio = field(raw, "fused_ratio", src, path, float, positive=True, maximum=L.MAX_FUSED_RATIO,
                             default=None)
+        nodes = field(raw, "graph_nodes", src, path, int, minimum=0, maximum=L.MAX_GRAPH_NODES, default=None)
+        walk = field(raw, "walk_ms_per_node", src, path, float, minimum=0, maximum=L.MAX_LAYER_MS, default=None)
         if source is not None and source not in SOURCES:
             raise FormatError(src, f"{path}.source", " or ".join(repr(x) for x in SOURCES), source)
         layers.append(
@@ -98,6 +105,8 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
                 recompute_activation_bytes=rec,
                 source=source,
                 fused_ratio=fused_ratio,
+                graph_nodes=nodes,
+                walk_ms_per_node=walk,
                 **costs,
                 **sizes,
             )
@@ -143,7 +152,7 @@ def model_to_dict(model: Model) -> dict:
     layers = []
     for layer in model.layers:
         d = asdict(layer)
-        for optional in ("recompute_activation_bytes", "source", "fused_ratio"):
+        for optional in ("recompute_activation_bytes", "source", "fused_ratio", "graph_nodes", "walk_ms_per_node"):
             if d[optional] is None:
                 del d[optional]
         layers.append(d)

@@ -18,7 +18,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "OCTOPIPE_PROFILE_CACHE"
-KEY_VERSION = 4  # bump when the measurement method changes: old records then miss (4: Megatron I/W split)
+# bump when the measurement method changes: old records then miss (4: Megatron I/W split; 5: W's graph walk,
+# graph_nodes and walk_ms_per_node)
+KEY_VERSION = 5
 
 
 def default_cache_dir() -> Path:

@@ -22,6 +22,8 @@ from ..executor.split_backward import accumulate_grad, backward_input, backward_
 from .layer import tensor_meta
 from .timing import Timer, Timing, summarise
 
+WALK_NODES = 1000  # alias nodes under the layer when timing W's walk: enough that their cost stands above the noise
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerProfile:
@@ -40,11 +42,14 @@ class LayerProfile:
     allocated_bytes: int | None = None  # CUDA allocator growth over the forward (output included), GPU only
     # median over repeats of (I + W) / B, each repeat's three taken back to back: how well the split adds up
     split_ratio: float | None = None
+    graph_nodes: int | None = None  # autograd nodes the forward adds (float input only)
+    walk_ms_per_node: float | None = None  # W's extra ms per graph node below the layer (see the module doc)
 
     def to_dict(self) -> dict:
         """JSON form (the cache's record)."""
         d = {k: getattr(self, k) for k in ("activation_bytes", "output_bytes", "params", "state_bytes", "input",
-                                           "output", "allocated_bytes", "split_ratio")}
+                                           "output", "allocated_bytes", "split_ratio", "graph_nodes",
+                                           "walk_ms_per_node")}
         d.update({k: getattr(self, k).to_dict() for k in ("fwd", "bwd", "wgrad", "fused")})
         return d
 
@@ -55,7 +60,8 @@ class LayerProfile:
         return LayerProfile(**times, activation_bytes=int(d["activation_bytes"]), output_bytes=int(d["output_bytes"]),
                             params=int(d["params"]), state_bytes=int(d["state_bytes"]), input=d["input"],
                             output=d["output"], allocated_bytes=d.get("allocated_bytes"),
-                            split_ratio=d.get("split_ratio"))
+                            split_ratio=d.get("split_ratio"), graph_nodes=d.get("graph_nodes"),
+                            walk_ms_per_node=d.get("walk_ms_per_node"))
 
 
 def _fused_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None, params: list,
@@ -90,11 +96,34 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     return sum(seen.values()), out
 
 
+def graph_nodes(out: torch.Tensor, x: torch.Tensor) -> int:
+    """Autograd nodes between `out` and the leaf input `x` (the parameters' accumulators included, `x`'s not):
+    what a W walk that starts above this layer traverses."""
+    stop = _node_of(x)
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node is stop:
+            continue
+        seen.add(node)
+        todo.extend(edge for edge, _ in node.next_functions)
+    return len(seen)
+
+
+def _node_of(x: torch.Tensor):
+    """The node a leaf's gradient flows into (its AccumulateGrad), None for a tensor without one."""
+    if not x.requires_grad:
+        return None
+    return x.grad_fn if x.grad_fn is not None else x.view_as(x).grad_fn.next_functions[0][0]
+
+
 def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, warmup: int = 2,
-                  repeats: int = 10, dp: int = 1, grad_sink: str = "autograd") -> LayerProfile:
+                  repeats: int = 10, dp: int = 1, grad_sink: str = "autograd",
+                  walk_nodes: int = WALK_NODES) -> LayerProfile:
     """Profile `module` on input `x`: medians over `repeats` after `warmup` untimed runs.
 
     `grad_sink` is TorchStages' (its default 'autograd': weight gradients through AccumulateGrad).
+    `walk_nodes` > 0 times W's walk over that many nodes below the layer too (`walk_ms_per_node`); 0 skips it.
     """
     module = module.to(device).train()
     x = x.to(device)
@@ -119,20 +148,38 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
         tw = timer.timed(lambda: run_weight(work, grad_sink))[1] if params else 0.0
         return tf, ti, tw
 
+    def walk_sample() -> float:
+        """W with `walk_nodes` alias nodes (views: no memory, no arithmetic) between the input and the layer."""
+        xi = fresh()
+        h = xi
+        for _ in range(walk_nodes):
+            h = h.view_as(h)
+        out = module(h)
+        _, work = run_input([out], [torch.ones_like(out)], [xi], params)
+        return timer.timed(lambda: run_weight(work, grad_sink))[1]
+
+    walks = walk_nodes > 0 and float_in and bool(params)
+
     def fused_sample() -> float:
         xi = fresh()
         out = module(xi)
         g = torch.ones_like(out)
         return timer.timed(lambda: _fused_backward(out, g, xi if float_in else None, params, grad_sink))[1]
 
-    f, i, w, b, ratios = [], [], [], [], []
+    f, i, w, b, ratios, chained = [], [], [], [], [], []
     for r in range(warmup + repeats):
         tf, ti, tw = split_sample()
         tb = fused_sample()
+        # the walk on about a third of the repeats, spread over them (the figure is a difference of medians)
+        tc = walk_sample() if walks and r >= warmup and (r - warmup) % max(1, repeats // 3) == 0 else None
         if r >= warmup:
             f.append(tf), i.append(ti), w.append(tw), b.append(tb)
+            if tc is not None:
+                chained.append(tc)
             if tb > 0:
                 ratios.append((ti + tw) / tb)
+    xn = fresh()
+    nodes = graph_nodes(module(xn), xn) if float_in else None
     act, out = _activation(module, fresh(), device)
     allocated = _allocated(module, fresh(), device)
     for p in params:
@@ -143,7 +190,10 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
                         fused=summarise(b), activation_bytes=act, output_bytes=out.numel() * out.element_size(),
                         params=n, state_bytes=int(state), input=tensor_meta(x), output=tensor_meta(out),
                         allocated_bytes=allocated,
-                        split_ratio=statistics.median(ratios) if ratios else None)
+                        split_ratio=statistics.median(ratios) if ratios else None, graph_nodes=nodes,
+                        # medians of interleaved samples; a walk cheaper than noise reads as none
+                        walk_ms_per_node=max(0.0, (statistics.median(chained) - statistics.median(w)) / walk_nodes)
+                        if walks else None)
 
 
 def _activation(module: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[int, torch.Tensor]:

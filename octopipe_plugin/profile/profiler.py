@@ -79,7 +79,8 @@ def profiled_layer(name: str, kind: str, prof: LayerProfile, statistic: str = "m
     return Layer(name=name, kind=kind, fwd_ms=prof.fwd.at(statistic), bwd_ms=prof.bwd.at(statistic),
                  wgrad_ms=prof.wgrad.at(statistic), state_bytes=prof.state_bytes,
                  activation_bytes=prof.activation_bytes, output_bytes=prof.output_bytes, source="measured",
-                 fused_ratio=fused_ratio(prof, statistic))
+                 fused_ratio=fused_ratio(prof, statistic), graph_nodes=prof.graph_nodes,
+                 walk_ms_per_node=prof.walk_ms_per_node)
 
 
 def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
@@ -141,6 +142,7 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
             profiles.append(prof)
             records.append({"signature": signature, "key": key[:16], "cache": how,
                             "fused_bwd_ms": prof.fused.median_ms, "split_ratio": prof.split_ratio,
+                            "graph_nodes": prof.graph_nodes, "walk_ms_per_node": prof.walk_ms_per_node,
                             "input": prof.input, "params": prof.params,
                             "spread": {"fwd": round(prof.fwd.spread, 4), "bwd": round(prof.bwd.spread, 4),
                                        "wgrad": round(prof.wgrad.spread, 4)}})

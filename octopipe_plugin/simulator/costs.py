@@ -72,12 +72,13 @@ def stage_costs(model, stages) -> StageCosts:
     cut = _cut_bytes(model)
     fwd, bwd, wgrad, act, out, state = [], [], [], [], [], []
     measured_b = any(l.fused_ratio is not None for l in layers)
-    fused = []
+    fused, walks = [], []
     for st in stages:
         chunk = layers[st.start:st.end]
         fwd.append(sum(l.fwd_ms for l in chunk))
         bwd.append(sum(l.bwd_ms for l in chunk))
-        wgrad.append(sum(l.wgrad_ms for l in chunk))
+        walks.append(walk_ms(chunk))  # W only: a fused B is one walk
+        wgrad.append(sum(l.wgrad_ms for l in chunk) + walks[-1])
         # B as measured where a layer measured it (the executor's fused backward is cheaper than its I + W)
         fused.append(sum((l.bwd_ms + l.wgrad_ms) * (l.fused_ratio if l.fused_ratio is not None else 1.0)
                          for l in chunk))
@@ -89,7 +90,19 @@ def stage_costs(model, stages) -> StageCosts:
             last = st.end - 1 if st.end > st.start else st.start - 1
             out.append(layers[last].output_bytes if last >= 0 else 0)
     return StageCosts(tuple(fwd), tuple(bwd), tuple(wgrad), tuple(act), tuple(out), tuple(state),
-                      fused=tuple(fused) if measured_b else None)
+                      fused=tuple(fused) if measured_b or any(walks) else None)
+
+
+def walk_ms(chunk) -> float:
+    """The split W's graph walks over one stage's layers (ms): each layer's `walk_ms_per_node` times the
+    `graph_nodes` of the stage's layers below it (its walks traverse them; a stage's input is cut from the
+    producer's graph, so nothing below the stage counts). Layers without the figures add nothing."""
+    total, below = 0.0, 0
+    for l in chunk:
+        if l.walk_ms_per_node is not None:
+            total += l.walk_ms_per_node * below
+        below += l.graph_nodes or 0
+    return total
 
 
 def _cut_bytes(model) -> list[int] | None:

@@ -54,6 +54,11 @@ def test_profiled_model_plans_and_simulates(profiled, schedule):
                 "B": lambda l: (l.bwd_ms + l.wgrad_ms) * (l.fused_ratio if l.fused_ratio is not None else 1.0)}
     busy = sum(per_kind[a.kind.value](l) for row in plan.schedule for a in row
                for l in model.layers[plan.stages[a.stage].start:plan.stages[a.stage].end])
+    # and W its walks over the stage's graph: each layer's cost per node times the nodes of the layers below it
+    busy += sum(l.walk_ms_per_node * sum(b.graph_nodes or 0 for b in layers[:j])
+                for row in plan.schedule for a in row if a.kind.value == "W"
+                for layers in [model.layers[plan.stages[a.stage].start:plan.stages[a.stage].end]]
+                for j, l in enumerate(layers) if l.walk_ms_per_node is not None)
     assert all(l.fused_ratio is not None for l in model.layers)  # the profiler measured B of every layer
     assert res.step_time_ms >= busy / 2 and sum(res.busy_ms) == pytest.approx(busy)
 
