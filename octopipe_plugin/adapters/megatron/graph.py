@@ -29,8 +29,10 @@ HYBRID_KINDS = {"M": ("mamba", "mamba"), "*": ("attention", "attention"), "-": (
                 "E": ("moe", "moe_mlp")}
 COST_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms", "state_bytes", "activation_bytes", "output_bytes",
                "recompute_activation_bytes")
-# what a measurement may give on top: the fused B over I + W (Layer.fused_ratio; the analytic model has none)
-MEASURED_FIELDS = (*COST_FIELDS, "fused_ratio")
+# what a measurement may give on top (the analytic model has none): the fused B over I + W (Layer.fused_ratio),
+# and the split W's graph walk (Layer.graph_nodes, Layer.walk_ms_per_node: simulator/costs.py walk_ms)
+WALK_FIELDS = ("graph_nodes", "walk_ms_per_node")
+MEASURED_FIELDS = (*COST_FIELDS, "fused_ratio", *WALK_FIELDS)
 # Megatron argument name -> TransformerConfig attribute where the two differ.
 _ALIASES = {"num_experts": "num_moe_experts", "swiglu": "gated_linear_unit"}
 

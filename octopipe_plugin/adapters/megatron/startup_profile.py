@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from ...errors import OctoPipeError
-from .graph import COST_FIELDS, arch_from_megatron, layer_specs
+from .graph import COST_FIELDS, WALK_FIELDS, arch_from_megatron, layer_specs
 from .te import TE_KINDS, te_backward
 
 log = logging.getLogger("octopipe.megatron")
@@ -67,16 +67,18 @@ def profiled_costs(args, *, name: str = "megatron") -> dict[str, dict[str, float
 
 
 def kind_costs(layer, record: dict | None, *, fused: bool) -> dict[str, float]:
-    """The cost fields a profiled Layer hands the graph for its kind, its measured fused_ratio with them.
+    """The cost fields a profiled Layer hands the graph for its kind, its measured fused_ratio and W's graph walk
+    (graph_nodes, walk_ms_per_node) with them.
 
     `fused` (TE layers running fused B): a TE kind's B is its measured fused backward itself (wgrad 0), so
-    no ratio is carried on top of it.
+    no ratio is carried on top of it, nor a W walk (a fused B is one walk).
     """
     fields = {f: getattr(layer, f) for f in COST_FIELDS}
     if fused and layer.kind in TE_KINDS and (record or {}).get("fused_bwd_ms") is not None:
         return {**fields, "bwd_ms": float(record["fused_bwd_ms"]), "wgrad_ms": 0.0}
     if layer.fused_ratio is not None:  # B = (I + W) x ratio in the simulator (simulator/costs.py)
         fields["fused_ratio"] = layer.fused_ratio
+    fields.update({f: getattr(layer, f) for f in WALK_FIELDS if getattr(layer, f) is not None})
     return fields
 
 

@@ -68,6 +68,26 @@ def test_the_measured_fused_ratio_reaches_the_graph_unless_te_runs_fused_b():
     assert {l.fused_ratio for l in model.layers if l.kind != "dense"} == {None}
 
 
+def test_the_measured_w_walk_reaches_the_graph_unless_te_runs_fused_b():
+    """W's graph walk (graph_nodes, walk_ms_per_node) travels with its kind into the run's model, where the
+    simulator charges it on W (simulator/costs.py walk_ms); a TE kind running fused B carries none."""
+    from octopipe_plugin.adapters.megatron.startup_profile import kind_costs
+    from octopipe_plugin.formats import Layer
+    from octopipe_plugin.simulator.costs import walk_ms
+
+    layer = Layer(name="decoder.layers.0", kind="dense", fwd_ms=2.0, bwd_ms=3.0, wgrad_ms=1.0, state_bytes=1,
+                  activation_bytes=1, output_bytes=1, source="measured", graph_nodes=40, walk_ms_per_node=0.001)
+    fields = kind_costs(layer, {"fused_bwd_ms": 3.6}, fused=False)
+    assert (fields["graph_nodes"], fields["walk_ms_per_node"]) == (40, 0.001)
+    assert "graph_nodes" not in kind_costs(layer, {"fused_bwd_ms": 3.6}, fused=True)
+    args = parse(TINY_GPT + ["--global-batch-size", "2"], octopipe=False, validate=False)
+    model = startup.model_from_megatron(args, gpu="H100", measured={"dense": fields})
+    dense = [l for l in model.layers if l.kind == "dense"]
+    assert {(l.graph_nodes, l.walk_ms_per_node) for l in dense} == {(40, 0.001)}
+    # the second dense layer's W walks the first one's 40 nodes
+    assert walk_ms(dense[:2]) == pytest.approx(0.001 * 40)
+
+
 def test_merge_puts_the_costs_file_on_top():
     merged = startup.merge_costs({"dense": {"fwd_ms": 1.0, "bwd_ms": 2.0}}, {"dense": {"fwd_ms": 4.0}, "moe": {}})
     assert merged == {"dense": {"fwd_ms": 4.0, "bwd_ms": 2.0}, "moe": {}}
