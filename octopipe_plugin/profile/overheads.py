@@ -10,7 +10,16 @@ Per message: a forward-only plan of two pass-through stages, stage 0 on rank 0 a
 rank 1, whose last stage sleeps so every message has arrived before it is waited on. The
 sender's gap between actions (lower quartile) less the local plan's gap is its cost per
 message, the receiver's likewise; both at a few sizes, fitted as fixed + per-MB (least squares, clipped at
-0). The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
+0).
+Per message in flight, from a busy sender: rank 0 posts a message to rank 1 and at once computes
+(a matmul loop of `busy_ms`), as a stage does when its next action starts right away; rank 1
+waits in its receive. The same trial with a sender that waits on its send instead (idle, as the
+link's ping-pong measures) is the reference, interleaved trial by trial; the receiver's median wait
+less the reference's is the delivery delay the link model does not charge (gloo's tcp transport
+writes a message whose receive notice has not been handled yet, and the rest of one that does not
+fit the socket buffer, from its own device thread, which waits for a core while the sender computes).
+Only the receiver's clock is read, so ranks need not share one. Fitted as fixed + per-MB likewise.
+The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
 library versions and the settings.
 """
 
@@ -35,6 +44,8 @@ from .measure import measure_layer
 STAGES, MICROBATCHES, WIDTH = 4, 8, 16
 SIZES = (4096, 1 << 20, 4 << 20)  # message bytes: the fit's points
 RECEIVER_SLEEP_S = 0.002  # the receiver's stage sleeps this long, so every message has landed before its wait
+BUSY_MS = 10.0  # the busy sender computes this long after posting (the delays seen: 1-10 ms, p75 of a 20 ms compute)
+BUSY_TAG = 7  # the busy-sender trials' tag (their own: no executor message is in flight meanwhile)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +55,8 @@ class OverheadSettings:
     steps: int = 5
     warmup: int = 2
     sizes: tuple[int, ...] = SIZES
+    busy_ms: float = BUSY_MS
+    busy_trials: int = 24  # per size and mode (busy / idle sender)
     cache_dir: str | None = None
     use_cache: bool = True
 
@@ -136,6 +149,41 @@ def _message_gaps(rank: int, nbytes: int, settings: OverheadSettings) -> float:
     return 1000 * _low(gaps)
 
 
+def _spin(ms: float, a: torch.Tensor) -> None:
+    """Real compute for `ms` (a matmul loop on one thread), as a stage's next action keeps the core busy."""
+    end = time.perf_counter() + ms / 1000.0
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
+def _busy_delivery(rank: int, nbytes: int, settings: OverheadSettings) -> tuple[float, float]:
+    """(busy, idle): the receiver's median ms waiting for a message of `nbytes` from a busy and from an idle sender.
+
+    Rank 0 sends, rank 1 receives; trials alternate busy and idle so a drifting load shifts both alike.
+    Both ranks leave a barrier, then the sender posts at once and the receiver waits at once: the
+    barrier's skew is in both figures and cancels in their difference. Only rank 1's figures mean anything.
+    """
+    n = max(1, nbytes // 4)
+    payload, buf, a = torch.zeros(n), torch.empty(n), torch.randn(64, 64)
+    waits: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * (settings.warmup + settings.busy_trials)):
+        busy = i % 2 == 0
+        dist.barrier()
+        if rank == 0:
+            work = dist.isend(payload, 1, tag=BUSY_TAG)
+            if busy:
+                _spin(settings.busy_ms, a)
+            work.wait()
+        else:
+            t0 = time.perf_counter()
+            dist.recv(buf, 0, tag=BUSY_TAG)
+            if i >= 2 * settings.warmup:
+                waits[busy].append(1000 * (time.perf_counter() - t0))
+    if rank != 1:
+        return 0.0, 0.0
+    return statistics.median(waits[True]), statistics.median(waits[False])
+
+
 def _low(samples: list[float]) -> float:
     """The lower quartile: a gap only grows when the host is kept from running or waits for a message, so on a
     loaded machine the low end is the executor's own cost and the median is not."""
@@ -160,7 +208,8 @@ def _key_fields(settings: OverheadSettings, backend: str = "gloo") -> dict:
     return {"what": "executor-overheads", "device": _rank_device(),
             "backend": backend, "versions": library_versions(),
             "settings": {"steps": settings.steps, "warmup": settings.warmup, "sizes": list(settings.sizes),
-                         "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH}}
+                         "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH,
+                         "busy_ms": settings.busy_ms, "busy_trials": settings.busy_trials}}
 
 
 def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
@@ -191,16 +240,20 @@ def _measure(rank: int, s: OverheadSettings, fields: dict) -> dict:
     groups = [dist.new_group([r]) for r in range(2)]  # every rank makes every group
     costs, gap_ms = _action_costs(rank, groups[rank], s)
     msg = [_message_gaps(rank, n, s) - gap_ms for n in s.sizes]
-    mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg}
+    busy = [_busy_delivery(rank, n, s) for n in s.sizes]
+    mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg, "busy": busy}
     both = [None, None]
     dist.all_gather_object(both, mine)
+    extra = [max(0.0, b - i) for b, i in both[1]["busy"]]  # the receiver's figures
     action_ms = tuple((k, statistics.fmean(b["costs"][k] for b in both)) for k in sorted(costs))
     meta = {"method": "profile/overheads.py", "settings": fields["settings"],
             "gap_us": [round(1000 * b["gap_ms"], 3) for b in both],
             "message_points": {"bytes": list(s.sizes), "send_us": [round(1000 * v, 3) for v in both[0]["msg"]],
-                               "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]]}}
+                               "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]],
+                               "busy_wait_us": [round(1000 * b, 3) for b, _ in both[1]["busy"]],
+                               "idle_wait_us": [round(1000 * i, 3) for _, i in both[1]["busy"]]}}
     ov = Overheads(action_ms=action_ms, send=_fit(s.sizes, both[0]["msg"]), recv=_fit(s.sizes, both[1]["msg"]),
-                   device=fields["device"], backend=fields["backend"], meta=meta)
+                   delivery=_fit(s.sizes, extra), device=fields["device"], backend=fields["backend"], meta=meta)
     return overheads_to_dict(ov)
 
 
@@ -235,7 +288,10 @@ def format_overheads(ov: Overheads) -> str:
         f"executor overheads on {ov.device} ({ov.backend}), microseconds",
         f"  per action:  {acts}",
         f"  per message: sender {1000 * ov.send.fixed_ms:.1f} + {1000 * ov.send.per_mb_ms:.1f}/MB, "
-        f"receiver {1000 * ov.recv.fixed_ms:.1f} + {1000 * ov.recv.per_mb_ms:.1f}/MB"])
+        f"receiver {1000 * ov.recv.fixed_ms:.1f} + {1000 * ov.recv.per_mb_ms:.1f}/MB",
+        f"  in flight:   busy sender's delivery {1000 * ov.delivery.fixed_ms:.1f} + "
+        f"{1000 * ov.delivery.per_mb_ms:.1f}/MB beyond the link"
+        + (f", launch {1000 * ov.launch_ms:.1f}" if ov.launch_ms else "")])
 
 
 def machine_overheads(path: str | None = None, *, measure: bool = True,
