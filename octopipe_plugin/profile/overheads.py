@@ -11,13 +11,15 @@ rank 1, whose last stage sleeps so every message has arrived before it is waited
 sender's gap between actions (lower quartile) less the local plan's gap is its cost per
 message, the receiver's likewise; both at a few sizes, fitted as fixed + per-MB (least squares, clipped at
 0).
-Per message in flight, from a busy sender: rank 0 posts a message to rank 1 and at once computes
-(a matmul loop of `busy_ms`), as a stage does when its next action starts right away; rank 1
-waits in its receive. The same trial with a sender that waits on its send instead (idle, as the
-link's ping-pong measures) is the reference, interleaved trial by trial; the receiver's median wait
-less the reference's is the delivery delay the link model does not charge (gloo's tcp transport
-writes a message whose receive notice has not been handled yet, and the rest of one that does not
-fit the socket buffer, from its own device thread, which waits for a core while the sender computes).
+Per message in flight, from a busy sender: rank 0 computes (a matmul loop, its producer), posts a
+message to rank 1 and at once computes again, as a stage does when its next action starts right
+away; rank 1 waits in its receive. The same trial with a sender that waits on its send instead
+(idle, as the link's ping-pong measures) is the reference, interleaved trial by trial; the
+receiver's (trimmed) mean wait less the reference's is the delivery delay the link model does not
+charge. gloo's tcp transport writes a message from the sender's own thread only when the
+receiver's notice that it is ready has already been handled and the whole message fits the socket
+buffer; otherwise its device-loop thread writes it (gloo/transport/tcp/pair.cc: Pair::send,
+handleRemotePendingRecv, sendAsyncMode), and that thread waits for a core while the sender computes.
 Only the receiver's clock is read, so ranks need not share one. Fitted as fixed + per-MB likewise.
 The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
 library versions and the settings.
@@ -44,7 +46,7 @@ from .measure import measure_layer
 STAGES, MICROBATCHES, WIDTH = 4, 8, 16
 SIZES = (4096, 1 << 20, 4 << 20)  # message bytes: the fit's points
 RECEIVER_SLEEP_S = 0.002  # the receiver's stage sleeps this long, so every message has landed before its wait
-BUSY_MS = 10.0  # the busy sender computes this long after posting (the delays seen: 1-10 ms, p75 of a 20 ms compute)
+BUSY_MS = 4.0  # the sender computes this long before posting and (busy) after: a stage's action on the models profiled
 BUSY_TAG = 7  # the busy-sender trials' tag (their own: no executor message is in flight meanwhile)
 
 
@@ -157,19 +159,27 @@ def _spin(ms: float, a: torch.Tensor) -> None:
 
 
 def _busy_delivery(rank: int, nbytes: int, settings: OverheadSettings) -> tuple[float, float]:
-    """(busy, idle): the receiver's median ms waiting for a message of `nbytes` from a busy and from an idle sender.
+    """(busy, idle): the receiver's mean ms waiting for a message of `nbytes` from a busy and from an idle sender.
 
-    Rank 0 sends, rank 1 receives; trials alternate busy and idle so a drifting load shifts both alike.
-    Both ranks leave a barrier, then the sender posts at once and the receiver waits at once: the
-    barrier's skew is in both figures and cancels in their difference. Only rank 1's figures mean anything.
+    Rank 0 sends, rank 1 receives. A trial: the sender computes `busy_ms` (its producer: the
+    receiver's receive, posted at once, reaches it meanwhile, as the executor posts receives
+    early), posts the message, then computes `busy_ms` more (busy) or waits on the send (idle).
+    Trials alternate busy and idle, so a drifting load shifts both alike; the sender reaches each
+    trial's barrier last, so the barrier's skew is the same in both and cancels in their difference.
+    Mean over the trials less the highest and lowest tenth: the delay is bimodal (a message goes
+    out at once or waits for a core), so a median would flip between the modes while other
+    processes' preemptions, in either mode, are the outliers trimmed. Only rank 1's figures mean anything.
     """
     n = max(1, nbytes // 4)
     payload, buf, a = torch.zeros(n), torch.empty(n), torch.randn(64, 64)
     waits: dict[bool, list[float]] = {True: [], False: []}
     for i in range(2 * (settings.warmup + settings.busy_trials)):
         busy = i % 2 == 0
+        if rank == 0:
+            time.sleep(0.002)
         dist.barrier()
         if rank == 0:
+            _spin(settings.busy_ms, a)
             work = dist.isend(payload, 1, tag=BUSY_TAG)
             if busy:
                 _spin(settings.busy_ms, a)
@@ -181,7 +191,14 @@ def _busy_delivery(rank: int, nbytes: int, settings: OverheadSettings) -> tuple[
                 waits[busy].append(1000 * (time.perf_counter() - t0))
     if rank != 1:
         return 0.0, 0.0
-    return statistics.median(waits[True]), statistics.median(waits[False])
+    return _trimmed_mean(waits[True]), _trimmed_mean(waits[False])
+
+
+def _trimmed_mean(samples: list[float], cut: float = 0.1) -> float:
+    """The mean of `samples` less the highest and the lowest `cut` share of them."""
+    xs = sorted(samples)
+    k = int(len(xs) * cut)
+    return statistics.fmean(xs[k:len(xs) - k] if len(xs) > 2 * k else xs)
 
 
 def _low(samples: list[float]) -> float:
