@@ -20,6 +20,9 @@ charge. gloo's tcp transport writes a message from the sender's own thread only 
 receiver's notice that it is ready has already been handled and the whole message fits the socket
 buffer; otherwise its device-loop thread writes it (gloo/transport/tcp/pair.cc: Pair::send,
 handleRemotePendingRecv, sendAsyncMode), and that thread waits for a core while the sender computes.
+The sender posts as the executor does (executor/comm.py `give_way`: on gloo it yields its core
+once after posting, which lets that thread write first), so the figure is the delay left under
+the executor's own posting; the wait from a sender that does not give way is kept in `meta`.
 Only the receiver's clock is read, so ranks need not share one. Fitted as fixed + per-MB likewise.
 The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
 library versions and the settings.
@@ -37,6 +40,7 @@ from torch import nn
 
 from ..actions import Action, Kind
 from ..executor import ExecutorOptions, PipelineExecutor, TensorMeta, TorchStages
+from ..executor.comm import give_way, yields_after_send
 from ..formats import Plan, Stage
 from ..formats.overheads import MessageCost, Overheads, overheads_from_dict, overheads_to_dict, read_overheads
 from .cache import ProfileCache, cache_key
@@ -158,40 +162,43 @@ def _spin(ms: float, a: torch.Tensor) -> None:
         torch.mm(a, a)
 
 
-def _busy_delivery(rank: int, nbytes: int, settings: OverheadSettings) -> tuple[float, float]:
-    """(busy, idle): the receiver's mean ms waiting for a message of `nbytes` from a busy and from an idle sender.
+def _busy_delivery(rank: int, nbytes: int, settings: OverheadSettings) -> tuple[float, float, float]:
+    """(busy, idle, raw): the receiver's mean ms waiting for a message of `nbytes` from a busy sender that posts as
+    the executor does (comm.py `give_way` after the send), from an idle one, and from a busy one that does not give way.
 
     Rank 0 sends, rank 1 receives. A trial: the sender computes `busy_ms` (its producer: the
     receiver's receive, posted at once, reaches it meanwhile, as the executor posts receives
     early), posts the message, then computes `busy_ms` more (busy) or waits on the send (idle).
-    Trials alternate busy and idle, so a drifting load shifts both alike; the sender reaches each
-    trial's barrier last, so the barrier's skew is the same in both and cancels in their difference.
+    Trials rotate the modes, so a drifting load shifts all alike; the sender reaches each trial's
+    barrier last, so the barrier's skew is the same in all and cancels in their differences.
     Mean over the trials less the highest and lowest tenth: the delay is bimodal (a message goes
     out at once or waits for a core), so a median would flip between the modes while other
-    processes' preemptions, in either mode, are the outliers trimmed. Only rank 1's figures mean anything.
+    processes' preemptions, in any mode, are the outliers trimmed. Only rank 1's figures mean anything.
     """
     n = max(1, nbytes // 4)
     payload, buf, a = torch.zeros(n), torch.empty(n), torch.randn(64, 64)
-    waits: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(2 * (settings.warmup + settings.busy_trials)):
-        busy = i % 2 == 0
+    modes = ("busy", "idle", "raw")
+    waits: dict[str, list[float]] = {m: [] for m in modes}
+    for i in range(len(modes) * (settings.warmup + settings.busy_trials)):
+        mode = modes[i % len(modes)]
         if rank == 0:
             time.sleep(0.002)
         dist.barrier()
         if rank == 0:
             _spin(settings.busy_ms, a)
             work = dist.isend(payload, 1, tag=BUSY_TAG)
-            if busy:
+            if mode != "idle":
+                give_way(mode == "busy" and yields_after_send(dist.get_backend()))
                 _spin(settings.busy_ms, a)
             work.wait()
         else:
             t0 = time.perf_counter()
             dist.recv(buf, 0, tag=BUSY_TAG)
-            if i >= 2 * settings.warmup:
-                waits[busy].append(1000 * (time.perf_counter() - t0))
+            if i >= len(modes) * settings.warmup:
+                waits[mode].append(1000 * (time.perf_counter() - t0))
     if rank != 1:
-        return 0.0, 0.0
-    return _trimmed_mean(waits[True]), _trimmed_mean(waits[False])
+        return 0.0, 0.0, 0.0
+    return tuple(_trimmed_mean(waits[m]) for m in modes)
 
 
 def _trimmed_mean(samples: list[float], cut: float = 0.1) -> float:
@@ -226,7 +233,8 @@ def _key_fields(settings: OverheadSettings, backend: str = "gloo") -> dict:
             "backend": backend, "versions": library_versions(),
             "settings": {"steps": settings.steps, "warmup": settings.warmup, "sizes": list(settings.sizes),
                          "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH,
-                         "busy_ms": settings.busy_ms, "busy_trials": settings.busy_trials}}
+                         "busy_ms": settings.busy_ms, "busy_trials": settings.busy_trials,
+                         "give_way": yields_after_send(backend)}}
 
 
 def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
@@ -261,14 +269,16 @@ def _measure(rank: int, s: OverheadSettings, fields: dict) -> dict:
     mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg, "busy": busy}
     both = [None, None]
     dist.all_gather_object(both, mine)
-    extra = [max(0.0, b - i) for b, i in both[1]["busy"]]  # the receiver's figures
+    extra = [max(0.0, b - i) for b, i, _ in both[1]["busy"]]  # the receiver's figures
     action_ms = tuple((k, statistics.fmean(b["costs"][k] for b in both)) for k in sorted(costs))
     meta = {"method": "profile/overheads.py", "settings": fields["settings"],
             "gap_us": [round(1000 * b["gap_ms"], 3) for b in both],
             "message_points": {"bytes": list(s.sizes), "send_us": [round(1000 * v, 3) for v in both[0]["msg"]],
                                "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]],
-                               "busy_wait_us": [round(1000 * b, 3) for b, _ in both[1]["busy"]],
-                               "idle_wait_us": [round(1000 * i, 3) for _, i in both[1]["busy"]]}}
+                               "busy_wait_us": [round(1000 * b, 3) for b, _, _ in both[1]["busy"]],
+                               "idle_wait_us": [round(1000 * i, 3) for _, i, _ in both[1]["busy"]],
+                               # a busy sender that does not give way after posting (what comm.py's yield saves)
+                               "busy_no_yield_wait_us": [round(1000 * r, 3) for _, _, r in both[1]["busy"]]}}
     ov = Overheads(action_ms=action_ms, send=_fit(s.sizes, both[0]["msg"]), recv=_fit(s.sizes, both[1]["msg"]),
                    delivery=_fit(s.sizes, extra), device=fields["device"], backend=fields["backend"], meta=meta)
     return overheads_to_dict(ov)
