@@ -51,6 +51,8 @@ class ExecutorOptions:
     # "message" (each message issued when ready) or "batched" (a step's ready sends and receives issued as one
     # batch_isend_irecv per peer); None: the backend's default (comm.DEFAULT_EXCHANGE)
     exchange: str | None = None
+    # give the core up once after posting sends (comm.py YIELD_AFTER_SEND); None: the backend's default (gloo: yes)
+    yield_after_send: bool | None = None
     # Python's cyclic collector paused during a step's actions and let run again after it (Megatron's
     # --manual-gc does the same between iterations): a full pass inside a split backward's I, whose pending
     # W hold many objects, cost ~8 ms per action on MoE stages (benchmarks/action_costs.py --no-gc) —
@@ -170,7 +172,8 @@ class PipelineExecutor:
                 rank=self.rank, num_stages=self.plan.num_stages, recv_order=prog.recv_order,
                 send_order=prog.send_order, device=self.device, timeout_s=self.options.timeout_s, group=self.group,
                 pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers,
-                exchange=self.options.exchange, action_index=action_index(low.plan))
+                exchange=self.options.exchange, action_index=action_index(low.plan),
+                yield_after_send=self.options.yield_after_send)
         return tp
 
     def run_step(self, data=None, *, forward_only: bool = False, num_microbatches: int | None = None) -> StepResult:

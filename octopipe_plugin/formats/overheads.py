@@ -33,13 +33,16 @@ class Overheads:
     """The executor's host costs: per action (by kind), per message on the sender and on the receiver.
 
     `launch_ms` is the older fixed per-message cost in flight (`--launch-us`): it delays the
-    message's arrival but occupies neither device. All zero (the default) charges nothing.
+    message's arrival but occupies neither device. `delivery` is the measured in-flight cost of the
+    same kind: how much later than the link's idle ping-pong a message arrives when its sender goes
+    on computing right after posting it (profile/overheads.py). All zero (the default) charges nothing.
     """
 
     action_ms: tuple[tuple[str, float], ...] = ()  # (kind letter, ms), kinds absent cost nothing
     send: MessageCost = MessageCost()
     recv: MessageCost = MessageCost()
     launch_ms: float = 0.0
+    delivery: MessageCost = MessageCost()
     device: str = ""
     backend: str = ""
     meta: dict = dc_field(default_factory=dict, compare=False, hash=False)
@@ -55,7 +58,7 @@ class Overheads:
     def is_zero(self) -> bool:
         """Whether nothing is charged."""
         return not any(ms for _, ms in self.action_ms) and self.send == MessageCost() and \
-            self.recv == MessageCost() and not self.launch_ms
+            self.recv == MessageCost() and not self.launch_ms and self.delivery == MessageCost()
 
 
 def overheads_from_dict(data: dict, src: str = "<dict>") -> Overheads:
@@ -70,7 +73,10 @@ def overheads_from_dict(data: dict, src: str = "<dict>") -> Overheads:
         us = check_value(v, src, f"$.action_us.{k}", float, minimum=0.0, maximum=MAX_OVERHEAD_US)
         pairs.append((k, us / 1000.0))
     ends = {}
-    for end in ("send", "recv"):
+    for end in ("send", "recv", "delivery"):
+        if end == "delivery" and "delivery_us" not in data:  # came later (optional): none charges no delivery delay
+            ends[end] = MessageCost()
+            continue
         obj = field(data, f"{end}_us", src, "$", dict)
         path = f"$.{end}_us"
         fixed = field(obj, "fixed", src, path, float, minimum=0.0, maximum=MAX_OVERHEAD_US)
@@ -78,7 +84,7 @@ def overheads_from_dict(data: dict, src: str = "<dict>") -> Overheads:
         ends[end] = MessageCost(fixed_ms=fixed / 1000.0, per_mb_ms=per_mb / 1000.0)
     launch = field(data, "launch_us", src, "$", float, default=0.0, minimum=0.0, maximum=MAX_OVERHEAD_US)
     return Overheads(action_ms=tuple(pairs), send=ends["send"], recv=ends["recv"], launch_ms=launch / 1000.0,
-                     device=field(data, "device", src, "$", str, default=""),
+                     delivery=ends["delivery"], device=field(data, "device", src, "$", str, default=""),
                      backend=field(data, "backend", src, "$", str, default=""),
                      meta=field(data, "meta", src, "$", dict, default={}))
 
@@ -92,7 +98,9 @@ def overheads_to_dict(ov: Overheads) -> dict:
             "action_us": {k: us(ms) for k, ms in ov.action_ms},
             "send_us": {"fixed": us(ov.send.fixed_ms), "per_mb": us(ov.send.per_mb_ms)},
             "recv_us": {"fixed": us(ov.recv.fixed_ms), "per_mb": us(ov.recv.per_mb_ms)},
-            "launch_us": us(ov.launch_ms), "meta": dict(ov.meta)}
+            "launch_us": us(ov.launch_ms),
+            "delivery_us": {"fixed": us(ov.delivery.fixed_ms), "per_mb": us(ov.delivery.per_mb_ms)},
+            "meta": dict(ov.meta)}
 
 
 def read_overheads(source) -> Overheads:

@@ -10,7 +10,21 @@ Per message: a forward-only plan of two pass-through stages, stage 0 on rank 0 a
 rank 1, whose last stage sleeps so every message has arrived before it is waited on. The
 sender's gap between actions (lower quartile) less the local plan's gap is its cost per
 message, the receiver's likewise; both at a few sizes, fitted as fixed + per-MB (least squares, clipped at
-0). The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
+0).
+Per message in flight, from a busy sender: rank 0 computes (a matmul loop, its producer), posts a
+message to rank 1 and at once computes again, as a stage does when its next action starts right
+away; rank 1 waits in its receive. The same trial with a sender that waits on its send instead
+(idle, as the link's ping-pong measures) is the reference, interleaved trial by trial; the
+receiver's (trimmed) mean wait less the reference's is the delivery delay the link model does not
+charge. gloo's tcp transport writes a message from the sender's own thread only when the
+receiver's notice that it is ready has already been handled and the whole message fits the socket
+buffer; otherwise its device-loop thread writes it (gloo/transport/tcp/pair.cc: Pair::send,
+handleRemotePendingRecv, sendAsyncMode), and that thread waits for a core while the sender computes.
+The sender posts as the executor does (executor/comm.py `give_way`: on gloo it yields its core
+once after posting, which lets that thread write first), so the figure is the delay left under
+the executor's own posting; the wait from a sender that does not give way is kept in `meta`.
+Only the receiver's clock is read, so ranks need not share one. Fitted as fixed + per-MB likewise.
+The figures are cached like layer profiles (profile/cache.py), keyed by device, backend,
 library versions and the settings.
 """
 
@@ -26,6 +40,7 @@ from torch import nn
 
 from ..actions import Action, Kind
 from ..executor import ExecutorOptions, PipelineExecutor, TensorMeta, TorchStages
+from ..executor.comm import give_way, yields_after_send
 from ..formats import Plan, Stage
 from ..formats.overheads import MessageCost, Overheads, overheads_from_dict, overheads_to_dict, read_overheads
 from .cache import ProfileCache, cache_key
@@ -35,6 +50,8 @@ from .measure import measure_layer
 STAGES, MICROBATCHES, WIDTH = 4, 8, 16
 SIZES = (4096, 1 << 20, 4 << 20)  # message bytes: the fit's points
 RECEIVER_SLEEP_S = 0.002  # the receiver's stage sleeps this long, so every message has landed before its wait
+BUSY_MS = 4.0  # the sender computes this long before posting and (busy) after: a stage's action on the models profiled
+BUSY_TAG = 7  # the busy-sender trials' tag (their own: no executor message is in flight meanwhile)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +61,8 @@ class OverheadSettings:
     steps: int = 5
     warmup: int = 2
     sizes: tuple[int, ...] = SIZES
+    busy_ms: float = BUSY_MS
+    busy_trials: int = 24  # per size and mode (busy / idle sender)
     cache_dir: str | None = None
     use_cache: bool = True
 
@@ -136,6 +155,59 @@ def _message_gaps(rank: int, nbytes: int, settings: OverheadSettings) -> float:
     return 1000 * _low(gaps)
 
 
+def _spin(ms: float, a: torch.Tensor) -> None:
+    """Real compute for `ms` (a matmul loop on one thread), as a stage's next action keeps the core busy."""
+    end = time.perf_counter() + ms / 1000.0
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
+def _busy_delivery(rank: int, nbytes: int, settings: OverheadSettings) -> tuple[float, float, float]:
+    """(busy, idle, raw): the receiver's mean ms waiting for a message of `nbytes` from a busy sender that posts as
+    the executor does (comm.py `give_way` after the send), from an idle one, and from a busy one that does not give way.
+
+    Rank 0 sends, rank 1 receives. A trial: the sender computes `busy_ms` (its producer: the
+    receiver's receive, posted at once, reaches it meanwhile, as the executor posts receives
+    early), posts the message, then computes `busy_ms` more (busy) or waits on the send (idle).
+    Trials rotate the modes, so a drifting load shifts all alike; the sender reaches each trial's
+    barrier last, so the barrier's skew is the same in all and cancels in their differences.
+    Mean over the trials less the highest and lowest tenth: the delay is bimodal (a message goes
+    out at once or waits for a core), so a median would flip between the modes while other
+    processes' preemptions, in any mode, are the outliers trimmed. Only rank 1's figures mean anything.
+    """
+    n = max(1, nbytes // 4)
+    payload, buf, a = torch.zeros(n), torch.empty(n), torch.randn(64, 64)
+    modes = ("busy", "idle", "raw")
+    waits: dict[str, list[float]] = {m: [] for m in modes}
+    for i in range(len(modes) * (settings.warmup + settings.busy_trials)):
+        mode = modes[i % len(modes)]
+        if rank == 0:
+            time.sleep(0.002)
+        dist.barrier()
+        if rank == 0:
+            _spin(settings.busy_ms, a)
+            work = dist.isend(payload, 1, tag=BUSY_TAG)
+            if mode != "idle":
+                give_way(mode == "busy" and yields_after_send(dist.get_backend()))
+                _spin(settings.busy_ms, a)
+            work.wait()
+        else:
+            t0 = time.perf_counter()
+            dist.recv(buf, 0, tag=BUSY_TAG)
+            if i >= len(modes) * settings.warmup:
+                waits[mode].append(1000 * (time.perf_counter() - t0))
+    if rank != 1:
+        return 0.0, 0.0, 0.0
+    return tuple(_trimmed_mean(waits[m]) for m in modes)
+
+
+def _trimmed_mean(samples: list[float], cut: float = 0.1) -> float:
+    """The mean of `samples` less the highest and the lowest `cut` share of them."""
+    xs = sorted(samples)
+    k = int(len(xs) * cut)
+    return statistics.fmean(xs[k:len(xs) - k] if len(xs) > 2 * k else xs)
+
+
 def _low(samples: list[float]) -> float:
     """The lower quartile: a gap only grows when the host is kept from running or waits for a message, so on a
     loaded machine the low end is the executor's own cost and the median is not."""
@@ -160,7 +232,9 @@ def _key_fields(settings: OverheadSettings, backend: str = "gloo") -> dict:
     return {"what": "executor-overheads", "device": _rank_device(),
             "backend": backend, "versions": library_versions(),
             "settings": {"steps": settings.steps, "warmup": settings.warmup, "sizes": list(settings.sizes),
-                         "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH}}
+                         "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH,
+                         "busy_ms": settings.busy_ms, "busy_trials": settings.busy_trials,
+                         "give_way": yields_after_send(backend)}}
 
 
 def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
@@ -191,16 +265,22 @@ def _measure(rank: int, s: OverheadSettings, fields: dict) -> dict:
     groups = [dist.new_group([r]) for r in range(2)]  # every rank makes every group
     costs, gap_ms = _action_costs(rank, groups[rank], s)
     msg = [_message_gaps(rank, n, s) - gap_ms for n in s.sizes]
-    mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg}
+    busy = [_busy_delivery(rank, n, s) for n in s.sizes]
+    mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg, "busy": busy}
     both = [None, None]
     dist.all_gather_object(both, mine)
+    extra = [max(0.0, b - i) for b, i, _ in both[1]["busy"]]  # the receiver's figures
     action_ms = tuple((k, statistics.fmean(b["costs"][k] for b in both)) for k in sorted(costs))
     meta = {"method": "profile/overheads.py", "settings": fields["settings"],
             "gap_us": [round(1000 * b["gap_ms"], 3) for b in both],
             "message_points": {"bytes": list(s.sizes), "send_us": [round(1000 * v, 3) for v in both[0]["msg"]],
-                               "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]]}}
+                               "recv_us": [round(1000 * v, 3) for v in both[1]["msg"]],
+                               "busy_wait_us": [round(1000 * b, 3) for b, _, _ in both[1]["busy"]],
+                               "idle_wait_us": [round(1000 * i, 3) for _, i, _ in both[1]["busy"]],
+                               # a busy sender that does not give way after posting (what comm.py's yield saves)
+                               "busy_no_yield_wait_us": [round(1000 * r, 3) for _, _, r in both[1]["busy"]]}}
     ov = Overheads(action_ms=action_ms, send=_fit(s.sizes, both[0]["msg"]), recv=_fit(s.sizes, both[1]["msg"]),
-                   device=fields["device"], backend=fields["backend"], meta=meta)
+                   delivery=_fit(s.sizes, extra), device=fields["device"], backend=fields["backend"], meta=meta)
     return overheads_to_dict(ov)
 
 
@@ -235,7 +315,10 @@ def format_overheads(ov: Overheads) -> str:
         f"executor overheads on {ov.device} ({ov.backend}), microseconds",
         f"  per action:  {acts}",
         f"  per message: sender {1000 * ov.send.fixed_ms:.1f} + {1000 * ov.send.per_mb_ms:.1f}/MB, "
-        f"receiver {1000 * ov.recv.fixed_ms:.1f} + {1000 * ov.recv.per_mb_ms:.1f}/MB"])
+        f"receiver {1000 * ov.recv.fixed_ms:.1f} + {1000 * ov.recv.per_mb_ms:.1f}/MB",
+        f"  in flight:   busy sender's delivery {1000 * ov.delivery.fixed_ms:.1f} + "
+        f"{1000 * ov.delivery.per_mb_ms:.1f}/MB beyond the link"
+        + (f", launch {1000 * ov.launch_ms:.1f}" if ov.launch_ms else "")])
 
 
 def machine_overheads(path: str | None = None, *, measure: bool = True,

@@ -12,6 +12,7 @@ Switches (all off = docs/formats.md exactly):
   transfer right after the producing action; the receiver is busy for the transfer time right
   before the consuming action, which cannot start before the data has arrived.
 - launch_ms: a fixed cost added to every cross-device message (in flight).
+  The overheads' busy-sender delivery delay is in flight too (costs.hop_times).
 - overheads: the executor's measured host costs per action kind and per message on the sender and
   the receiver (formats/overheads.py), charged on the devices' timelines by simulator/overheads.py;
   its `launch_ms` and the option's are one figure (the option's is folded into it).
@@ -25,7 +26,7 @@ from ..errors import DeadlockError
 from ..actions import CODE, KINDS, RULES, Action, Flow, senders
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes, peak_live
-from .overheads import overhead_ms
+from .overheads import delivery_of, overhead_ms
 from ..formats.overheads import Overheads
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
@@ -124,7 +125,7 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     sc = costs if costs is not None else stage_costs(model, plan.stages)
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]
-    hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms)
+    hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms, delivery_of(opts.overheads))
     extra = overhead_ms(opts.overheads, dev_of, sc.output)
     idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop, extra)
     run = _Run(nd, len(dev_of) * nm, nm, opts, detail)

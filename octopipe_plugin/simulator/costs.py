@@ -49,17 +49,26 @@ def kind_durations(costs, extra: dict | None = None) -> dict[Kind, tuple[float, 
     return out
 
 
-def hop_times(cluster, devices, output, launch_ms: float = 0.0) -> tuple[float | None, ...]:
+def hop_times(cluster, devices, output, launch_ms: float = 0.0, delivery=None) -> tuple[float | None, ...]:
     """Time to move stage s's output to stage s+1 (and its gradient back), for every boundary s.
 
-    The one transfer-time rule: the cluster's link time for the boundary's bytes plus the
-    fixed per-message launch cost; None where both stages share a device (nothing is sent,
-    the tensor is handed over in memory). The tuner plans and the simulator judges with it.
+    The one transfer-time rule: the cluster's link time for the boundary's bytes plus the in-flight
+    costs — the fixed per-message launch cost and, where measured overheads are charged, the busy
+    sender's delivery delay (`delivery`, a formats.overheads.MessageCost of the boundary's bytes;
+    every cross-device hop pays it, docs/formats.md "Host overheads" says why). None where both
+    stages share a device (nothing is sent, the tensor is handed over in memory). The tuner plans
+    and the simulator judges with it.
     """
     return tuple(
-        None if devices[s] == devices[s + 1] else cluster.transfer_ms(devices[s], devices[s + 1], output[s]) + launch_ms
+        None if devices[s] == devices[s + 1] else cluster.transfer_ms(devices[s], devices[s + 1], output[s]) +
+        in_flight_ms(launch_ms, delivery, output[s])
         for s in range(len(devices) - 1)
     )
+
+
+def in_flight_ms(launch_ms: float, delivery, nbytes: float) -> float:
+    """A cross-device message's in-flight cost beyond its link time: launch plus the busy sender's delivery delay."""
+    return launch_ms + (delivery.ms(nbytes) if delivery is not None else 0.0)
 
 
 def stage_costs(model, stages) -> StageCosts:

@@ -7,8 +7,9 @@ An action of kind k on stage s costs its layers' time plus, on its own device's 
 - the receiver's cost of the message it consumes, when the stage it receives from sits on
   another device (F: from s-1; B/I: from s+1).
 The executor issues a send right after its producer and waits on a receive right before its
-consumer (executor/engine.py), so both host costs sit next to those actions. The fixed
-in-flight cost `launch_ms` is the transfer's (`costs.hop_times`), not a device's. Shard kinds of
+consumer (executor/engine.py), so both host costs sit next to those actions. The in-flight
+costs — the fixed `launch_ms` and the busy sender's delivery delay (`delivery_of`) — are the
+transfer's (`costs.hop_times`), not a device's. Shard kinds of
 split layers pay their kind's action cost; their own messages are not charged here.
 """
 
@@ -45,6 +46,11 @@ def overhead_ms(overheads: Overheads | None, devices, output) -> dict[Kind, tupl
             per_stage.append(ms)
         out[kind] = tuple(per_stage)
     return out
+
+
+def delivery_of(overheads: Overheads | None):
+    """The busy-sender delivery cost `costs.hop_times` adds in flight (None: no overheads charged)."""
+    return None if overheads is None else overheads.delivery
 
 
 HOST_SHARE_LIMIT = 0.05  # stand-in runs: the host's own cost may take at most this share of the modelled step

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from ..actions import RULES, Action, Kind
 from ..errors import DeadlockError, PlanError
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
-from .costs import StageCosts, hop_times, kind_durations, stage_costs
-from .overheads import overhead_ms
+from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, stage_costs
+from .overheads import delivery_of, overhead_ms
 from .memory import activation_changes
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
@@ -146,18 +146,21 @@ def check_split_options(options) -> None:
 class SplitGraph:
     """Each device's actions with their (producer key, delay) lists, durations and memory changes."""
 
-    def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float, extra=None):
-        self.plan, self.cluster, self.launch = plan, cluster, launch_ms
+    def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float, extra=None,
+                 delivery=None):
+        # delivery: the busy sender's in-flight delay (formats.overheads.MessageCost), charged as hop_times does
+        self.plan, self.cluster, self.launch, self.delivery = plan, cluster, launch_ms, delivery
         self.dev_of = [st.device for st in plan.stages]
         self.ns = len(self.dev_of)
-        self.hop = hop_times(cluster, self.dev_of, sc.output, launch_ms)
+        self.hop = hop_times(cluster, self.dev_of, sc.output, launch_ms, delivery)
         self.dur = kind_durations(sc, extra)  # extra: the stage actions' host overheads (simulator/overheads.py)
         self.change = activation_changes(sc.activation)
         self.by_side = {c.side: c for c in splits}
 
     def move(self, src: int, dst: int, nbytes: int) -> float:
-        """A hand-over's delay: nothing on one device, else the link time of its bytes plus the launch cost."""
-        return 0.0 if src == dst else self.cluster.transfer_ms(src, dst, nbytes) + self.launch
+        """A hand-over's delay: nothing on one device, else the link time of its bytes plus the in-flight costs."""
+        return 0.0 if src == dst else self.cluster.transfer_ms(src, dst, nbytes) + in_flight_ms(
+            self.launch, self.delivery, nbytes)
 
     def key(self, a: Action, d: int):
         """What other actions wait on: (kind, stage, mb), shard actions with their device; B/I also as the gradient."""
@@ -229,7 +232,8 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     splits = split_costs(model, plan)
     sc = costs if costs is not None else stage_costs(without_split_layers(model, plan.splits), plan.stages)
     g = SplitGraph(cluster, plan, sc, splits, options.launch_ms,
-                   overhead_ms(options.overheads, [st.device for st in plan.stages], sc.output))
+                   overhead_ms(options.overheads, [st.device for st in plan.stages], sc.output),
+                   delivery_of(options.overheads))
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
     done: dict = {}

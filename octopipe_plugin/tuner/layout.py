@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..formats import Stage
 from ..simulator import StageCosts, stage_costs
 from ..simulator.costs import hop_times
-from ..simulator.overheads import overhead_ms
+from ..simulator.overheads import delivery_of, overhead_ms
 from .listsched import Job
 
 
@@ -50,7 +50,7 @@ def make_job(model, cluster, num_microbatches: int, layout: Layout,
     nd = cluster.num_devices
     static = sc.device_state(stages, nd)
     devs = layout.devices
-    hop = hop_times(cluster, devs, sc.output, launch_ms)
+    hop = hop_times(cluster, devs, sc.output, launch_ms, delivery_of(overheads))
     cap = tuple(float(cluster.usable_memory_bytes - static[d]) for d in range(nd))
     job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
               wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap,

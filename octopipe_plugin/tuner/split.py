@@ -25,6 +25,7 @@ from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
 from ..simulator.costs import stage_costs
+from ..simulator.overheads import delivery_of
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
 
@@ -245,7 +246,7 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         spent += cost
         splits = extra + (_split_of(head, shares, stats, stages[-1].device if owner_shard else None),)
         base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
-        cand = insert_shards(model, cluster, base, pol, opts.launch_ms)
+        cand = insert_shards(model, cluster, base, pol, opts.launch_ms, delivery_of(opts.overheads))
         res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 best is None or res.step_time_ms < best[0]):

@@ -37,11 +37,14 @@ class ShardPolicy:
             (" defer-w" if self.defer_w else "")
 
 
-def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: float = 0.0) -> Plan | None:
-    """`plan` (with its `splits` set, its schedule holding stage actions only) with every shard action placed."""
+def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: float = 0.0,
+                  delivery=None) -> Plan | None:
+    """`plan` (with its `splits` set, its schedule holding stage actions only) with every shard action placed.
+
+    `launch_ms` and `delivery` (the busy sender's delay, simulator/overheads.py `delivery_of`) price hand-overs."""
     sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
     splits = split_costs(model, plan)
-    g = SplitGraph(cluster, plan, sc, splits, launch_ms)
+    g = SplitGraph(cluster, plan, sc, splits, launch_ms, delivery=delivery)
     static = [a + b for a, b in zip(sc.device_state(plan.stages, plan.num_devices),
                                     shard_state(model, splits, plan.num_devices))]
     room = [cluster.usable_memory_bytes - b for b in static]

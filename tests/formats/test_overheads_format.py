@@ -28,6 +28,17 @@ def test_round_trip(tmp_path):
     assert Overheads().is_zero and not ov.is_zero
 
 
+def test_delivery_is_optional_and_round_trips(tmp_path):
+    # a file written before the busy-sender figure existed still reads: no delivery delay charged
+    assert overheads_from_dict(GOOD).delivery == MessageCost()
+    ov = overheads_from_dict({**GOOD, "delivery_us": {"fixed": 900.0, "per_mb": 50.0}})
+    assert ov.delivery == MessageCost(fixed_ms=0.9, per_mb_ms=0.05) and ov.delivery.ms(2e6) == pytest.approx(1.0)
+    path = tmp_path / "ov.json"
+    write_overheads(ov, path)
+    assert read_overheads(path) == ov
+    assert not Overheads(delivery=MessageCost(fixed_ms=0.1)).is_zero
+
+
 @pytest.mark.parametrize("change,field,expected", [
     ({"format": "octopipe-cluster/1"}, "$.format", "'octopipe-overheads/1'"),
     ({"action_us": {"X": 1.0}}, "$.action_us.X", "an action kind"),
@@ -35,6 +46,9 @@ def test_round_trip(tmp_path):
     ({"send_us": {"per_mb": 1.0}}, "$.send_us.fixed", "a number (field is missing)"),
     ({"recv_us": {"fixed": "fast"}}, "$.recv_us.fixed", "a number"),
     ({"action_us": [1, 2]}, "$.action_us", "an object"),
+    ({"delivery_us": {"per_mb": 1.0}}, "$.delivery_us.fixed", "a number (field is missing)"),
+    ({"delivery_us": {"fixed": -5.0}}, "$.delivery_us.fixed", "a finite number in [0.0, 1e+06]"),
+    ({"delivery_us": 3.0}, "$.delivery_us", "an object"),
 ])
 def test_bad_input_one_line(tmp_path, change, field, expected):
     path = tmp_path / "bad.json"

@@ -23,13 +23,16 @@ def test_profile_overheads_writes_a_cached_file_on_two_ranks(tmp_path, capsys):
     args = ["profile", "--overheads", "-o", str(out), "--repeats", "4", "--warmup", "1", "--cache-dir", str(cache)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "per action:" in text and "per message: sender" in text
+    assert "per action:" in text and "per message: sender" in text and "busy sender's delivery" in text
     ov = read_overheads(out)
     assert ov.backend == "gloo" and ov.device.endswith("x1 threads")
     assert {k for k, _ in ov.action_ms} == {"F", "B", "I", "W"}
     assert all(ms >= 0 for _, ms in ov.action_ms) and ov.send.fixed_ms >= 0 and ov.recv.fixed_ms >= 0
     doc = json.loads(out.read_text())
     assert len(doc["meta"]["message_points"]["bytes"]) == 3 and len(doc["meta"]["gap_us"]) == 2
+    # the busy sender's delivery delay: receiver waits from a busy and from an idle sender at every size, fitted
+    assert len(doc["meta"]["message_points"]["busy_wait_us"]) == len(doc["meta"]["message_points"]["idle_wait_us"]) == 3
+    assert ov.delivery.fixed_ms >= 0 and ov.delivery.per_mb_ms >= 0 and "delivery_us" in doc
     (record,) = cache.glob("*.json")
     stamp = record.stat().st_mtime_ns
     # the second run reads the cache: same figures, the record untouched

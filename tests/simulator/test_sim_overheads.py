@@ -3,11 +3,15 @@
 The oracle times every action from the definition in docs/formats.md ("Host overheads"): an
 action starts when its device has finished the previous one and its input has arrived, and
 lasts its layers' time plus its kind's action cost plus, per cross-device message it sends or
-receives, that end's message cost. It iterates start times to a fixed point instead of running
-events, and computes overheads itself (not through simulator/overheads.py).
+receives, that end's message cost; a cross-device message arrives its link time plus the in-flight
+costs (launch, the busy sender's delivery delay) after its producer ends. It iterates start times
+to a fixed point instead of running events, and computes overheads itself (not through
+simulator/overheads.py or costs.hop_times).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +25,7 @@ from octopipe_plugin.simulator.costs import kind_durations
 
 OV = Overheads(action_ms=(("B", 0.2), ("F", 0.1), ("I", 0.15), ("W", 0.07)),
                send=MessageCost(fixed_ms=0.05, per_mb_ms=0.01), recv=MessageCost(fixed_ms=0.03, per_mb_ms=0.02))
+OV_BUSY = replace(OV, delivery=MessageCost(fixed_ms=0.4, per_mb_ms=0.1))  # 1e6 bytes: 0.5 ms in flight per hop
 
 
 def model(n: int, out: int = 1_000_000) -> Model:
@@ -45,6 +50,20 @@ def test_hand_computed_two_stage_gpipe():
     both = SimOptions(overheads=OV, launch_ms=0.5)
     assert both.overheads.launch_ms == 0.5 and both.launch_ms == 0.5
     assert simulate(m, cluster(2), plan, both).step_time_ms == pytest.approx(9.82)
+
+
+def test_hand_computed_two_stage_gpipe_with_busy_sender_delivery():
+    # as above, each of the two hops (0F0 -> 1F0, 1B0 -> 0B0) lands 0.4 + 0.1 x 1 MB = 0.5 ms later:
+    # 0F0 ends 1.16, lands 2.66; 1F0 ends 3.81; 1B0 ends 6.07, lands 7.57; 0B0 ends 9.82
+    m = model(2)
+    plan = build_plan(m, "gpipe", 2, 1)
+    assert simulate(m, cluster(2), plan, SimOptions(overheads=OV_BUSY)).step_time_ms == pytest.approx(9.82)
+    # in flight only: no device is busier (0F0 still ends at 1.16, 1F0 lasts 1.15)
+    res = simulate(m, cluster(2), plan, SimOptions(overheads=OV_BUSY))
+    spans = {str(a): (t0, t1) for row in res.timeline for a, t0, t1 in row}
+    assert spans["0F0"][1] == pytest.approx(1.16) and spans["1F0"] == (pytest.approx(2.66), pytest.approx(3.81))
+    # plain predictions do not charge it
+    assert simulate(m, cluster(2), plan).step_time_ms == pytest.approx(8.0)
 
 
 def test_same_device_handoff_pays_only_the_action_cost():
@@ -86,7 +105,9 @@ def oracle(m: Model, cl: Cluster, plan: Plan, ov: Overheads) -> float:
             src = s - rule.receives.step
             if 0 <= src < ns:
                 kinds = [Kind.F] if rule.receives is Flow.ACT else [Kind.B, Kind.I]
-                hop = 0.0 if dev[src] == dev[s] else cl.transfer_ms(dev[src], dev[s], out[min(s, src)])
+                nbytes = out[min(s, src)]
+                hop = 0.0 if dev[src] == dev[s] else (cl.transfer_ms(dev[src], dev[s], nbytes) + ov.launch_ms +
+                                                      ov.delivery.fixed_ms + ov.delivery.per_mb_ms * nbytes / 1e6)
                 got.extend(((src, k, a.microbatch), hop) for k in kinds)
         return got
 
@@ -114,11 +135,12 @@ def oracle(m: Model, cl: Cluster, plan: Plan, ov: Overheads) -> float:
 @pytest.mark.parametrize("name,p,v", [("1f1b", 2, 1), ("gpipe", 3, 1), ("zb-h1", 3, 1), ("interleaved-1f1b", 2, 2),
                                       ("zb-v", 2, 2)])
 @pytest.mark.parametrize("m_count", [2, 3, 4])
-def test_simulator_matches_the_oracle(name, p, v, m_count):
+@pytest.mark.parametrize("ov", [OV, OV_BUSY], ids=["idle-sender", "busy-sender"])
+def test_simulator_matches_the_oracle(name, p, v, m_count, ov):
     m = model(p * v * 2, out=400_000)
     plan = build_plan(m, name, p, m_count, v) if v > 1 else build_plan(m, name, p, m_count)
-    got = simulate(m, cluster(p), plan, SimOptions(overheads=OV)).step_time_ms
-    assert got == pytest.approx(oracle(m, cluster(p), plan, OV))
+    got = simulate(m, cluster(p), plan, SimOptions(overheads=ov)).step_time_ms
+    assert got == pytest.approx(oracle(m, cluster(p), plan, ov))
     assert got > simulate(m, cluster(p), plan).step_time_ms
 
 
@@ -133,6 +155,10 @@ def test_tuner_job_prices_actions_like_the_simulator():
     assert dur[Kind.I][2] == pytest.approx(1.2)
     assert dur[Kind.W][0] == pytest.approx(1.07)
     assert kind_durations(make_job(m, cluster(2), 2, layout)[0]) == kind_durations(sc)
+    # the busy sender's delay is the hop's (in flight), as the simulator charges it: 1 MB at 1 GB/s + 0.4 + 0.1
+    busy, _, _ = make_job(m, cluster(2), 2, layout, overheads=OV_BUSY)
+    assert busy.hop == (pytest.approx(1.5), None, pytest.approx(1.5))
+    assert kind_durations(busy, busy.extra) == dur
 
 
 def test_host_share_hand_computed():

@@ -188,3 +188,13 @@ def test_memory_curve_of_a_split_plan_counts_the_shards():
         curve = res.memory_curve(d)
         assert max(b for _, b in curve) == res.peak_memory_bytes[d] == 550
         assert curve[-1][1] == res.static_bytes[d] == 500
+
+
+def test_busy_sender_delivery_is_charged_like_the_launch_cost_on_every_hand_over():
+    # both are in flight on every cross-device message (costs.hop_times, SplitGraph.move): a fixed delivery
+    # delay of 0.5 ms and a launch cost of 0.5 ms give the same step, stage hops and shard hand-overs alike
+    from octopipe_plugin.formats.overheads import MessageCost, Overheads
+
+    launch = simulate(HEAD_MODEL, cluster(), head_plan(), SimOptions(launch_ms=0.5)).step_time_ms
+    busy = SimOptions(overheads=Overheads(delivery=MessageCost(fixed_ms=0.5)))
+    assert simulate(HEAD_MODEL, cluster(), head_plan(), busy).step_time_ms == pytest.approx(launch)
