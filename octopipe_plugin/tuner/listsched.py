@@ -20,7 +20,6 @@ import numpy as np
 from ..actions import KINDS, RULES, Action, Flow, Kind
 from ..simulator.costs import kind_durations
 from ..simulator.memory import activation_changes, per_microbatch
-from . import listsched_kernel as kernel
 from .encoded import EncodedSchedule
 
 INF = float("inf")
@@ -95,7 +94,7 @@ def build_schedule(job: Job, policy: Policy, compiled: bool | None = None):
     one or the other (tests compare them).
     """
     if compiled is None:
-        compiled = kernel.AVAILABLE and 3 * len(job.devices) * job.num_microbatches >= KERNEL_MIN_ACTIONS
+        compiled = 3 * len(job.devices) * job.num_microbatches >= KERNEL_MIN_ACTIONS and _kernel().AVAILABLE
     if compiled:
         return _compiled(job, policy)
     return _Scheduler(job, policy).run()
@@ -111,8 +110,18 @@ def schedule_units(job: Job) -> float:
     return actions * (6.0 if actions < KERNEL_MIN_ACTIONS else 0.5)
 
 
+def _kernel():
+    """The compiled event loop's module, imported at the first job that runs it."""
+    # not at module level: importing it imports numba (0.6-0.9 s), which every process importing the tuner
+    # would pay (each `octopipe` command, each rank of a launch tuning at start-up) for jobs too small to use it
+    from . import listsched_kernel
+
+    return listsched_kernel
+
+
 def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
     """The compiled scheduler's rows as an EncodedSchedule."""
+    kernel = _kernel()
     f64, i64 = np.float64, np.int64
     kinds = KINDS  # row i of each table is kind code i
     dur, change = kind_durations(job, job.extra), activation_changes(job.activation)

@@ -64,12 +64,28 @@ shim_device_arch = cpu_shims.shim_device_arch  # validate_args' GPU-architecture
 shim_sequence_parallel_norm = cpu_shims.shim_sequence_parallel_norm  # --sequence-parallel's norms on CPU
 
 
+def destroy_subgroups() -> None:
+    """Destroy every process group but the default one (what the previous scenario's parallel state created)."""
+    # Megatron's destroy_model_parallel only drops its references: each re-initialisation would add its ~25 gloo
+    # groups (3 threads each) to the live ones until the spawn ends (measured: 1196 threads in one rank of the
+    # head-shard spawn, hundreds runnable at once)
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    world = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+
+
 def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
-    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP."""
+    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP (the previous state's groups destroyed)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
+    destroy_subgroups()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
                                  get_embedding_ranks=embedding_ranks)

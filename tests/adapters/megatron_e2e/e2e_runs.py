@@ -23,6 +23,7 @@ from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAIN_GPT = ROOT / "examples" / "megatron" / "train_gpt.py"
+PROBE = Path(__file__).with_name("train_gpt_grads.py")  # train_gpt.py saving its first step's reduced gradients
 # the Megatron tests' harness (gradient gathering and comparison by global parameter name)
 sys.path.insert(0, str(ROOT / "tests" / "adapters" / "megatron"))
 # a tiny GPT with tied embeddings and MoE layers (aux loss); batch sizes are each test's own
@@ -43,6 +44,9 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--use-cpu-initialization",
          # the oracle: no dropout draws (the schedules run forwards in different orders)
          "--hidden-dropout", "0", "--attention-dropout", "0"]
+# 4 micro-batches per step, evaluation on 2: test_pretrain_e2e.py's runs and the tied split-head runs (the
+# reference launch both read is conftest.py's tied_megatron)
+TIED_ARGS = [*MODEL, "--global-batch-size", "4", "--eval-global-batch-size", "2"]
 RESUME = ["--ckpt-step", "3", "--no-load-rng"]  # the shimmed CUDA RNG state saved on CPU is empty
 
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
@@ -76,7 +80,7 @@ def loss_table(out: dict, iterations: int = 6) -> str:
     return "\n".join(rows)
 
 
-# The split-head runs (test_pretrain_split_e2e.py, test_pretrain_split_resume_e2e.py): embeddings untied,
+# The split-head runs (test_pretrain_split_e2e.py): embeddings untied (tied: TIED_ARGS),
 # M micro-batches per step, Megatron's stages "Et|t|t|tL" looped over the 2 ranks (the same initial weights).
 SPLIT_M = 4
 SPLIT_BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head

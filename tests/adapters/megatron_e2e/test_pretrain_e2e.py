@@ -13,7 +13,9 @@ logged losses are the oracle, read from its log lines:
   pipeline rank, so a V-shape from scratch has no twin), against Megatron's own run resumed
   from that checkpoint: equal losses; and the resumed runs end where the uninterrupted ones do.
 
-Launches are shared between checks (one module-scoped fixture runs them once).
+Launches are shared between checks (one module-scoped fixture runs them once); Megatron's uninterrupted run
+is conftest.py's tied_megatron, the same launch test_pretrain_split_e2e.py's tied runs compare against (on the
+probe script train_gpt_grads.py, which only reads the first step's gradients).
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ import shutil
 
 import pytest
 
-from e2e_runs import MODEL, RESUME, launch, loss_table
+from e2e_runs import MEGATRON_LAYOUT, RESUME, TIED_ARGS, launch, loss_table
 from octopipe_plugin.testing.plans import make_plan, sample_schedule
 from octopipe_plugin.formats import write_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
-M = 4
+M = 4  # TIED_ARGS: --global-batch-size 4 of micro-batch size 1
 BOUNDS = [(0, 2), (2, 3), (3, 4), (4, 6)]  # graph layers: embedding, 4 decoder layers, LM head
-MEGATRON_LAYOUT = "Et|t|t|tL"  # the same stages, looped (stage i on rank i % 2)
-ARGS = [*MODEL, "--global-batch-size", str(M), "--eval-global-batch-size", "2"]
+# MEGATRON_LAYOUT "Et|t|t|tL": the same stages, looped (stage i on rank i % 2)
+ARGS = TIED_ARGS  # M micro-batches per step, 2 for evaluation
 
 
 def _plan(devices, seed, path):
@@ -49,22 +51,21 @@ def _launch(log, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tied_megatron):
     d = tmp_path_factory.mktemp("e2e")
     looped = _plan([0, 1, 0, 1], 11, d / "looped.json")
     vshape = _plan([0, 1, 1, 0], 12, d / "vshape.json")
+    megatron_ck = tied_megatron["checkpoint"]  # Megatron's own run saved it at iteration 3
     out = {}
-    out["megatron"] = _launch(d / "megatron.log", "--pipeline-model-parallel-layout", MEGATRON_LAYOUT,
-                              "--save", str(d / "ck_megatron"))
+    out["megatron"] = tied_megatron
     out["octopipe"] = _launch(d / "octopipe.log", "--pipeline-schedule", "octopipe", "--octopipe-plan", looped,
                               "--save", str(d / "ck_octopipe"))
     out["megatron_resumed"] = _launch(d / "megatron_resumed.log", "--pipeline-model-parallel-layout",
-                                      MEGATRON_LAYOUT, "--load", str(d / "ck_megatron"), *RESUME)
+                                      MEGATRON_LAYOUT, "--load", str(megatron_ck), *RESUME)
     out["octopipe_resumed"] = _launch(d / "octopipe_resumed.log", "--pipeline-schedule", "octopipe",
                                       "--octopipe-plan", looped, "--load", str(d / "ck_octopipe"), *RESUME)
     out["vshape_resumed"] = _launch(d / "vshape_resumed.log", "--pipeline-schedule", "octopipe",
-                                    "--octopipe-plan", vshape, "--load", str(d / "ck_megatron"), *RESUME)
-    shutil.rmtree(d / "ck_megatron", ignore_errors=True)
+                                    "--octopipe-plan", vshape, "--load", str(megatron_ck), *RESUME)
     shutil.rmtree(d / "ck_octopipe", ignore_errors=True)
     print(loss_table(out))
     return out

@@ -125,14 +125,7 @@ shim_device_arch = H.shim_device_arch  # validate_args' GPU-architecture questio
 
 def init_parallel(spec, pp: int, vp: int, embedding_ranks=None) -> None:
     """The harness's init_parallel with the spec's tensor-parallel size."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size(spec), pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
-                                 get_embedding_ranks=embedding_ranks)
-    model_parallel_cuda_manual_seed(1234)
+    H.init_parallel(pp, vp, embedding_ranks=embedding_ranks, tp=tp_size(spec))
 
 
 def _seed_rank(pp_rank: int, megatron_init: bool) -> None:

@@ -118,16 +118,32 @@ def _check_round_trip(r, name):
         torch.testing.assert_close(r["resumed"][key], w, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
 
 
-@pytest.mark.timeout(300)
-def test_head_shards_start_from_megatrons_own_output_layer(tmp_path):
-    results = _run(tmp_path, INIT)
+# Megatron's start (torch, megatron.core, gloo) is paid once per world size: the harness re-initialises Megatron's
+# parallel state for each case, and a case may bring its own model (spec), so the 2-rank cases (initial values,
+# checkpoints untied and tied, bf16) share one spawn and the 4-rank ones (TP=2 x PP=2, DP=2 x PP=2) another.
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    """Results of the 2-rank cases: INIT, CASES and BF16_CASES (the latter on SPEC_BF16), one spawn."""
+    bf16 = [{**case, "spec": SPEC_BF16} for case in BF16_CASES]
+    return _run(tmp_path_factory.mktemp("head_shards_pp2"), INIT + CASES + bf16)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Results of the 4-rank cases: TP_CASES on SPEC_TP and DP_CASES on SPEC (DP = 4 / PP), one spawn."""
+    dp = [{**case, "spec": SPEC} for case in DP_CASES]
+    return _run(tmp_path_factory.mktemp("head_shards_4"), TP_CASES + dp, SPEC_TP, world=4)
+
+
+@pytest.mark.timeout(900)
+def test_head_shards_start_from_megatrons_own_output_layer(pp2):
     for case in INIT:
-        _check_init(results[case["name"]], case["name"])
+        _check_init(pp2[case["name"]], case["name"])
 
 
-@pytest.mark.timeout(420)
-def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(tmp_path):
-    results = _run(tmp_path, CASES)
+@pytest.mark.timeout(900)
+def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_splits(pp2):
+    results = pp2
     for case in CASES:
         r = results[case["name"]]
         _check_round_trip(r, case["name"])
@@ -139,26 +155,23 @@ def test_head_shard_checkpoints_round_trip_with_megatrons_layout_and_other_split
     assert results["megatron layout -> split embedding"]["embedding_shards"] == [0, 2]
 
 
-@pytest.mark.timeout(600)
-def test_head_shards_under_tensor_parallelism(tmp_path):
-    results = _run(tmp_path, TP_CASES, SPEC_TP, world=4)
+@pytest.mark.timeout(900)
+def test_head_shards_under_tensor_parallelism(four_ranks):
     for case in TP_CASES:
         check = _check_init if case.get("init") else _check_round_trip
-        check(results[case["name"]], case["name"])
+        check(four_ranks[case["name"]], case["name"])
 
 
-@pytest.mark.timeout(600)
-def test_head_shard_checkpoints_under_data_parallelism(tmp_path):
-    results = _run(tmp_path, DP_CASES, world=4)
+@pytest.mark.timeout(900)
+def test_head_shard_checkpoints_under_data_parallelism(four_ranks):
     for case in DP_CASES:
-        _check_round_trip(results[case["name"]], case["name"])
+        _check_round_trip(four_ranks[case["name"]], case["name"])
 
 
-@pytest.mark.timeout(420)
-def test_head_shard_checkpoints_in_bf16(tmp_path):
-    results = _run(tmp_path, BF16_CASES, SPEC_BF16)
+@pytest.mark.timeout(900)
+def test_head_shard_checkpoints_in_bf16(pp2):
     for case in BF16_CASES:
-        _check_round_trip(results[case["name"]], case["name"])
+        _check_round_trip(pp2[case["name"]], case["name"])
 
 
 def test_head_rows_cut_each_tensor_parallel_slice_by_the_plans_shares():
