@@ -71,10 +71,19 @@ def test_torchrun_launch_is_measured_from_its_environment(tmp_path):
     out = tmp_path / "launch.json"
     env = {**os.environ, "PYTHONPATH": ROOT}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "octopipe_plugin", "cluster",
-                           "--measure", "--repeats", "3", "--max-mib", "4", "-o", str(out)],
-                          env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def launch(repeats: int):
+        return subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "octopipe_plugin", "cluster",
+                               "--measure", "--repeats", str(repeats), "--max-mib", "4", "-o", str(out)],
+                              env=env, capture_output=True, text=True, timeout=500)
+
+    proc = launch(3)
+    if proc.returncode != 0 and "not a finite positive number" in proc.stderr:
+        # the documented refusal of a fit a busy spell spoilt (profile/links.py fit_link), whose advice is to rerun
+        # with more --repeats: taken once (CI saw it once in many runs, the message hidden under torchrun's report)
+        proc = launch(9)
+    said = [ln for ln in proc.stderr.splitlines() if "octopipe" in ln and "error" in ln.lower()]
+    assert proc.returncode == 0, "\n".join(said) or proc.stderr[-2000:]
     cluster = read_cluster(str(out))
     assert (cluster.num_devices, cluster.devices_per_node) == (2, 2)  # LOCAL_WORLD_SIZE 2 on one host
 
