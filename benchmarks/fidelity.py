@@ -156,20 +156,15 @@ def _mean_model(models):
     first = models[0]
     layers = tuple(dataclasses.replace(
         ls[0], **{f: statistics.fmean(getattr(l, f) for l in ls) for f in ("fwd_ms", "bwd_ms", "wgrad_ms")},
-        fused_ratio=_mean_ratio(ls), walk_ms_per_node=_mean_walk(ls))
+        fused_ratio=_mean_measured(ls, "fused_ratio"), walk_ms_per_node=_mean_measured(ls, "walk_ms_per_node"))
         for ls in zip(*(m.layers for m in models)))
     return dataclasses.replace(first, layers=layers)
 
 
-def _mean_walk(layers) -> float | None:
-    """The mean W walk cost per node below of one layer's profiles (None where none measured it)."""
-    got = [l.walk_ms_per_node for l in layers if l.walk_ms_per_node is not None]
-    return statistics.fmean(got) if got else None
-
-
-def _mean_ratio(layers) -> float | None:
-    """The mean fused-B ratio of one layer's profiles (None where none measured it)."""
-    got = [l.fused_ratio for l in layers if l.fused_ratio is not None]
+def _mean_measured(layers, name: str) -> float | None:
+    """The mean of one layer's profiles' optional figure `name` (fused_ratio, walk_ms_per_node; None where none
+    measured it)."""
+    got = [getattr(l, name) for l in layers if getattr(l, name) is not None]
     return statistics.fmean(got) if got else None
 
 
