@@ -19,7 +19,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,8 @@ from octopipe_plugin.schedules.registry import SCHEDULES, stage_devices_for  # n
 from octopipe_plugin.testing.checks import toy_runner  # noqa: E402
 from octopipe_plugin.testing.plans import make_plan, random_bounds  # noqa: E402
 from octopipe_plugin.testing.toy import ToySpec, build_layers  # noqa: E402
+
+from exchange_lanes import alternating_step_ms  # noqa: E402  (the same side-by-side timing loop)
 
 SPEC = ToySpec(hidden=256, seq=256, batch=1, dtype=torch.float32,
                layers=("in", "mlp", "attn", "mlp", "attn", "mlp", "attn", "mlp", "attn", "head"))
@@ -50,15 +51,7 @@ def worker(rank: int, world: int, port: int, docs: list[dict], steps: int, out: 
                                    options=ExecutorOptions(timeout_s=120, yield_after_send=y)) for y in SETTINGS}
         for ex in exs.values():  # warm-up: connections, allocator
             ex.run_step()
-        times = {str(y): [] for y in SETTINGS}
-        for _ in range(steps):
-            for y, ex in exs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                ex.run_step()
-                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
-                times[str(y)].append(float(took) * 1000.0)
+        times = {str(y): ms for y, ms in alternating_step_ms(exs, steps).items()}  # JSON keys
         rows.append({"label": doc["label"], "times": times})
     if rank == 0:
         with open(os.path.join(out, "times.json"), "w") as fh:

@@ -81,21 +81,29 @@ def worker(rank: int, world: int, port: int, docs: list[dict], steps: int, out: 
             losses[x] = ex.run_step().loss
         if losses["message"] is not None and not torch.equal(losses["message"], losses["batched"]):
             raise AssertionError(f"{doc['label']}: batched loss {losses['batched']} != {losses['message']}")
-        times = {x: [] for x in EXCHANGES}
-        for _ in range(steps):
-            for x, ex in exs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                clock.start(time.time())
-                ex.run_step()
-                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
-                times[x].append(float(took) * 1000.0)
+        times = alternating_step_ms(exs, steps, before_step=lambda: clock.start(time.time()))
         rows.append({"label": doc["label"], "workload": doc["workload"], "times": times})
     if rank == 0:
         with open(os.path.join(out, "times.json"), "w") as fh:
             json.dump(rows, fh)
     dist.destroy_process_group()
+
+
+def alternating_step_ms(exs: dict, steps: int, before_step=None) -> dict:
+    """Per executor of `exs`, `steps` step times in ms, the executors taking turns step by step (load drift hits
+    all alike); a step's time is its slowest rank's. `before_step` runs right after each step's clock starts."""
+    times = {k: [] for k in exs}
+    for _ in range(steps):
+        for k, ex in exs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            if before_step is not None:
+                before_step()
+            ex.run_step()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
+            times[k].append(float(took) * 1000.0)
+    return times
 
 
 def main(argv=None) -> int:
