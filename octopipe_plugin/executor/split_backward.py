@@ -44,7 +44,8 @@ def backward_input(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.nn.Parameter],
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightWork]:
-    """Input gradients of `outputs` (given their gradients) and the deferred weight work."""
+    """Input gradients of `outputs` (given their gradients) and the deferred weight work; an input may be a
+    non-leaf tensor (the start of a stage's gradient chain, `grad_starts`)."""
     out_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, outputs) if fn is not None]
     in_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, inputs) if fn is not None]
     w_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, params) if fn is not None]
@@ -63,10 +64,27 @@ def backward_input(
     finally:
         for h in handles:
             h.remove()
+    _capture_at_inputs(groups, inputs, dinputs)
     grouped = set().union(*(g["params"] for g in groups)) if groups else set()
     leftover = tuple(p for p, fn in zip(params, map(_get_grad_fn_or_grad_acc, params)) if fn not in grouped)
     rest = (tuple(outputs), tuple(grad_outputs), leftover) if leftover else ()
     return tuple(dinputs), WeightWork(groups=groups, params=tuple(params), rest=rest, incoming=tuple(grad_outputs))
+
+
+def _capture_at_inputs(groups: list, inputs: Sequence[torch.Tensor], dinputs: tuple) -> None:
+    """Give W the gradient at an intermediate that is an input's own node (a non-leaf input such as an
+    embedding's output, `grad_starts`): I stops at the input, so that node never runs and its hook never fires."""
+    at: dict = {}
+    for t, g in zip(inputs, dinputs):
+        if t.grad_fn is not None and g is not None:
+            at.setdefault(t.grad_fn, {})[t.output_nr] = g
+    if not at:
+        return
+    for group in groups:
+        for i, node in enumerate(group["intermediates"]):
+            if group["grads"][i] is None and node in at:
+                n = len(node._input_metadata)  # the node's gradient inputs (its forward outputs)
+                group["grads"][i] = tuple(at[node].get(k) for k in range(n))
 
 
 def _capture(group: dict, i: int):

@@ -5,7 +5,9 @@ the Megatron adapter's `MegatronStages` share: what each action keeps for the ne
 its (stage, micro-batch), how the backward starts (the last stage from its loss, times the
 gradient scale; the others from the received gradient), which outputs and inputs a backward
 differentiates, and the rule that a stage with no input gradient to give (the first stage
-on token ids, a data-only input) runs nothing at I and its whole backward at W.
+on token ids, a data-only input) runs I down to where its gradient chain starts (the tensors
+F computed from data and weights alone, `grad_starts`: the embedding's output) and the weights
+at W; only a stage where F finds no such start runs nothing at I and its whole backward at W.
 
 A runner says only where its framework differs, through these hooks:
 - `_stage_input(stage, mb, inputs, keep)` / `_forward(stage, mb, x, batch, keep)`: the call
@@ -37,6 +39,7 @@ kept in one `StageStates`; each entry dies with its last use.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +47,7 @@ import torch
 
 from ..actions import Kind
 from .boundary import flatten, unflatten
+from .grad_starts import recorded_starts
 from .head_input import HeadInput, coef_dtype, loss_coefficients
 from .interface import RunnerInterfaceError
 
@@ -57,6 +61,9 @@ class Forwarded:
     # the output's shape when its storage was freed after the send (Megatron's deallocate_pipeline_outputs): the
     # output then holds one element and `_autograd_view` shows autograd this shape
     output_shape: tuple | None = None
+    # on a stage whose input takes no gradient: the tensors its gradient chain starts from (grad_starts), where I
+    # stops so that W keeps only the weights' work
+    starts: tuple = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +164,13 @@ class StageCore:
         keep = not forward_only
         with contextlib.nullcontext() if keep else torch.no_grad():
             x = self._stage_input(stage, mb, inputs, keep)
-            value, fwd = self._forward(stage, mb, x, batch, keep)
+            if keep and not input_targets(x):
+                with recorded_starts() as starts:
+                    value, fwd = self._forward(stage, mb, x, batch, keep)
+                if fwd is not None and starts:
+                    fwd = dataclasses.replace(fwd, starts=tuple(starts))
+            else:
+                value, fwd = self._forward(stage, mb, x, batch, keep)
         if keep and fwd is not None:
             self.state.put(stage, mb, fwd)
         return value
@@ -172,9 +185,11 @@ class StageCore:
         """I: the input gradient only; keeps the captured gradients (not the activations above them) for W."""
         fwd = self.state.get(stage, mb, Forwarded)
         ins = input_targets(fwd.input)
+        # no input gradient to give (first stage on token ids): I stops where the stage's gradient chain starts
+        targets = ins or list(fwd.starts)
         with self._grad_action(stage, Kind.I, last_backward):
-            if not ins:
-                # No input gradient to give (first stage on integer input, a data-only input): all is W's work.
+            if not targets:
+                # nor a start found in F (no module computes from data and weights alone): all is W's work
                 self.state.put(stage, mb, WeightDoesAll(forwarded=fwd, grad_output=grad_output))
                 return self._dx(stage, fwd.input, {})
             with self._autograd_view(fwd):
@@ -183,8 +198,8 @@ class StageCore:
                 outs, gs = _computed(outs, gs, ins)
                 work = None
                 if outs:
-                    dins, work = self._split_input(stage, outs, gs, ins)
-                    for t, g in zip(ins, dins):
+                    dins, work = self._split_input(stage, outs, gs, targets)
+                    for t, g in zip(ins, dins):  # a start's gradient is W's, not the stage's input gradient
                         _add(dx, t, g)
         self.state.put(stage, mb, InputGradDone(work=work))  # drops the input and output references
         return self._dx(stage, fwd.input, dx)

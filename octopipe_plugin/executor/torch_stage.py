@@ -126,7 +126,7 @@ class TorchStages(StageCore):
             # A float input that "requires grad" lets I walk the activation chain of stage 0 and
             # leave W only the weight products, as on every other stage (a faithful I/W split for
             # zero-bubble plans), at the price of the first layer's unused input-gradient product.
-            # Integer inputs (token ids) fall back to "I does nothing, W does everything".
+            # Integer inputs (token ids): I stops at the embedding's output instead (stage_core, grad_starts).
             x = x.detach().requires_grad_(True)
         return x
 
