@@ -1,7 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 12] [--stat p25|median]
-       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc]
+       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--pin]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -247,7 +247,17 @@ def _order(i: int, n: int) -> list[int]:
     return [(i + k) % n for k in range(n)]
 
 
+def pin_to_core(rank: int) -> None:
+    """Bind this rank's process to core `rank` (of the cores it may use), before gloo starts its threads so they
+    inherit it: one rank per core, as one rank per GPU, so a waking thread of one rank is never placed on the
+    core another rank computes on (the scheduler's wake-up placement otherwise puts it beside its waker)."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    if args.pin:
+        pin_to_core(rank)
     init_gloo(rank, world, port, timeout_s=900)
     torch.set_num_threads(1)
     link = measure_link(rank, COMMON["seq_len"] * COMMON["hidden"] * 4)
@@ -383,6 +393,9 @@ def main() -> None:
     ap.add_argument("--no-gc", action="store_true",
                     help="Python's garbage collector off between the steps too, collected after each round (the "
                          "executor already pauses it inside each step: ExecutorOptions.pause_gc)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each rank (its gloo threads included) bound to a core of its own (os.sched_setaffinity), "
+                         "as one rank per GPU; default: the OS places the ranks' threads")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
                          "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
@@ -397,7 +410,8 @@ def main() -> None:
             report = json.load(fh)
     load1, steal1 = os.getloadavg(), steal_jiffies()
     stat = {"p25": "lower quartile", "median": "median"}[args.stat]
-    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}"
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (pinned, a core each)' if args.pin else ''}"
+          f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
           f"layer (both ranks at once), then one step of every plan (order rotated); the {stat} of the rounds "
