@@ -383,7 +383,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--stat", choices=STATISTICS, default="p25",
                     help="the figure taken of the steps and of the profile's samples alike (p25: the lower quartile, "
-                         "which leaves out the steps other processes slowed down; median)")
+                         "which leaves out the steps other processes slowed down; median; mean: what a sum of many "
+                         "actions adds up to, see profile/timing.py STATISTICS)")
     ap.add_argument("--round-samples", type=int, default=1,
                     help="profile samples per distinct layer in each round (the prediction's profile)")
     ap.add_argument("--repeats", type=int, default=10,
@@ -409,7 +410,7 @@ def main() -> None:
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
     load1, steal1 = os.getloadavg(), steal_jiffies()
-    stat = {"p25": "lower quartile", "median": "median"}[args.stat]
+    stat = {"p25": "lower quartile", "median": "median", "mean": "mean"}[args.stat]
     print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (pinned, a core each)' if args.pin else ''}"
           f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
@@ -420,6 +421,9 @@ def main() -> None:
         print("  why the lower quartile: other processes and the hypervisor only ever add time to a step or a "
               "sample, so the low quantile of interleaved rounds estimates the undisturbed run and leaves the "
               "preempted ones out; a quartile, unlike the minimum, stays steady over a dozen rounds")
+    elif args.stat == "mean":
+        print("  why the mean: a step is the sum of its actions (and waits), so its mean is the sum of their means; "
+              "a low quantile of short samples, summed, falls short of the same quantile of their sum")
     torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
     steal = 100 * (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1])
     print(f"machine: {device_name(torch.device('cpu'))} per rank, {os.cpu_count()} cores; load average "
