@@ -1,7 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 12] [--stat p25|median]
-       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--pin]
+       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--no-pin]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -12,7 +12,9 @@ the link between the two local ranks is measured by a gloo ping-pong. The tuner 
 profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
 (round-robin over them) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
-one thread each (this machine has 2 cores), the plans' order rotated each round. A slow spell of the
+one thread each (this machine has 2 cores), each process bound to a core of its own as one rank per GPU
+(`--no-pin` leaves the placement to the OS, whose wake-up placement then puts one rank's waking threads on the
+core the other rank computes on), the plans' order rotated each round. A slow spell of the
 shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
 all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
 quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
@@ -394,9 +396,9 @@ def main() -> None:
     ap.add_argument("--no-gc", action="store_true",
                     help="Python's garbage collector off between the steps too, collected after each round (the "
                          "executor already pauses it inside each step: ExecutorOptions.pause_gc)")
-    ap.add_argument("--pin", action="store_true",
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="each rank (its gloo threads included) bound to a core of its own (os.sched_setaffinity), "
-                         "as one rank per GPU; default: the OS places the ranks' threads")
+                         "as one rank per GPU (default); --no-pin: the OS places the ranks' threads")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
                          "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
@@ -411,7 +413,8 @@ def main() -> None:
             report = json.load(fh)
     load1, steal1 = os.getloadavg(), steal_jiffies()
     stat = {"p25": "lower quartile", "median": "median", "mean": "mean"}[args.stat]
-    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (pinned, a core each)' if args.pin else ''}"
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each"
+          f"{' (pinned, a core each)' if args.pin else ' (not pinned: the OS places their threads)'}"
           f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
