@@ -14,7 +14,8 @@ profile. Then the runs go in rounds: each round takes the profile's samples of e
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
 one thread each (this machine has 2 cores), each process bound to a core of its own as one rank per GPU
 (`--no-pin` leaves the placement to the OS, whose wake-up placement then puts one rank's waking threads on the
-core the other rank computes on), the plans' order rotated each round. A slow spell of the
+core the other rank computes on), the plans in an order that changes each round (a Williams design: each
+plan first, and behind each other plan, equally often; `_order`). A slow spell of the
 shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
 all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
 quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
@@ -245,8 +246,21 @@ def _switches() -> tuple[int, int]:
 
 
 def _order(i: int, n: int) -> list[int]:
-    """Round i's order of the n plans: rotated by one each round, so no plan always follows the same one."""
-    return [(i + k) % n for k in range(n)]
+    """Round i's order of the n plans: row i of a Williams design (its rows in turn), in which every plan comes
+    first, and follows every other plan, equally often over the rows (n rows, 2n for odd n). A plain rotation kept
+    each plan behind the same one in every round but the one it opened, so whatever a step leaves behind (the heap,
+    the caches, the collector's garbage) always fell on the same next plan."""
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    if n % 2:  # odd n: the reversed rows balance the pairs
+        rows += [row[::-1] for row in rows]
+    return rows[i % len(rows)]
 
 
 def pin_to_core(rank: int) -> None:
@@ -285,7 +299,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         busy: list[list[float]] = [[] for _ in plans]  # this rank's time inside its actions, per step
         switches: list[list[int]] = [[] for _ in plans]  # this rank's involuntary context switches, per step
         others: list[list[float]] = [[] for _ in plans]  # CPU ms of this rank's other threads (gloo's), per step
-        # rounds: the profile's samples, then one step of every plan (rotated), so a busy spell of the shared
+        # rounds: the profile's samples, then one step of every plan (_order), so a busy spell of the shared
         # machine hits the profile and every plan alike
         for i in range(args.warmup + args.steps):
             dist.barrier()
@@ -381,7 +395,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12,
-                    help="timed rounds: each one the profile's samples, then one step of every plan (rotated)")
+                    help="timed rounds: each one the profile's samples, then one step of every plan (order: _order)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--stat", choices=STATISTICS, default="p25",
                     help="the figure taken of the steps and of the profile's samples alike (p25: the lower quartile, "
@@ -418,7 +432,7 @@ def main() -> None:
           f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
-          f"layer (both ranks at once), then one step of every plan (order rotated); the {stat} of the rounds "
+          f"layer (both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
           f"taken of the steps and of the profile alike")
     if args.stat == "p25":
         print("  why the lower quartile: other processes and the hypervisor only ever add time to a step or a "
