@@ -1,7 +1,7 @@
 """Where the fidelity gap comes from: every action's span inside the executor against the profile's figure.
 
 Usage: PYTHONPATH=. python benchmarks/action_costs.py [--models dense,moe,heavy-head] [--steps 4]
-       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--keep-heap] [--deferral-only] [--no-deferral]
+       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--keep-heap] [--no-pin] [--deferral-only] [--no-deferral]
 
 `--clock cpu` takes the profile and every action's span in the thread's CPU time: on a shared, loaded
 machine the wall clock mostly measures the OS scheduler, CPU time still compares an action with its
@@ -462,6 +462,8 @@ def print_deferral(per_rank: list[dict], k: int) -> None:
 # ---------------------------------------------------------------- the ranks
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    if args.pin:
+        fid.pin_to_core(rank)
     init_gloo(rank, world, port, timeout_s=900)
     if args.clock == "cpu":
         from octopipe_plugin.profile import timing
@@ -514,6 +516,8 @@ def main() -> None:
                          "the executor's spans against the very stages measured alone")
     ap.add_argument("--no-gc", action="store_true",
                     help="the ranks' garbage collector off during the steps (collected between rounds)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="each rank bound to a core of its own (default, as fidelity.py); --no-pin: the OS places them")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks run with glibc's heap kept (no trim, fixed mmap threshold): tests the allocator")
     args = ap.parse_args()
@@ -527,7 +531,7 @@ def main() -> None:
             report = json.load(fh)
     load1 = os.getloadavg()
     print(f"action costs: {fid.DEVICES} local gloo ranks, one thread each, spans in {args.clock} time"
-          f"{', heap kept' if args.keep_heap else ''}{', collector off in steps' if args.no_gc else ''}; load average {load0[0]:.2f} before, "
+          f"{', pinned' if args.pin else ', not pinned'}{', heap kept' if args.keep_heap else ''}{', collector off in steps' if args.no_gc else ''}; load average {load0[0]:.2f} before, "
           f"{load1[0]:.2f} after ({time.time() - t0:.0f} s)")
     if "deferral" in report:
         print_deferral(report["deferral"], args.defer_k)

@@ -1,7 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 12] [--stat p25|median]
-       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc]
+       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--no-pin]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -12,7 +12,10 @@ the link between the two local ranks is measured by a gloo ping-pong. The tuner 
 profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
 (round-robin over them) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
-one thread each (this machine has 2 cores), the plans' order rotated each round. A slow spell of the
+one thread each (this machine has 2 cores), each process bound to a core of its own as one rank per GPU
+(`--no-pin` leaves the placement to the OS, whose wake-up placement then puts one rank's waking threads on the
+core the other rank computes on), the plans in an order that changes each round (a Williams design: each
+plan first, and behind each other plan, equally often; `_order`). A slow spell of the
 shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
 all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
 quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
@@ -243,11 +246,34 @@ def _switches() -> tuple[int, int]:
 
 
 def _order(i: int, n: int) -> list[int]:
-    """Round i's order of the n plans: rotated by one each round, so no plan always follows the same one."""
-    return [(i + k) % n for k in range(n)]
+    """Round i's order of the n plans: row i of a Williams design (its rows in turn), in which every plan comes
+    first, and follows every other plan, equally often over the rows (n rows, 2n for odd n). A plain rotation kept
+    each plan behind the same one in every round but the one it opened, so whatever a step leaves behind (the heap,
+    the caches, the collector's garbage) always fell on the same next plan."""
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    if n % 2:  # odd n: the reversed rows balance the pairs
+        rows += [row[::-1] for row in rows]
+    return rows[i % len(rows)]
+
+
+def pin_to_core(rank: int) -> None:
+    """Bind this rank's process to core `rank` (of the cores it may use), before gloo starts its threads so they
+    inherit it: one rank per core, as one rank per GPU, so a waking thread of one rank is never placed on the
+    core another rank computes on (the scheduler's wake-up placement otherwise puts it beside its waker)."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    if args.pin:
+        pin_to_core(rank)
     init_gloo(rank, world, port, timeout_s=900)
     torch.set_num_threads(1)
     link = measure_link(rank, COMMON["seq_len"] * COMMON["hidden"] * 4)
@@ -273,7 +299,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         busy: list[list[float]] = [[] for _ in plans]  # this rank's time inside its actions, per step
         switches: list[list[int]] = [[] for _ in plans]  # this rank's involuntary context switches, per step
         others: list[list[float]] = [[] for _ in plans]  # CPU ms of this rank's other threads (gloo's), per step
-        # rounds: the profile's samples, then one step of every plan (rotated), so a busy spell of the shared
+        # rounds: the profile's samples, then one step of every plan (_order), so a busy spell of the shared
         # machine hits the profile and every plan alike
         for i in range(args.warmup + args.steps):
             dist.barrier()
@@ -369,11 +395,12 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12,
-                    help="timed rounds: each one the profile's samples, then one step of every plan (rotated)")
+                    help="timed rounds: each one the profile's samples, then one step of every plan (order: _order)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--stat", choices=STATISTICS, default="p25",
                     help="the figure taken of the steps and of the profile's samples alike (p25: the lower quartile, "
-                         "which leaves out the steps other processes slowed down; median)")
+                         "which leaves out the steps other processes slowed down; median; mean: what a sum of many "
+                         "actions adds up to, see profile/timing.py STATISTICS)")
     ap.add_argument("--round-samples", type=int, default=1,
                     help="profile samples per distinct layer in each round (the prediction's profile)")
     ap.add_argument("--repeats", type=int, default=10,
@@ -383,6 +410,9 @@ def main() -> None:
     ap.add_argument("--no-gc", action="store_true",
                     help="Python's garbage collector off between the steps too, collected after each round (the "
                          "executor already pauses it inside each step: ExecutorOptions.pause_gc)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="each rank (its gloo threads included) bound to a core of its own (os.sched_setaffinity), "
+                         "as one rank per GPU (default); --no-pin: the OS places the ranks' threads")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
                          "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
@@ -396,16 +426,21 @@ def main() -> None:
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
     load1, steal1 = os.getloadavg(), steal_jiffies()
-    stat = {"p25": "lower quartile", "median": "median"}[args.stat]
-    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each{' (heap kept)' if args.keep_heap else ''}"
+    stat = {"p25": "lower quartile", "median": "median", "mean": "mean"}[args.stat]
+    print(f"fidelity: {DEVICES} local ranks (gloo), one thread each"
+          f"{' (pinned, a core each)' if args.pin else ' (not pinned: the OS places their threads)'}"
+          f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
-          f"layer (both ranks at once), then one step of every plan (order rotated); the {stat} of the rounds "
+          f"layer (both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
           f"taken of the steps and of the profile alike")
     if args.stat == "p25":
         print("  why the lower quartile: other processes and the hypervisor only ever add time to a step or a "
               "sample, so the low quantile of interleaved rounds estimates the undisturbed run and leaves the "
               "preempted ones out; a quartile, unlike the minimum, stays steady over a dozen rounds")
+    elif args.stat == "mean":
+        print("  why the mean: a step is the sum of its actions (and waits), so its mean is the sum of their means; "
+              "a low quantile of short samples, summed, falls short of the same quantile of their sum")
     torch.set_num_threads(1)  # the thread count each rank ran with (part of the device name)
     steal = 100 * (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1])
     print(f"machine: {device_name(torch.device('cpu'))} per rank, {os.cpu_count()} cores; load average "
