@@ -9,6 +9,16 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
 pip install -q -e ".[test,solver,fast]" "packaging>=24.2" numpy
+if ! python -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 pip install -q --no-build-isolation "deepspeed==0.19.8"
+fi
+# DeepSpeed's CPU accelerator compiles its shared-memory comm op at the first init_distributed of a machine
+# (deepspeed/comm/torch.py build_shm_op, from TorchBackend.__init__; ~35 s of 2 cores, cached under
+# ~/.cache/torch_extensions, rebuilt when the venv's path changes). Built here, beside the installs below, instead
+# of inside the first DeepSpeed test; a failure here only leaves that build to the first test.
+python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+  >.venv/shm-op-build.log 2>&1 &
+SHM_BUILD=$!
 if ! python -c "import megatron.core" 2>/dev/null; then
   # megatron-core 0.19.2 declares Python>=3.12 but its cp311 wheel works (docs/design.md);
   # --no-deps keeps it from pulling a CUDA torch. triton is imported by its schedules module.
@@ -25,7 +35,6 @@ if sys.version_info < (3, 12):
 PY
 # megatron's distributed checkpointing needs psutil, which --no-deps leaves out
 python -c "import psutil" 2>/dev/null || pip install -q psutil
-if ! python -c "import deepspeed" 2>/dev/null; then
-  DS_BUILD_OPS=0 pip install -q --no-build-isolation "deepspeed==0.19.8"
-fi
+wait "$SHM_BUILD" || echo "install.sh: DeepSpeed's shm comm op was not prebuilt (.venv/shm-op-build.log); \
+the first DeepSpeed test builds it"
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

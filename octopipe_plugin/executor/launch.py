@@ -40,10 +40,11 @@ def _exception_line(text: str) -> str:
     return " ".join(lines[found[-1]:found[-1] + 4])
 
 
-def spawn(fn, world: int, *args) -> None:
-    """Run `fn(rank, world, port, *args)` in `world` spawned processes; a failure raises OctoPipeError."""
+def spawn(fn, world: int, *args, start_method: str = "spawn") -> None:
+    """Run `fn(rank, world, port, *args)` in `world` spawned processes; a failure raises OctoPipeError.
+    `start_method="forkserver"`: the processes fork from multiprocessing's forkserver (its preloaded imports)."""
     try:
-        mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=True)
+        mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method=start_method, join=True)
     except mp.ProcessRaisedException as exc:
         raise OctoPipeError(f"rank {exc.error_index} failed: {_exception_line(str(exc))}") from None
     except mp.ProcessExitedException as exc:

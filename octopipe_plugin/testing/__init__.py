@@ -12,5 +12,6 @@ Nothing here runs in a training run, and importing a module here patches nothing
 - `sleep_layer`, `megatron_standin`, `deepspeed_standin`: sleeping stand-in layers on a
   DeviceClock and the Megatron / DeepSpeed chunks the framework benchmarks build from them;
 - `megatron_wgrad`: Megatron MLP stacks for the I/W split checks and the GEMM counter;
-- `gpu_check`: the device self-check `scripts/gpu_check.sh` runs.
+- `gpu_check`: the device self-check `scripts/gpu_check.sh` runs;
+- `process_groups`: which process groups a harness destroys after each scenario of a spawn.
 """

@@ -17,6 +17,8 @@ import traceback
 import torch
 from torch import nn
 
+from octopipe_plugin.testing.process_groups import destroy_groups_since, live_groups
+
 VOCAB, HID, SEQ, MBS = 16, 8, 4, 2
 NUM_BLOCKS = 7
 BASE_SEED = 1234
@@ -246,7 +248,7 @@ def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str, run=
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     for sc in scenarios:
-        before = _live_groups()
+        before = live_groups()
         try:
             run(sc, rank, out_dir)
         except Exception as exc:  # noqa: BLE001 - the test reports it with the scenario's name
@@ -255,32 +257,7 @@ def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str, run=
             if sc.get("fatal", True):
                 raise
         deepspeed.comm.barrier()
-        _destroy_scenario_groups(before)
-
-
-def _live_groups() -> set:
-    """The process groups alive now."""
-    from torch.distributed import distributed_c10d as c10d
-
-    return set(c10d._world.pg_map)
-
-
-def _destroy_scenario_groups(before: set) -> None:
-    """Destroy the process groups a finished scenario's engine made (its pipeline grid's), so that they do not pile up
-    over the spawn (3 gloo threads each); groups made to be reused stay: DeepSpeed's module-level ones
-    (deepspeed.utils.groups) and the executor's per-process direction groups (executor.default_cache)."""
-    import torch.distributed as dist
-    from deepspeed.utils import groups
-
-    from octopipe_plugin.executor import default_cache
-
-    kept = set(default_cache().groups.values())
-    for value in vars(groups).values():
-        for group in (value.values() if isinstance(value, dict) else [value]):
-            if isinstance(group, dist.ProcessGroup):
-                kept.add(group)
-    for group in _live_groups() - before - kept:
-        dist.destroy_process_group(group)
+        destroy_groups_since(before)  # the scenario's engine groups (pipeline grid)
 
 
 def run_all(scenarios: list, world: int, out_dir: str, run=None) -> None:

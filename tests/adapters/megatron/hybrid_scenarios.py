@@ -4,16 +4,13 @@ Like megatron_scenarios (the GPT cases) but the chunks are HybridModels: Megatro
 the '|' pattern round-robin (its select_pipeline_segment and interleaved schedule), OctoPipe's take
 the pattern start-up writes for the plan (`mapping.stage_layout_args`) and are built through
 `plan_model_provider(..., hybrid=True)`, whose pipeline view gives every chunk the plan's segment.
-Rank 0 writes {case name: per-step losses, first-step main_grads, final weights} to a file.
+Run by megatron_scenarios.worker for cases marked scenario="hybrid" (one spawn may mix them with GPT cases);
+rank 0 writes {case name: per-step losses, first-step main_grads, final weights} to a file.
 """
 
 from __future__ import annotations
 
-import logging
-import traceback
-
 import torch
-import torch.distributed as dist
 
 import hybrid_harness as HH
 import megatron_harness as H
@@ -132,21 +129,3 @@ def run_case(case: dict) -> dict:
     return {"losses": torch.stack(losses), "grads": grads, "weights": H.gathered_weights(chunks),
             "pattern": pattern, "layers": S._gathered(layers),
             "device_problems": S._gathered(device_problems) if case.get("device_check") else None}
-
-
-def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -> None:
-    """Spawn target: run every case in turn; rank 0 saves {case name: result} (or the first error)."""
-    H.init_process(rank, world, port)
-    logging.disable(logging.INFO)  # Megatron logs every bucket, optimizer setting and hybrid segment at INFO
-    results = {}
-    for case in cases:
-        try:
-            results[case["name"]] = run_case(case)
-        except Exception:  # record and stop: later cases would only hang on a broken group
-            results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
-            torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
-            raise
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.barrier()
-    dist.destroy_process_group()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cpu_shims as cpu_shims
+from octopipe_plugin.testing.process_groups import destroy_groups_since
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,30 @@ def init_process(rank: int, world: int, port: int) -> None:
     init_gloo(rank, world, port, timeout_s=120)
 
 
+def spawn(fn, world: int, *args) -> None:
+    """executor.launch.spawn (fn(rank, world, port, *args) on `world` ranks), the ranks forked from the session's
+    forkserver, which imported the CPU shims and Megatron once (megatron_preload.py)."""
+    import multiprocessing
+    import os
+    from multiprocessing import forkserver
+
+    from octopipe_plugin.executor.launch import spawn as spawn_ranks
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["megatron_preload"])
+    # the server finds its preload on the PYTHONPATH it starts with (Python 3.11 drops the sys.path it is given;
+    # a preload that fails to import is skipped, the ranks then import for themselves)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [old])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+    spawn_ranks(fn, world, *args, start_method="forkserver")
+
+
 def tp_size(spec: TinyGPT) -> int:
     """The spec's --tensor-model-parallel-size (1 unless its extra arguments set it)."""
     args = list(spec.args)
@@ -64,28 +89,15 @@ shim_device_arch = cpu_shims.shim_device_arch  # validate_args' GPU-architecture
 shim_sequence_parallel_norm = cpu_shims.shim_sequence_parallel_norm  # --sequence-parallel's norms on CPU
 
 
-def destroy_subgroups() -> None:
-    """Destroy every process group but the default one (what the previous scenario's parallel state created)."""
-    # Megatron's destroy_model_parallel only drops its references: each re-initialisation would add its ~25 gloo
-    # groups (3 threads each) to the live ones until the spawn ends (measured: 1196 threads in one rank of the
-    # head-shard spawn, hundreds runnable at once)
-    from torch.distributed import distributed_c10d as c10d
-
-    if not dist.is_initialized():
-        return
-    world = c10d._get_default_group()
-    for group in list(c10d._world.pg_map):
-        if group is not world:
-            dist.destroy_process_group(group)
-
-
 def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
     """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP (the previous state's groups destroyed)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
-    destroy_subgroups()
+    # Megatron's destroy only drops its references: each re-initialisation would add its ~25 gloo groups to the live
+    # ones until the spawn ends (process_groups.py); every group but the default one and those made to be reused
+    destroy_groups_since({dist.group.WORLD} if dist.is_initialized() else set())
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
                                  get_embedding_ranks=embedding_ranks)

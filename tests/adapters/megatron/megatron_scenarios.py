@@ -255,6 +255,16 @@ def run_train_step_case(case: dict) -> dict:
     return {"losses": torch.stack(losses), "evals": None, "weights": H.gathered_weights(chunks)}
 
 
+def _runner(case: dict):
+    """The function that runs `case`: a hybrid model's (hybrid_scenarios, scenario="hybrid"), a whole train_step's,
+    or the GPT harness's."""
+    if case.get("scenario") == "hybrid":
+        import hybrid_scenarios
+
+        return hybrid_scenarios.run_case
+    return run_train_step_case if case.get("train_step") else run_case
+
+
 def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -> None:
     """Spawn target: run every case in turn; rank 0 saves {case name: result} (or the first error)."""
     H.init_process(rank, world, port)
@@ -262,7 +272,7 @@ def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -
     results = {}
     for case in cases:
         try:
-            results[case["name"]] = run_train_step_case(case) if case.get("train_step") else run_case(case)
+            results[case["name"]] = _runner(case)(case)
         except Exception:  # record and stop: later cases would only hang on a broken group
             results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
             torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
@@ -271,3 +281,22 @@ def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_spawned(world: int, cases: list[dict], path) -> dict:
+    """Spawn `world` ranks of `worker` over `cases` (results in the file `path`); a failing case is reported with
+    its worker's traceback."""
+    failure = None
+    try:
+        H.spawn(worker, world, cases, str(path))
+    except Exception as exc:  # the traceback the worker saved says more than the spawn error
+        failure = exc
+    results = torch.load(path) if path.exists() else {}
+    errors = [f"case {name}: {res['error']}" for p in [path, *sorted(path.parent.glob(path.name + ".rank*"))]
+              for name, res in (torch.load(p) if p.exists() else {}).items() if "error" in res]
+    # a rank's own failure first: its peers only report the connection it dropped
+    errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
+    assert not errors, "\n".join(errors)
+    if failure is not None:
+        raise failure
+    return results

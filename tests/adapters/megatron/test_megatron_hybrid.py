@@ -21,12 +21,11 @@ import pytest
 import torch
 
 import hybrid_harness as HH
-import hybrid_scenarios as HS
-from octopipe_plugin.executor.launch import spawn
 from octopipe_plugin.formats import plan_to_dict
 from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 
 import megatron_harness as H
+import megatron_scenarios as S
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 
@@ -50,7 +49,9 @@ VSHAPE_TIED = irregular([(0, 2), (2, 5), (5, 7), (7, 10)], placement("v", 4, 2),
 # neither looped nor V: stages 0, 1 on rank 0 and 2, 3 on rank 1 (rank 0's two chunks pass activations locally)
 BLOCKED = irregular([(0, 4), (4, 5), (5, 8), (8, 10)], [0, 0, 1, 1], seed=24)
 
-REFERENCE = [dict(name="ref", spec=SPEC, pp=1, microbatches=M), dict(name="ref_tied", spec=TIED, pp=1, microbatches=M)]
+# run by conftest.py's single_process_references (one spawn with the other modules' references)
+REFERENCE = [dict(name="ref", spec=SPEC, pp=1, microbatches=M, scenario="hybrid"),
+             dict(name="ref_tied", spec=TIED, pp=1, microbatches=M, scenario="hybrid")]
 PIPELINES = [
     dict(name="megatron_interleaved", spec=SPEC, pp=2, microbatches=M,
          pattern=HH.staged_pattern(SPEC, LOOPED_BOUNDS), ref="ref"),
@@ -64,30 +65,14 @@ PIPELINES = [
 ]
 
 
-def _run(world, cases, path):
-    """Spawn `world` ranks over `cases`; a failing case is reported with its worker's traceback."""
-    failure = None
-    try:
-        spawn(HS.worker, world, cases, str(path))
-    except Exception as exc:  # the traceback the worker saved says more than the spawn error
-        failure = exc
-    errors = [f"case {name}: {res['error']}" for p in [path, *sorted(path.parent.glob(path.name + ".rank*"))]
-              for name, res in (torch.load(p) if p.exists() else {}).items() if "error" in res]
-    errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)  # a rank's own failure first
-    assert not errors, "\n".join(errors)
-    if failure is not None:
-        raise failure
-    return torch.load(path)
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _run(1, REFERENCE, tmp_path_factory.mktemp("href") / "ref.pt")
+def reference(single_process_references):
+    return single_process_references(REFERENCE)
 
 
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory):
-    return _run(2, PIPELINES, tmp_path_factory.mktemp("hpp") / "pp.pt")
+    return S.run_spawned(2, [{**c, "scenario": "hybrid"} for c in PIPELINES], tmp_path_factory.mktemp("hpp") / "pp.pt")
 
 
 def assert_same(got, want, label):

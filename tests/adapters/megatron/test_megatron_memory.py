@@ -11,7 +11,7 @@ measurement sees.
 import pytest
 
 import megatron_harness as H
-import test_megatron_schedule as T
+import megatron_scenarios as S
 from octopipe_plugin.actions import Action, Kind
 from octopipe_plugin.testing.plans import make_plan
 from octopipe_plugin.formats import plan_to_dict
@@ -49,7 +49,7 @@ CASES = [dict(name="megatron_1f1b", spec=SPEC, pp=2, microbatches=M, layout=LAYO
 
 @pytest.mark.timeout(600)
 def test_peak_memory_per_rank_within_ten_percent_of_megatron(tmp_path):
-    res = T._run(2, CASES, tmp_path / "mem.pt")
+    res = S.run_spawned(2, CASES, tmp_path / "mem.pt")
     meg, octo, kept, unsplit = (res[c["name"]]["peak_bytes"] for c in CASES)
     print(f"peak bytes per rank: megatron {meg} octopipe {octo} octopipe-outputs-kept {kept} "
           f"octopipe-unsplit-linears {unsplit}")

@@ -15,7 +15,6 @@ import torch
 import megatron_harness as H
 import megatron_scenarios as S
 from octopipe_plugin.adapters.megatron.layout import plan_to_layout
-from octopipe_plugin.executor.launch import spawn
 from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.formats import plan_to_dict
 
@@ -83,32 +82,14 @@ PIPELINES = [
 ]
 
 
-def _run(world, cases, path):
-    """Spawn `world` ranks over `cases`; a failing case is reported with its worker's traceback."""
-    failure = None
-    try:
-        spawn(S.worker, world, cases, str(path))
-    except Exception as exc:  # the traceback the worker saved says more than the spawn error
-        failure = exc
-    results = torch.load(path) if path.exists() else {}
-    errors = [f"case {name}: {res['error']}" for p in [path, *sorted(path.parent.glob(path.name + ".rank*"))]
-              for name, res in (torch.load(p) if p.exists() else {}).items() if "error" in res]
-    # a rank's own failure first: its peers only report the connection it dropped
-    errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
-    assert not errors, "\n".join(errors)
-    if failure is not None:
-        raise failure
-    return results
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _run(1, REFERENCE, tmp_path_factory.mktemp("ref") / "ref.pt")
+def reference(single_process_references):
+    return single_process_references(REFERENCE)
 
 
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory):
-    return _run(4, PIPELINES, tmp_path_factory.mktemp("pp") / "pp.pt")
+    return S.run_spawned(4, PIPELINES, tmp_path_factory.mktemp("pp") / "pp.pt")
 
 
 def assert_same_training(got, want, label, half: bool = False):

@@ -32,7 +32,6 @@ from octopipe_plugin.formats import plan_to_dict
 from octopipe_plugin.formats.splits import SplitLayer
 from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.tuner.split_sched import ShardPolicy, insert_shards
-from test_megatron_schedule import _run
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 # the shards' math is the executor's VocabShards (SHARD_API.md, being built on branch w-shardcore)
@@ -167,8 +166,8 @@ def joined(values: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _run(1, REFERENCE, tmp_path_factory.mktemp("ref") / "ref.pt")
+def reference(single_process_references):
+    return single_process_references(REFERENCE)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +176,7 @@ def splits(tmp_path_factory):
     every = SPLITS + TP_REFERENCE + TP_SPLITS  # the TP cases share the 4-rank spawn (one start-up)
     for world in sorted({c["world"] for c in every}):
         cases = [c for c in every if c["world"] == world]
-        out.update(_run(world, cases, tmp_path_factory.mktemp(f"split{world}") / "split.pt"))
+        out.update(S.run_spawned(world, cases, tmp_path_factory.mktemp(f"split{world}") / "split.pt"))
     return out
 
 
