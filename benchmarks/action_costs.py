@@ -1,7 +1,7 @@
 """Where the fidelity gap comes from: every action's span inside the executor against the profile's figure.
 
 Usage: PYTHONPATH=. python benchmarks/action_costs.py [--models dense,moe,heavy-head] [--steps 4]
-       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--keep-heap] [--no-pin] [--deferral-only] [--no-deferral]
+       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--keep-heap] [--pin] [--deferral-only] [--no-deferral]
 
 `--clock cpu` takes the profile and every action's span in the thread's CPU time: on a shared, loaded
 machine the wall clock mostly measures the OS scheduler, CPU time still compares an action with its
@@ -516,8 +516,8 @@ def main() -> None:
                          "the executor's spans against the very stages measured alone")
     ap.add_argument("--no-gc", action="store_true",
                     help="the ranks' garbage collector off during the steps (collected between rounds)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                    help="each rank bound to a core of its own (default, as fidelity.py); --no-pin: the OS places them")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
+                    help="each rank bound to a core of its own (as fidelity.py --pin); default: the OS places them")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks run with glibc's heap kept (no trim, fixed mmap threshold): tests the allocator")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 12] [--stat p25|median]
-       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--no-pin]
+       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--pin]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -12,9 +12,10 @@ the link between the two local ranks is measured by a gloo ping-pong. The tuner 
 profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
 (round-robin over them) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
-one thread each (this machine has 2 cores), each process bound to a core of its own as one rank per GPU
-(`--no-pin` leaves the placement to the OS, whose wake-up placement then puts one rank's waking threads on the
-core the other rank computes on), the plans in an order that changes each round (a Williams design: each
+one thread each (this machine has 2 cores), placed by the OS (`--pin` binds each process, its gloo threads
+included, to a core of its own, as one rank per GPU: it kept the close pairs apart under load, but on a quiet
+machine each rank's gloo threads then take their CPU from its own compute thread: 2 December 03:43 pinned
+17.5%, busy dev +9..+18%, against 03:50 unpinned 9.4%), the plans in an order that changes each round (a Williams design: each
 plan first, and behind each other plan, equally often; `_order`). A slow spell of the
 shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
 all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
@@ -410,9 +411,9 @@ def main() -> None:
     ap.add_argument("--no-gc", action="store_true",
                     help="Python's garbage collector off between the steps too, collected after each round (the "
                          "executor already pauses it inside each step: ExecutorOptions.pause_gc)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="each rank (its gloo threads included) bound to a core of its own (os.sched_setaffinity), "
-                         "as one rank per GPU (default); --no-pin: the OS places the ranks' threads")
+                         "as one rank per GPU; default --no-pin: the OS places the ranks' threads (see the docstring)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
                          "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
