@@ -164,13 +164,12 @@ class StageCore:
         keep = not forward_only
         with contextlib.nullcontext() if keep else torch.no_grad():
             x = self._stage_input(stage, mb, inputs, keep)
-            if keep and not input_targets(x):
-                with recorded_starts() as starts:
-                    value, fwd = self._forward(stage, mb, x, batch, keep)
-                if fwd is not None and starts:
-                    fwd = dataclasses.replace(fwd, starts=tuple(starts))
-            else:
+            # a stage whose input takes no gradient: find where its gradient chain starts (grad_starts)
+            recording = recorded_starts() if keep and not input_targets(x) else contextlib.nullcontext([])
+            with recording as starts:
                 value, fwd = self._forward(stage, mb, x, batch, keep)
+            if fwd is not None and starts:
+                fwd = dataclasses.replace(fwd, starts=tuple(starts))
         if keep and fwd is not None:
             self.state.put(stage, mb, fwd)
         return value
