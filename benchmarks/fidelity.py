@@ -14,8 +14,8 @@ profile. Then the runs go in rounds: each round takes the profile's samples of e
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
 one thread each (this machine has 2 cores), placed by the OS (`--pin` binds each process, its gloo threads
 included, to a core of its own, as one rank per GPU: it kept the close pairs apart under load, but on a quiet
-machine each rank's gloo threads then take their CPU from its own compute thread: 2 December 03:43 pinned
-17.5%, busy dev +9..+18%, against 03:50 unpinned 9.4%), the plans in an order that changes each round (a Williams design: each
+machine each rank's gloo threads then take their CPU from its own compute thread; README has the runs), the
+plans in an order that changes each round (a Williams design: each
 plan first, and behind each other plan, equally often; `_order`). A slow spell of the
 shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
 all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
