@@ -1,13 +1,13 @@
 """Where the fidelity gap comes from: every action's span inside the executor against the profile's figure.
 
 Usage: PYTHONPATH=. python benchmarks/action_costs.py [--models dense,moe,heavy-head] [--steps 4]
-       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--keep-heap] [--pin] [--deferral-only] [--no-deferral]
+       [--plans 1f1b,zb-v,...] [--clock wall|cpu] [--no-keep-heap] [--pin] [--deferral-only] [--no-deferral]
 
 `--clock cpu` takes the profile and every action's span in the thread's CPU time: on a shared, loaded
 machine the wall clock mostly measures the OS scheduler, CPU time still compares an action with its
-profile (the step itself stays wall clock). `--keep-heap` runs the ranks with glibc's heap kept (no
-trim, fixed mmap threshold), to see what the CPU allocator's page faults cost (a GPU's caching
-allocator has none of them). Per action it also counts page faults and the garbage collector's time.
+profile (the step itself stays wall clock). The ranks keep glibc's heap (no trim, fixed mmap
+threshold: fidelity.keep_heap, as fidelity.py runs them, since a GPU's caching allocator keeps its
+blocks too); `--no-keep-heap` runs glibc's defaults, to see what fresh pages cost. Per action it also counts page faults and the garbage collector's time.
 
 Part 1 (the executor): the fidelity models and plans (benchmarks/fidelity.py) run on 2 local gloo
 ranks, one thread each, plans interleaved step by step. For every (plan, stage, kind) the median span
@@ -518,12 +518,12 @@ def main() -> None:
                     help="the ranks' garbage collector off during the steps (collected between rounds)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="each rank bound to a core of its own (as fidelity.py --pin); default: the OS places them")
-    ap.add_argument("--keep-heap", action="store_true",
-                    help="ranks run with glibc's heap kept (no trim, fixed mmap threshold): tests the allocator")
+    ap.add_argument("--keep-heap", action=argparse.BooleanOptionalAction, default=True,
+                    help="ranks run with glibc's heap kept (fidelity.keep_heap, as fidelity.py runs them); "
+                         "--no-keep-heap: glibc's defaults, to see what fresh pages cost")
     args = ap.parse_args()
-    if args.keep_heap:  # read by glibc when the spawned ranks start
-        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
-                          MALLOC_TOP_PAD_=str(64 << 20))
+    if args.keep_heap:
+        fid.keep_heap()
     load0, t0 = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, fid.DEVICES, args, tmp)

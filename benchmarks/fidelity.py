@@ -1,7 +1,8 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
-Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 12] [--stat p25|median]
-       [--repeats 10] [--round-samples 1] [--models dense,moe,heavy-head] [--keep-heap] [--no-gc] [--pin]
+Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 16] [--stat p25|median|mean]
+       [--repeats 10] [--round-samples 1] [--sample-runs 8] [--models dense,moe,heavy-head] [--no-blocked]
+       [--no-keep-heap] [--no-gc] [--pin] [--json PATH]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -10,17 +11,22 @@ this machine with one thread (octopipe_plugin.profile: F, I and W with the execu
 backward, and the fused backward B that plans without the split are charged), by both ranks at once;
 the link between the two local ranks is measured by a gloo ping-pong. The tuner plans from a first
 profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
-(round-robin over them) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
+(round-robin over them; a sample is the mean of `--sample-runs` calls back to back, as a step sums many) and
+then one step of each plan (1F1B, interleaved 1F1B with two stages per
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
 one thread each (this machine has 2 cores), placed by the OS (`--pin` binds each process, its gloo threads
 included, to a core of its own, as one rank per GPU: it kept the close pairs apart under load, but on a quiet
 machine each rank's gloo threads then take their CPU from its own compute thread; README has the runs), the
 plans in an order that changes each round (a Williams design: each
 plan first, and behind each other plan, equally often; `_order`). A slow spell of the
-shared machine so lands on the profile as on the steps; the prediction is simulated from the samples of
+shared machine so lands on the profile as on the steps. Each round's steps and samples are divided by the
+round's speed (`round_speeds`: the machine's speed moves by 10-25% from one round to the next, in all of a
+round's steps at once; `--no-blocked` keeps the raw figures); the prediction is simulated from the samples of
 all rounds, and the steps and the profile are summed up by one statistic (`--stat`, default the lower
 quartile, see profile/timing.py STATISTICS: interference only adds time, so the low quantile leaves the
-preempted steps and samples out). The header prints the load average and the CPU time the hypervisor
+preempted steps and samples out). The ranks keep glibc's heap (`keep_heap`, as a GPU's caching allocator
+keeps its blocks: with glibc's defaults a step's new tensors take fresh pages while the profile's reuse the
+last call's; `--no-keep-heap`). The header prints the load average and the CPU time the hypervisor
 stole during the run (/proc/stat); per plan, `step IQR` is the inter-quartile range of its steps over
 their median, `+/- 90%` the half-width of the 90% bootstrap interval of the measured figure (a pair measured
 closer than that is not decided by the run), `preempt/step` the ranks' involuntary context switches per step (the OS took the core) and
@@ -42,6 +48,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import random
 import resource
@@ -205,7 +212,7 @@ class RoundProfile:
     samples of all rounds are summed up by the same statistic as the steps (profile/timing.py STATISTICS).
     """
 
-    def __init__(self, arch, samples_per_round: int):
+    def __init__(self, arch, samples_per_round: int, runs_per_sample: int = 1):
         planned = arch_layers(arch, builders(arch), impl="torch", dtype=torch.float32)
         reps = {}
         for p in planned:
@@ -214,30 +221,53 @@ class RoundProfile:
         torch.manual_seed(0)
         self.kinds = {k: (rep.build(), rep.example_input(torch.device("cpu"))) for k, rep in reps.items()}
         self.n = samples_per_round
+        self.runs = runs_per_sample
         self.first: dict[str, LayerProfile] = {}  # each kind's first sample (its sizes)
         self.ms: dict[str, dict[str, list[float]]] = {k: {f: [] for f in _PHASES} for k in self.kinds}
+
+    def round_totals(self) -> list[float]:
+        """Each kept round's samples summed over the kinds and phases (to compare with the round's speed)."""
+        per = [sum(v[j] for ph in self.ms.values() for v in ph.values()) for j in range(len(self.ms[next(iter(self.ms))]["fwd"]))]
+        return [sum(per[r * self.n:(r + 1) * self.n]) for r in range(len(per) // self.n)]
 
     def sample(self, keep: bool) -> None:
         """One round's samples of every distinct layer (kept when `keep`, else a warm-up)."""
         for _ in range(self.n):
             for k, (mod, x) in self.kinds.items():  # round-robin over the kinds, as a stage runs its layers
                 # W's walk per node below is the first profile's (a difference of medians: one sample is noise)
-                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=1, walk_nodes=0)
+                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=self.runs, walk_nodes=0)
                 if keep:
                     self.first.setdefault(k, prof)
                     for f in _PHASES:
-                        self.ms[k][f].append(getattr(prof, f).median_ms)  # one sample: its median is itself
+                        # the mean of the runs back to back: a sample that, like a step, sums many calls
+                        self.ms[k][f].append(getattr(prof, f).mean_ms)
 
-    def model(self, base, statistic: str):
-        """`base` with each measured kind's times from this rank's samples of every round, by `statistic`."""
-        got = {k: dataclasses.replace(self.first[k], **{f: summarise(v) for f, v in self.ms[k].items()})
-               for k in self.first}
+    def model(self, base, statistic: str, speeds: list[float] | None = None):
+        """`base` with each measured kind's times from this rank's samples of every round, by `statistic`; each
+        round's samples divided by that round's speed first (`speeds`, round_speeds: as its steps are)."""
+        speeds = speeds or [1.0] * (len(next(iter(next(iter(self.ms.values())).values()))) // self.n)
+        got = {k: dataclasses.replace(self.first[k], **{
+            f: summarise([ms / speeds[j // self.n] for j, ms in enumerate(v)]) for f, v in self.ms[k].items()})
+            for k in self.first}
         layers = tuple(dataclasses.replace(profiled_layer(l.name, l.kind, got[l.kind], statistic),
                                            state_bytes=l.state_bytes, activation_bytes=l.activation_bytes,
                                            output_bytes=l.output_bytes, graph_nodes=l.graph_nodes,
                                            walk_ms_per_node=l.walk_ms_per_node)
                        if l.kind in got else l for l in base.layers)
         return dataclasses.replace(base, layers=layers)
+
+
+def round_speeds(times: list[list[float]]) -> list[float]:
+    """Each round's speed: the geometric mean over the plans of the round's step against the plan's median step.
+
+    Every plan steps once a round, so a slow spell of the shared machine that lasts a round (the VM's speed moves
+    by 10-25% from one round to the next here, quiet or not) shows in all of its steps at once; dividing each
+    round's steps and profile samples by it leaves each plan's own spread (blocking, as in a designed experiment).
+    """
+    rounds = len(times[0])
+    medians = [statistics.median(ts) for ts in times]
+    return [math.exp(statistics.fmean(math.log(ts[r] / m) for ts, m in zip(times, medians) if m > 0))
+            for r in range(rounds)]
 
 
 def _switches() -> tuple[int, int]:
@@ -293,7 +323,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         for _, plan in plans:
             runner = _runner(arch, layers, plan, rank)
             runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900))))
-        rounds = RoundProfile(arch, args.round_samples)
+        rounds = RoundProfile(arch, args.round_samples, args.sample_runs)
         if args.no_gc:  # the collector off during the timed steps, collected after each round (Megatron's --manual-gc)
             gc.disable()
         times: list[list[float]] = [[] for _ in plans]
@@ -322,26 +352,43 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             if args.no_gc:
                 gc.collect()
         gc.enable()
+        speeds = round_speeds(times) if args.blocked else [1.0] * args.steps
+        blocked = [[t / v for t, v in zip(ts, speeds)] for ts in times]
         # the prediction's profile: this rank's samples of every round, then the ranks' mean (both computed at once)
         every = [None] * DEVICES
-        mine = (model_to_dict(rounds.model(model, args.stat)), [_stat(b, args.stat) for b in busy],
+        mine = (model_to_dict(rounds.model(model, args.stat, speeds)),
+                [_stat([b / v for b, v in zip(bs, speeds)], args.stat) for bs in busy],
                 [statistics.fmean(c) for c in switches], [statistics.fmean(c) for c in others])
         dist.all_gather_object(every, mine)
         model = _mean_model([model_from_dict(d) for d, *_ in every])
         rows = []
         for k, ((name, plan), ts) in enumerate(zip(plans, times)):
             sim = simulate(model, cluster, plan)
-            rows.append({"plan": name, "stages": plan.num_stages, "steps_ms": ts, "measured_ms": _stat(ts, args.stat),
+            rows.append({"plan": name, "stages": plan.num_stages, "steps_ms": ts, "blocked_ms": blocked[k],
+                         "measured_ms": _stat(blocked[k], args.stat),
                          "predicted_ms": sim.step_time_ms,
                          "aware_ms": simulate(model, cluster, plan, aware, detail=False).step_time_ms,
                          "busy_ms": [every[r][1][k] for r in range(DEVICES)], "predicted_busy_ms": list(sim.busy_ms),
                          "switches": [every[r][2][k] for r in range(DEVICES)],
                          "other_threads_ms": [every[r][3][k] for r in range(DEVICES)]})
-        report["models"].append({"model": model_to_dict(model), "rows": rows})
+        report["models"].append({"model": model_to_dict(model), "rows": rows, "speeds": speeds,
+                                 "profile_rounds": rounds.round_totals()})
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as fh:
             json.dump(report, fh)
     dist.destroy_process_group()
+
+
+def keep_heap() -> None:
+    """Ranks spawned from now on keep glibc's heap: no trim, a fixed mmap threshold above the tensors' sizes.
+
+    By default glibc maps each large block afresh and unmaps it when freed. The profiler's calls each reuse the
+    block the last one freed, while a step holds several micro-batches' activations, so its new tensors take fresh
+    pages (one decoder layer's F here: 30% slower with 3 other forwards' graphs alive; the same with the heap kept).
+    A GPU's caching allocator keeps its blocks, so a CPU run that is to tell about a GPU's is made to as well.
+    """
+    os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
+                      MALLOC_TOP_PAD_=str(64 << 20))  # read by glibc when each rank starts
 
 
 def _stat(samples: list[float], statistic: str) -> float:
@@ -357,6 +404,14 @@ def steal_jiffies() -> tuple[int, int]:
     except (OSError, ValueError):
         return 0, 0
     return vals[7], sum(vals)
+
+
+def _correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's correlation of two equally long series (0 where either is constant)."""
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return 0.0
 
 
 def ranking(rows: list[dict], key: str) -> list[str]:
@@ -395,7 +450,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=12,
+    ap.add_argument("--steps", type=int, default=16,
                     help="timed rounds: each one the profile's samples, then one step of every plan (order: _order)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--stat", choices=STATISTICS, default="p25",
@@ -404,6 +459,10 @@ def main() -> None:
                          "actions adds up to, see profile/timing.py STATISTICS)")
     ap.add_argument("--round-samples", type=int, default=1,
                     help="profile samples per distinct layer in each round (the prediction's profile)")
+    ap.add_argument("--sample-runs", type=int, default=8,
+                    help="runs of a layer back to back that one round's sample is the mean of: a step sums dozens of "
+                         "calls, so its low quantile over the rounds sits near the calls' mean, and a sample of one "
+                         "call each round would, by the same statistic, charge each call below its mean")
     ap.add_argument("--repeats", type=int, default=10,
                     help="profiler repeats per distinct layer before the runs (the profile the tuner plans with)")
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
@@ -414,18 +473,24 @@ def main() -> None:
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="each rank (its gloo threads included) bound to a core of its own (os.sched_setaffinity), "
                          "as one rank per GPU; default --no-pin: the OS places the ranks' threads (see the docstring)")
-    ap.add_argument("--keep-heap", action="store_true",
-                    help="ranks (profile and runs alike) keep glibc's heap: no trim, fixed mmap threshold, so large "
-                         "tensors are not page-faulted in afresh (as a GPU's caching allocator keeps its blocks)")
+    ap.add_argument("--keep-heap", action=argparse.BooleanOptionalAction, default=True,
+                    help="ranks (profile and runs alike) keep glibc's heap (keep_heap), as a GPU's caching allocator "
+                         "keeps its blocks; --no-keep-heap: glibc's defaults")
+    ap.add_argument("--blocked", action=argparse.BooleanOptionalAction, default=True,
+                    help="divide each round's steps and profile samples by the round's speed (round_speeds) before "
+                         "the statistic; --no-blocked: the raw figures")
+    ap.add_argument("--json", metavar="PATH", help="also write the ranks' report (every step of every plan) there")
     args = ap.parse_args()
-    if args.keep_heap:  # read by glibc when the spawned ranks start (benchmarks/action_costs.py: the same switch)
-        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
-                          MALLOC_TOP_PAD_=str(64 << 20))
+    if args.keep_heap:
+        keep_heap()
     load0, t0, steal0 = os.getloadavg(), time.time(), steal_jiffies()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, DEVICES, args, tmp)
         with open(os.path.join(tmp, "report.json"), encoding="utf-8") as fh:
             report = json.load(fh)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh)
     load1, steal1 = os.getloadavg(), steal_jiffies()
     stat = {"p25": "lower quartile", "median": "median", "mean": "mean"}[args.stat]
     print(f"fidelity: {DEVICES} local ranks (gloo), one thread each"
@@ -433,8 +498,9 @@ def main() -> None:
           f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
-          f"layer (both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
-          f"taken of the steps and of the profile alike")
+          f"layer (each the mean of {args.sample_runs} runs back to back; both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
+          f"taken of the steps and of the profile alike"
+          f"{', each round divided by its speed (blocked)' if args.blocked else ''}")
     if args.stat == "p25":
         print("  why the lower quartile: other processes and the hypervisor only ever add time to a step or a "
               "sample, so the low quantile of interleaved rounds estimates the undisturbed run and leaves the "
@@ -459,19 +525,23 @@ def main() -> None:
         desc = ", ".join(f"{k} {l.fwd_ms:.1f}/{l.bwd_ms:.1f}/{l.wgrad_ms:.1f}/"
                          f"{(l.bwd_ms + l.wgrad_ms) * (l.fused_ratio or 1.0):.1f}" for k, l in kinds.items())
         print(f"\nmodel {model.name}: {model.num_layers} layers; profiled F/I/W/B ms: {desc}")
+        speeds, totals = entry["speeds"], entry["profile_rounds"]
+        if args.blocked:
+            print(f"  round speeds {min(speeds):.3f}-{max(speeds):.3f} (steps and samples divided by them); the "
+                  f"profile's samples per round follow them: correlation {_correlation(speeds, totals):+.2f}")
         print(f"  {'plan':<28}{'stages':>7}{'predicted ms':>14}{'aware ms':>10}{'measured ms':>13}{'deviation':>11}"
               f"{'aware dev':>11}{'step IQR':>10}{'+/- 90%':>9}{'busy dev':>10}{'preempt/step':>14}{'threads ms':>12}")
         for r in rows:
             devs = {key: (r["measured_ms"] - r[key]) / r[key] for key in worst}
             worst = {key: max(worst[key], abs(devs[key])) for key in worst}
             n += 1
-            spread = summarise(r["steps_ms"]).spread  # inter-quartile range over the median
+            spread = summarise(r["blocked_ms"]).spread  # inter-quartile range over the median
             # the rank whose time inside its actions is furthest from the simulator's busy time (compute alone,
             # no waiting): where this is small and the deviation is not, the step lost its time between actions
             busy = max(((b - q) / q for b, q in zip(r["busy_ms"], r["predicted_busy_ms"]) if q > 0), key=abs)
             print(f"  {r['plan']:<28}{r['stages']:>7}{r['predicted_ms']:>14.1f}{r['aware_ms']:>10.1f}"
                   f"{r['measured_ms']:>13.1f}{100 * devs['predicted_ms']:>+10.1f}%{100 * devs['aware_ms']:>+10.1f}%"
-                  f"{100 * spread:>9.1f}%{100 * stat_interval(r['steps_ms'], args.stat):>8.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}"
+                  f"{100 * spread:>9.1f}%{100 * stat_interval(r['blocked_ms'], args.stat):>8.1f}%{100 * busy:>+9.1f}%{statistics.fmean(r['switches']):>14.1f}"
                   f"{statistics.fmean(r['other_threads_ms']):>12.1f}")
         print(f"  ranking by measured      : {' < '.join(ranking(rows, 'measured_ms'))}")
         for key, label in (("predicted_ms", "predicted"), ("aware_ms", "overhead-aware")):

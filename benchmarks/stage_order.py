@@ -155,9 +155,8 @@ def main() -> None:
     ap.add_argument("--keep-heap", action="store_true",
                     help="ranks keep glibc's heap (no trim, fixed mmap threshold): no fresh pages for new tensors")
     args = ap.parse_args()
-    if args.keep_heap:  # read by glibc when the spawned ranks start (as fidelity.py and action_costs.py)
-        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40),
-                          MALLOC_TOP_PAD_=str(64 << 20))
+    if args.keep_heap:
+        fid.keep_heap()
     load0, s0 = os.getloadavg(), steal_jiffies()
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, 2, args, tmp)
