@@ -1,8 +1,8 @@
 """How far the simulator is from reality: real small models through the executor against its prediction.
 
 Usage: PYTHONPATH=. python benchmarks/fidelity.py [--microbatches 8] [--steps 16] [--stat p25|median|mean]
-       [--repeats 10] [--round-samples 1] [--sample-runs 8] [--models dense,moe,heavy-head] [--no-blocked]
-       [--no-keep-heap] [--no-gc] [--pin] [--json PATH]
+       [--repeats 10] [--round-samples 1] [--sample-runs 8] [--flush-mb N] [--models dense,moe,heavy-head]
+       [--no-blocked] [--no-keep-heap] [--no-gc] [--pin] [--json PATH]
 
 Three real (small) models built from plain-torch layers (octopipe_plugin/profile/torch_layers.py):
 a dense Llama-style transformer, one whose decoder layers are MoE (top-2 of 8 experts plus a
@@ -11,8 +11,9 @@ this machine with one thread (octopipe_plugin.profile: F, I and W with the execu
 backward, and the fused backward B that plans without the split are charged), by both ranks at once;
 the link between the two local ranks is measured by a gloo ping-pong. The tuner plans from a first
 profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
-(round-robin over them; a sample is the mean of `--sample-runs` calls back to back, as a step sums many) and
-then one step of each plan (1F1B, interleaved 1F1B with two stages per
+(round-robin over them; a sample is the mean of `--sample-runs` calls back to back, as a step sums many, each
+call timed after a write over twice the last-level cache, `--flush-mb`: in a stage, a layer's weights and inputs
+were pushed out of the caches by the stage's other layers and micro-batches) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
 device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
 one thread each (this machine has 2 cores), placed by the OS (`--pin` binds each process, its gloo threads
 included, to a core of its own, as one rank per GPU: it kept the close pairs apart under load, but on a quiet
@@ -212,7 +213,7 @@ class RoundProfile:
     samples of all rounds are summed up by the same statistic as the steps (profile/timing.py STATISTICS).
     """
 
-    def __init__(self, arch, samples_per_round: int, runs_per_sample: int = 1):
+    def __init__(self, arch, samples_per_round: int, runs_per_sample: int = 1, flush_bytes: int = 0):
         planned = arch_layers(arch, builders(arch), impl="torch", dtype=torch.float32)
         reps = {}
         for p in planned:
@@ -222,6 +223,7 @@ class RoundProfile:
         self.kinds = {k: (rep.build(), rep.example_input(torch.device("cpu"))) for k, rep in reps.items()}
         self.n = samples_per_round
         self.runs = runs_per_sample
+        self.flush = flush_bytes
         self.first: dict[str, LayerProfile] = {}  # each kind's first sample (its sizes)
         self.ms: dict[str, dict[str, list[float]]] = {k: {f: [] for f in _PHASES} for k in self.kinds}
 
@@ -235,7 +237,8 @@ class RoundProfile:
         for _ in range(self.n):
             for k, (mod, x) in self.kinds.items():  # round-robin over the kinds, as a stage runs its layers
                 # W's walk per node below is the first profile's (a difference of medians: one sample is noise)
-                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=self.runs, walk_nodes=0)
+                prof = measure_layer(mod, x, torch.device("cpu"), warmup=0, repeats=self.runs, walk_nodes=0,
+                                     flush_bytes=self.flush)
                 if keep:
                     self.first.setdefault(k, prof)
                     for f in _PHASES:
@@ -323,7 +326,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         for _, plan in plans:
             runner = _runner(arch, layers, plan, rank)
             runs.append((runner, PipelineExecutor(plan, runner, options=ExecutorOptions(timeout_s=900))))
-        rounds = RoundProfile(arch, args.round_samples, args.sample_runs)
+        rounds = RoundProfile(arch, args.round_samples, args.sample_runs, args.flush_mb << 20)
         if args.no_gc:  # the collector off during the timed steps, collected after each round (Megatron's --manual-gc)
             gc.disable()
         times: list[list[float]] = [[] for _ in plans]
@@ -377,6 +380,23 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         with open(os.path.join(out, "report.json"), "w") as fh:
             json.dump(report, fh)
     dist.destroy_process_group()
+
+
+def flush_mb_default(fallback_mb: int = 64) -> int:
+    """Twice the last-level cache of this machine's first CPU in MB (sysfs), `fallback_mb` where it is not told."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for entry in os.listdir(base):
+            with open(os.path.join(base, entry, "size"), encoding="ascii") as fh:
+                size = fh.read().strip()
+            if size.endswith("K"):
+                best = max(best, int(size[:-1]) >> 10)
+            elif size.endswith("M"):
+                best = max(best, int(size[:-1]))
+    except (OSError, ValueError):
+        return fallback_mb
+    return 2 * best if best else fallback_mb
 
 
 def keep_heap() -> None:
@@ -463,6 +483,10 @@ def main() -> None:
                     help="runs of a layer back to back that one round's sample is the mean of: a step sums dozens of "
                          "calls, so its low quantile over the rounds sits near the calls' mean, and a sample of one "
                          "call each round would, by the same statistic, charge each call below its mean")
+    ap.add_argument("--flush-mb", type=int, default=flush_mb_default(),
+                    help="MB written over before each timed call of the round samples (default: twice this machine's "
+                         "last-level cache; 0: none): a stage's layer finds its weights and inputs out of the caches, "
+                         "as the stage's other layers and micro-batches ran in between")
     ap.add_argument("--repeats", type=int, default=10,
                     help="profiler repeats per distinct layer before the runs (the profile the tuner plans with)")
     ap.add_argument("--tune-s", type=float, default=10.0, help="tuner time budget per model (seconds)")
@@ -498,7 +522,8 @@ def main() -> None:
           f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
-          f"layer (each the mean of {args.sample_runs} runs back to back; both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
+          f"layer (each the mean of {args.sample_runs} runs back to back, each after a "
+          f"{args.flush_mb} MB flush; both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
           f"taken of the steps and of the profile alike"
           f"{', each round divided by its speed (blocked)' if args.blocked else ''}")
     if args.stat == "p25":

@@ -119,11 +119,12 @@ def _node_of(x: torch.Tensor):
 
 def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, warmup: int = 2,
                   repeats: int = 10, dp: int = 1, grad_sink: str = "autograd",
-                  walk_nodes: int = WALK_NODES) -> LayerProfile:
+                  walk_nodes: int = WALK_NODES, flush_bytes: int = 0) -> LayerProfile:
     """Profile `module` on input `x`: medians over `repeats` after `warmup` untimed runs.
 
     `grad_sink` is TorchStages' (its default 'autograd': weight gradients through AccumulateGrad).
     `walk_nodes` > 0 times W's walk over that many nodes below the layer too (`walk_ms_per_node`); 0 skips it.
+    `flush_bytes` > 0 writes over that many bytes before each timed call (timing.Timer: caches left cold).
     """
     module = module.to(device).train()
     x = x.to(device)
@@ -132,7 +133,7 @@ def measure_layer(module: nn.Module, x: torch.Tensor, device: torch.device, *, w
     run_weight = split.backward_weight if split is not None else backward_weight
     params = [p for p in module.parameters() if p.requires_grad]
     float_in = x.is_floating_point()
-    timer = Timer(device)
+    timer = Timer(device, flush_bytes)
 
     def fresh() -> torch.Tensor:
         return x.detach().requires_grad_(True) if float_in else x
