@@ -13,8 +13,8 @@ the link between the two local ranks is measured by a gloo ping-pong. The tuner 
 profile. Then the runs go in rounds: each round takes the profile's samples of every distinct layer
 (round-robin over them; a sample is the mean of `--sample-runs` calls back to back, as a step sums many, each
 call timed after a write over twice the last-level cache, `--flush-mb`: in a stage, a layer's weights and inputs
-were pushed out of the caches by the stage's other layers and micro-batches) and then one step of each plan (1F1B, interleaved 1F1B with two stages per
-device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
+were pushed out of the caches by the stage's other layers and micro-batches) and then one step of each plan
+(1F1B, interleaved 1F1B with two stages per device, ZB-V, 1F1B on Megatron's split, the tuner's plan), through the executor on 2 local processes,
 one thread each (this machine has 2 cores), placed by the OS (`--pin` binds each process, its gloo threads
 included, to a core of its own, as one rank per GPU: it kept the close pairs apart under load, but on a quiet
 machine each rank's gloo threads then take their CPU from its own compute thread; README has the runs), the
@@ -224,16 +224,18 @@ class RoundProfile:
         self.n = samples_per_round
         self.runs = runs_per_sample
         self.flush = flush_bytes
+        self.kept = 0  # rounds whose samples are kept
         self.first: dict[str, LayerProfile] = {}  # each kind's first sample (its sizes)
         self.ms: dict[str, dict[str, list[float]]] = {k: {f: [] for f in _PHASES} for k in self.kinds}
 
     def round_totals(self) -> list[float]:
         """Each kept round's samples summed over the kinds and phases (to compare with the round's speed)."""
-        per = [sum(v[j] for ph in self.ms.values() for v in ph.values()) for j in range(len(self.ms[next(iter(self.ms))]["fwd"]))]
-        return [sum(per[r * self.n:(r + 1) * self.n]) for r in range(len(per) // self.n)]
+        per = [sum(v[j] for ph in self.ms.values() for v in ph.values()) for j in range(self.kept * self.n)]
+        return [sum(per[r * self.n:(r + 1) * self.n]) for r in range(self.kept)]
 
     def sample(self, keep: bool) -> None:
         """One round's samples of every distinct layer (kept when `keep`, else a warm-up)."""
+        self.kept += keep
         for _ in range(self.n):
             for k, (mod, x) in self.kinds.items():  # round-robin over the kinds, as a stage runs its layers
                 # W's walk per node below is the first profile's (a difference of medians: one sample is noise)
@@ -248,7 +250,7 @@ class RoundProfile:
     def model(self, base, statistic: str, speeds: list[float] | None = None):
         """`base` with each measured kind's times from this rank's samples of every round, by `statistic`; each
         round's samples divided by that round's speed first (`speeds`, round_speeds: as its steps are)."""
-        speeds = speeds or [1.0] * (len(next(iter(next(iter(self.ms.values())).values()))) // self.n)
+        speeds = speeds or [1.0] * self.kept
         got = {k: dataclasses.replace(self.first[k], **{
             f: summarise([ms / speeds[j // self.n] for j, ms in enumerate(v)]) for f, v in self.ms[k].items()})
             for k in self.first}
