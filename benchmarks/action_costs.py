@@ -7,7 +7,8 @@ Usage: PYTHONPATH=. python benchmarks/action_costs.py [--models dense,moe,heavy-
 machine the wall clock mostly measures the OS scheduler, CPU time still compares an action with its
 profile (the step itself stays wall clock). The ranks keep glibc's heap (no trim, fixed mmap
 threshold: fidelity.keep_heap, as fidelity.py runs them, since a GPU's caching allocator keeps its
-blocks too); `--no-keep-heap` runs glibc's defaults, to see what fresh pages cost. Per action it also counts page faults and the garbage collector's time.
+blocks too); `--no-keep-heap` runs glibc's defaults, to see what fresh pages cost. Per action it also
+counts page faults and the garbage collector's time.
 
 Part 1 (the executor): the fidelity models and plans (benchmarks/fidelity.py) run on 2 local gloo
 ranks, one thread each, plans interleaved step by step. For every (plan, stage, kind) the median span

@@ -387,18 +387,21 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 def flush_mb_default(fallback_mb: int = 64) -> int:
     """Twice the last-level cache of this machine's first CPU in MB (sysfs), `fallback_mb` where it is not told."""
     base = "/sys/devices/system/cpu/cpu0/cache"
-    best = 0
     try:
-        for entry in os.listdir(base):
+        entries = [e for e in os.listdir(base) if e.startswith("index")]  # beside them: uevent, a file
+    except OSError:
+        return fallback_mb
+    best = 0
+    for entry in entries:
+        try:
             with open(os.path.join(base, entry, "size"), encoding="ascii") as fh:
                 size = fh.read().strip()
-            if size.endswith("K"):
-                best = max(best, int(size[:-1]) >> 10)
-            elif size.endswith("M"):
-                best = max(best, int(size[:-1]))
-    except (OSError, ValueError):
-        return fallback_mb
-    return 2 * best if best else fallback_mb
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:])
+            if scale:
+                best = max(best, int(size[:-1]) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(1, 2 * best >> 20) if best else fallback_mb
 
 
 def keep_heap() -> None:
@@ -524,9 +527,9 @@ def main() -> None:
           f"{' (heap kept)' if args.keep_heap else ''}"
           f"{' (collector off in steps)' if args.no_gc else ''}, {args.microbatches} micro-batches; "
           f"{args.steps} rounds after {args.warmup}, each: {args.round_samples} profile sample(s) of every distinct "
-          f"layer (each the mean of {args.sample_runs} runs back to back, each after a "
-          f"{args.flush_mb} MB flush; both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the rounds "
-          f"taken of the steps and of the profile alike"
+          f"layer (each the mean of {args.sample_runs} runs back to back, each after a {args.flush_mb} MB flush; "
+          f"both ranks at once), then one step of every plan (a Williams design's order); the {stat} of the "
+          f"rounds taken of the steps and of the profile alike"
           f"{', each round divided by its speed (blocked)' if args.blocked else ''}")
     if args.stat == "p25":
         print("  why the lower quartile: other processes and the hypervisor only ever add time to a step or a "

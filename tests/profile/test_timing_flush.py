@@ -1,4 +1,4 @@
-"""Timer's cache flush: written over before every timed call, never inside the timed span."""
+"""Timer's cache flush: written over afresh before every timed call; none unless asked for."""
 
 import torch
 
@@ -6,7 +6,7 @@ from octopipe_plugin.profile.measure import measure_layer
 from octopipe_plugin.profile.timing import Timer
 
 
-def test_flush_is_written_before_each_timed_call_and_not_timed():
+def test_flush_is_written_afresh_before_each_timed_call():
     timer = Timer(torch.device("cpu"), flush_bytes=4096)
     seen = []
 
