@@ -72,11 +72,15 @@ class KindRule:
     #                           "peers": waits for `peer` of the same micro-batch on every shard device (the statistics)
     peer: "Kind | None" = None
     gives: str | None = None  # "owner": the owner stage's F (input side) or B/I (output side) waits for it on every shard
+    # The kinds an action of this kind may run overlapped with, as the first half of a pair on one device (DualPipe's
+    # "F of one micro-batch while B of another"; docs/formats.md, "Overlapped pairs"): `3F12+5B7`.
+    pairs_with: tuple["Kind", ...] = ()
 
 
 RULES: Mapping[Kind, KindRule] = MappingProxyType({
     Kind.F: KindRule(kind=Kind.F, noun="forward", receives=Flow.ACT, after=None, sends=Flow.ACT,
-                     cost=("fwd",), activation=1, phase="forward", form="forward", weight_grad=False),
+                     cost=("fwd",), activation=1, phase="forward", form="forward", weight_grad=False,
+                     pairs_with=(Kind.B, Kind.I)),
     # B waits for its stage's own F (autograd needs the saved activation) and the next stage's gradient
     Kind.B: KindRule(kind=Kind.B, noun="backward", receives=Flow.GRAD, after=Kind.F, sends=Flow.GRAD,
                      cost=("bwd", "wgrad"), activation=-1, phase="backward", form="fused",
@@ -216,20 +220,99 @@ def W(stage: int, mb: int) -> Action:
     return Action(stage, Kind.W, mb)
 
 
-def format_schedule(schedule) -> list[list[str]]:
-    """Per-device action lists as strings (the plan file's `schedule`)."""
-    return [[str(a) for a in dev] for dev in schedule]
+PAIR_SEP = "+"
+
+
+def pair_problem(first: Action, second: Action) -> str | None:
+    """Why `first+second` cannot be an overlapped pair (None when it can): the kind table's `pairs_with`, and two
+    micro-batches (every backward of a micro-batch waits for all its forwards, so one micro-batch's halves depend
+    on each other)."""
+    allowed = RULES[first.kind].pairs_with
+    if second.kind not in allowed:
+        firsts = "/".join(k.value for k, r in RULES.items() if r.pairs_with)
+        return (f"pair {first}{PAIR_SEP}{second}: a pair is a {firsts} followed by a "
+                f"{'/'.join(k.value for k in RULES[Kind.F].pairs_with)} of another micro-batch")
+    if first.microbatch == second.microbatch:
+        return (f"pair {first}{PAIR_SEP}{second}: both halves are micro-batch {first.microbatch}, and its backward "
+                f"depends on its forward; pair halves of two micro-batches")
+    return None
+
+
+def parse_entry(text: str) -> tuple[Action, ...]:
+    """One schedule entry: `3F12` (one action) or `3F12+5B7` (an overlapped pair); ValueError names what is wrong."""
+    if not isinstance(text, str) or PAIR_SEP not in text:
+        return (Action.parse(text),)
+    parts = text.split(PAIR_SEP)
+    if len(parts) != 2:
+        raise ValueError(f"entry {text!r}: a pair has two halves, like '3F12+5B7'")
+    first, second = Action.parse(parts[0]), Action.parse(parts[1])
+    problem = pair_problem(first, second)
+    if problem is not None:
+        raise ValueError(problem)
+    return first, second
+
+
+def pair_starts(row, pairs) -> frozenset[int]:
+    """Positions in one device's list where an overlapped pair starts (its second half is the next action)."""
+    if not pairs:
+        return frozenset()
+    firsts = {f: b for f, b in pairs}
+    return frozenset(i for i in range(len(row) - 1) if firsts.get(row[i]) == row[i + 1])
+
+
+def format_schedule(schedule, pairs=()) -> list[list[str]]:
+    """Per-device action lists as strings (the plan file's `schedule`), each overlapped pair as one `3F12+5B7`."""
+    out = []
+    for dev in schedule:
+        starts = pair_starts(dev, pairs)
+        row, i = [], 0
+        while i < len(dev):
+            if i in starts:
+                row.append(f"{dev[i]}{PAIR_SEP}{dev[i + 1]}")
+                i += 2
+            else:
+                row.append(str(dev[i]))
+                i += 1
+        out.append(row)
+    return out
 
 
 def parse_schedule(rows) -> tuple[tuple[Action, ...], ...]:
-    """Per-device lists of action strings to a tuple of Action tuples."""
-    return tuple(tuple(Action.parse(a) for a in dev) for dev in rows)
+    """Per-device lists of action strings to a tuple of Action tuples (a pair's halves one after the other)."""
+    return tuple(tuple(a for e in dev for a in parse_entry(e)) for dev in rows)
+
+
+def parse_paired(rows) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[Action, Action], ...]]:
+    """Per-device entry strings to (schedule, pairs): each `3F12+5B7` gives two adjacent actions and one pair."""
+    pairs = []
+    for dev in rows:
+        for e in dev:
+            got = parse_entry(e)
+            if len(got) == 2:
+                pairs.append(got)
+    return parse_schedule(rows), tuple(sorted(pairs))
+
+
+class PairedSchedule(tuple):
+    """A generator's schedule with overlapped pairs: the per-device tuple, plus `pairs` ((first, second) actions,
+    adjacent in their device's list) that `schedules.registry.build_plan` moves into `Plan.pairs`."""
+
+    pairs: tuple[tuple[Action, Action], ...] = ()
+
+    def __new__(cls, rows, pairs=()):
+        obj = super().__new__(cls, rows)
+        obj.pairs = tuple(sorted(pairs))
+        return obj
 
 
 def render_grid(schedule, mark: dict[int, int] | None = None, width: int | None = None) -> str:
     """Draw per-device action lists as a text grid; `mark[d] = i` brackets action i of device d."""
     mark = mark or {}
-    cells = [[str(a) for a in dev] for dev in schedule]
+    pairs = getattr(schedule, "pairs", ())
+    cells = []
+    for dev in schedule:  # a pair's halves both shown, joined by the sign: `3F12+` `5B7`
+        starts = pair_starts(dev, pairs)
+        cells.append([f"{a}{PAIR_SEP}" if i in starts else str(a) for i, a in enumerate(dev)])
     for d, i in mark.items():
         if 0 <= i < len(cells[d]):
             cells[d][i] = f"[{cells[d][i]}]"

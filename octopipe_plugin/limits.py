@@ -28,6 +28,7 @@ MIN_TIMEOUT_S = 1.0  # below this a busy 2-core machine reports false deadlocks
 MAX_TIME_SCALE = 1e6
 MAX_LAUNCH_US = 1e6  # one second per message
 MAX_LAYER_MS = 1e7  # one layer, one micro-batch: about three hours
+MAX_PHASES = 64  # sub-layer phases of one layer (attention, all-to-alls, experts...)
 MAX_FUSED_RATIO = 10.0  # a fused backward B at most ten times its split halves I + W (a measurement gone wrong beyond)
 MAX_GRAPH_NODES = 10**9  # autograd nodes one layer's forward records
 MAX_BYTES = 2**50  # 1 PiB: memory of one device, state or activation of one layer

@@ -73,10 +73,7 @@ def scaled_cluster(cluster: Cluster, scale: float) -> Cluster:
 
 def scaled_model(model, scale: float):
     """The model with every layer's durations multiplied by `scale`."""
-    return replace(model, layers=tuple(replace(lay, fwd_ms=lay.fwd_ms * scale, bwd_ms=lay.bwd_ms * scale,
-                                               wgrad_ms=lay.wgrad_ms * scale,
-                                               walk_ms_per_node=None if lay.walk_ms_per_node is None
-                                               else lay.walk_ms_per_node * scale) for lay in model.layers))
+    return replace(model, layers=tuple(lay.scaled(scale) for lay in model.layers))
 
 
 def host_links(cluster: Cluster, links: Cluster | None) -> Cluster:

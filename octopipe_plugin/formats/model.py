@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field as dc_field
+from dataclasses import asdict, dataclass, field as dc_field, replace
 
 from .fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
@@ -14,6 +14,25 @@ _COST_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
 _BYTE_FIELDS = ("state_bytes", "activation_bytes", "output_bytes")
 # Where a layer's figures came from (optional per-layer "source"; absent: not recorded).
 SOURCES = ("measured", "analytic")
+# What a phase of a layer occupies (docs/formats.md, "Phases"): the device's compute, or the link its communication
+# (an expert-parallel all-to-all) runs on, which another action's compute can overlap inside a pair.
+RESOURCES = ("compute", "comm")
+# Phase times must add up to the layer's: relative slack for the rounding of a written file.
+PHASE_SUM_RTOL = 1e-6
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Phase:
+    """One sub-layer phase: its resource and its share of the layer's F (`fwd_ms`) and I (`bwd_ms`) time.
+
+    The forward runs a layer's phases in order, the input-gradient backward in reverse order; the layer's
+    `wgrad_ms` is one compute phase after them (simulator/pairs.py `stage_phases` is the rule).
+    """
+
+    name: str
+    resource: str
+    fwd_ms: float
+    bwd_ms: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +60,23 @@ class Layer:
     # profile/measure.py). Both given: simulator/costs.py `stage_costs` charges the walk; None: no such charge.
     graph_nodes: int | None = None
     walk_ms_per_node: float | None = None
+    # Sub-layer phases (a MoE layer's attention, dispatch all-to-all, experts, combine all-to-all); their fwd_ms and
+    # bwd_ms add up to the layer's. Empty: one compute phase (the layer prices and runs as a whole).
+    phases: tuple[Phase, ...] = ()
+
+    def scaled(self, factor: float, **changes) -> "Layer":
+        """The layer with every duration (its phases' and its walk's too) times `factor`, plus `changes`."""
+        walk = None if self.walk_ms_per_node is None else self.walk_ms_per_node * factor
+        phases = tuple(replace(p, fwd_ms=p.fwd_ms * factor, bwd_ms=p.bwd_ms * factor) for p in self.phases)
+        fields = {"fwd_ms": self.fwd_ms * factor, "bwd_ms": self.bwd_ms * factor, "wgrad_ms": self.wgrad_ms * factor,
+                  "walk_ms_per_node": walk, "phases": phases}
+        return replace(self, **{**fields, **changes})
+
+    @property
+    def comm_ms(self) -> tuple[float, float]:
+        """(F, I) milliseconds of the layer's communication phases (0, 0 without phases)."""
+        comm = [p for p in self.phases if p.resource == "comm"]
+        return sum(p.fwd_ms for p in comm), sum(p.bwd_ms for p in comm)
 
     @property
     def total_ms(self) -> float:
@@ -98,6 +134,7 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
         walk = field(raw, "walk_ms_per_node", src, path, float, minimum=0, maximum=L.MAX_LAYER_MS, default=None)
         if source is not None and source not in SOURCES:
             raise FormatError(src, f"{path}.source", " or ".join(repr(x) for x in SOURCES), source)
+        phases = _read_phases(raw, src, path, costs)
         layers.append(
             Layer(
                 name=field(raw, "name", src, path, str, default=f"layer{i}"),
@@ -107,6 +144,7 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
                 fused_ratio=fused_ratio,
                 graph_nodes=nodes,
                 walk_ms_per_node=walk,
+                phases=phases,
                 **costs,
                 **sizes,
             )
@@ -114,6 +152,29 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     inputs = _read_inputs(data, src, len(layers))
     meta = field(data, "meta", src, "$", dict, default={})
     return Model(name=name, layers=tuple(layers), inputs=inputs, meta=meta, tied=_read_tied(data, src, len(layers)))
+
+
+def _read_phases(raw: dict, src: str, path: str, costs: dict) -> tuple[Phase, ...]:
+    """The optional `phases` list of one layer: named phases on a resource whose times add up to the layer's."""
+    items = field(raw, "phases", src, path, list, default=[])
+    if len(items) > L.MAX_PHASES:
+        raise FormatError(src, f"{path}.phases", f"at most {L.MAX_PHASES} phases", f"{len(items)}")
+    out = []
+    for j, item in enumerate(items):
+        ppath = f"{path}.phases[{j}]"
+        p = check_value(item, src, ppath, dict)
+        resource = field(p, "resource", src, ppath, str)
+        if resource not in RESOURCES:
+            raise FormatError(src, f"{ppath}.resource", " or ".join(repr(x) for x in RESOURCES), resource)
+        out.append(Phase(name=field(p, "name", src, ppath, str, default=f"phase{j}"), resource=resource,
+                         fwd_ms=field(p, "fwd_ms", src, ppath, float, minimum=0, maximum=L.MAX_LAYER_MS),
+                         bwd_ms=field(p, "bwd_ms", src, ppath, float, minimum=0, maximum=L.MAX_LAYER_MS)))
+    for key in ("fwd_ms", "bwd_ms"):
+        total = sum(getattr(p, key) for p in out)
+        if out and abs(total - costs[key]) > PHASE_SUM_RTOL * max(costs[key], 1e-9):
+            raise FormatError(src, f"{path}.phases", f"phases whose {key} add up to the layer's {key}={costs[key]} "
+                              f"(fix the phases or the layer's {key})", f"a sum of {total}")
+    return tuple(out)
 
 
 def _read_tied(data: dict, src: str, n: int) -> tuple[tuple[int, int], ...]:
@@ -155,6 +216,10 @@ def model_to_dict(model: Model) -> dict:
         for optional in ("recompute_activation_bytes", "source", "fused_ratio", "graph_nodes", "walk_ms_per_node"):
             if d[optional] is None:
                 del d[optional]
+        if d["phases"]:
+            d["phases"] = [dict(p) for p in d["phases"]]
+        else:
+            del d["phases"]
         layers.append(d)
     doc = {"format": MODEL_FORMAT, "name": model.name, "layers": layers}
     if model.inputs:

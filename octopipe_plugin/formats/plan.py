@@ -7,7 +7,7 @@ from dataclasses import dataclass, field as dc_field
 from .fields import check_format, check_value, field, load_json, objects, write_json
 from .. import limits as L
 from ..errors import FormatError, PlanError
-from ..actions import RULES, Action, Kind, format_schedule, forms, shard_kinds
+from ..actions import PAIR_SEP, RULES, Action, Kind, format_schedule, forms, pair_problem, parse_entry, shard_kinds
 from .ranges import stage_range_problem
 from .splits import (
     FORWARD_SHARD_KINDS, SplitLayer, owner_stage, side_of, split_problem, splits_from_list, splits_to_list,
@@ -43,6 +43,9 @@ class Plan:
     meta: dict = dc_field(default_factory=dict)
     # Layers split over several devices by vocabulary rows (formats/splits.py); empty: every layer is whole.
     splits: tuple[SplitLayer, ...] = ()
+    # Overlapped pairs (first, second), sorted: the second half right after the first in their device's list, both
+    # run as one overlapped unit (docs/formats.md, "Overlapped pairs"); empty: every action runs alone.
+    pairs: tuple[tuple[Action, Action], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -85,7 +88,7 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
             raise FormatError(src, f"{path}.device", f"a device in 0..{num_devices - 1}", dev)
         stages.append(Stage(start=start, end=end, device=dev))
     _check_coverage(stages, src, num_layers)
-    schedule = _read_schedule(data, src, num_devices)
+    schedule, pairs = _read_schedule(data, src, num_devices)
     raw_splits = data.get("splits") or []
     splits = splits_from_list(raw_splits, src) if raw_splits else ()
     problem = split_problem(splits, stages, num_devices)
@@ -100,6 +103,7 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
         predicted=field(data, "predicted", src, "$", dict, default={}),
         meta=field(data, "meta", src, "$", dict, default={}),
         splits=splits,
+        pairs=pairs,
     )
     try:
         validate_plan(plan)
@@ -114,21 +118,27 @@ def _check_coverage(stages: list[Stage], src: str, num_layers: int | None) -> No
         raise FormatError(src, problem.path, problem.expected, problem.got)
 
 
-def _read_schedule(data: dict, src: str, num_devices: int) -> tuple[tuple[Action, ...], ...]:
+def _read_schedule(data: dict, src: str, num_devices: int):
+    """(schedule, pairs) of the document's `schedule`: each entry one action `3F12` or an overlapped pair `3F12+5B7`."""
     rows = field(data, "schedule", src, "$", list)
     if len(rows) != num_devices:
         raise FormatError(src, "$.schedule", f"one action list per device ({num_devices})", f"{len(rows)} lists")
-    out = []
+    out, pairs = [], []
     for d, row in enumerate(rows):
         check_value(row, src, f"$.schedule[{d}]", list)
         acts = []
         for j, text in enumerate(row):
             try:
-                acts.append(Action.parse(text))
+                got = parse_entry(text)
             except ValueError as exc:
-                raise FormatError(src, f"$.schedule[{d}][{j}]", "an action like '3F12'", text) from exc
+                paired = isinstance(text, str) and PAIR_SEP in text
+                expected = (f"an overlapped pair like '3F12+5B7' ({exc})" if paired else "an action like '3F12'")
+                raise FormatError(src, f"$.schedule[{d}][{j}]", expected, text) from exc
+            acts.extend(got)
+            if len(got) == 2:
+                pairs.append(got)
         out.append(tuple(acts))
-    return tuple(out)
+    return tuple(out), tuple(sorted(pairs))
 
 
 def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bool = False) -> None:
@@ -164,6 +174,7 @@ def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bo
             if a in seen:
                 raise PlanError(f"device {d}: action {a} appears twice")
             seen.add(a)
+    _check_pairs(plan)
     phases = forms()
     if forward_only:
         phases = {"forward": phases["forward"]}
@@ -179,6 +190,34 @@ def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bo
         if extra is not None:
             raise PlanError(f"a forward-only plan runs forwards only (of split layers H, J and E), it has {extra}")
     _check_shards_complete(plan, shard_seen, FORWARD_SHARD_KINDS if forward_only else None)
+
+
+def _check_pairs(plan: Plan) -> None:
+    """Each overlapped pair: two halves the kind table lets pair, of two micro-batches, adjacent on one device, each
+    action in at most one pair. A pair whose halves wait on each other through other devices is a deadlock, which
+    the simulator (executor.validate.check_runnable) finds and names."""
+    if not plan.pairs:
+        return
+    device_of = {a: (d, i) for d, row in enumerate(plan.schedule) for i, a in enumerate(row)}
+    used: set[Action] = set()
+    for first, second in plan.pairs:
+        name = f"{first}{PAIR_SEP}{second}"
+        problem = pair_problem(first, second)
+        if problem is not None:
+            raise PlanError(problem)
+        for a in (first, second):
+            if a not in device_of:
+                raise PlanError(f"pair {name}: {a} is in no device's list")
+            if a in used:
+                raise PlanError(f"pair {name}: {a} is already in another pair (an action runs in at most one)")
+            used.add(a)
+        (d1, i1), (d2, i2) = device_of[first], device_of[second]
+        if d1 != d2:
+            raise PlanError(f"pair {name}: its halves sit on devices {d1} and {d2}; a pair runs on one device "
+                            f"(pair actions of stages on the same device)")
+        if i2 != i1 + 1:
+            raise PlanError(f"pair {name}: on device {d1} its halves are actions {i1} and {i2}; the second half "
+                            f"must come right after the first")
 
 
 def _shard_owners(plan: Plan) -> dict[str, tuple[int, SplitLayer]]:
@@ -246,7 +285,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "num_devices": plan.num_devices,
         "num_microbatches": plan.num_microbatches,
         "stages": [{"layers": [st.start, st.end], "device": st.device} for st in plan.stages],
-        "schedule": format_schedule(plan.schedule),
+        "schedule": format_schedule(plan.schedule, plan.pairs),
     }
     if plan.predicted:
         doc["predicted"] = plan.predicted

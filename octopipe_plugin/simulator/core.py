@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError
-from ..actions import CODE, KINDS, RULES, Action, Flow, senders
+from ..actions import CODE, KINDS, RULES, Action, Flow, pair_starts, senders
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes, peak_live
+from .pairs import hidden_ms, stage_phases
 from .overheads import delivery_of, overhead_ms
 from ..formats.overheads import Overheads
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
@@ -68,13 +69,17 @@ _RECV = tuple(_IN_SLOT[RULES[k].receives] for k in KINDS)
 _TRACK = tuple(any(r.after is k for r in RULES.values()) for k in KINDS)
 
 
-def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop, extra=None):
+def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop, extra=None, pairs=(), phases=None):
     """Each device's actions as two parallel lists: stage * m + mb, and what the table says of its (kind, stage).
 
     The second is one shared tuple per (kind, stage): (kind code, duration, after, input slot,
-    tracked, device its output goes to or -1, index step to that output, hop time, output slot).
-    Also each device's activation changes in its own order (for the peak). A schedule kept
+    tracked, device its output goes to or -1, index step to that output, hop time, output slot,
+    partner). Also each device's activation changes in its own order (for the peak). A schedule kept
     as (stage, kind code, micro-batch) integer arrays (`schedule.encoded`) is read as such.
+
+    An overlapped pair (`pairs`) becomes its first half carrying the pair's duration and, as partner,
+    (index, after, input slot) of the second half, whose inputs it waits for too; and its second half
+    with duration 0, so both end together (simulator/pairs.py prices the overlap from `phases`).
     """
     dur = kind_durations(sc, extra)
     change = activation_changes(sc.activation)
@@ -89,15 +94,30 @@ def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop, extra=No
                 out = (dev_of[t], flow.step * nm, hop[min(s, t)], _IN_SLOT[flow])
             else:
                 out = (-1, 0, None, -1)
-            per_stage.append((c, dur[k][s], _AFTER[c], _RECV[c], _TRACK[c]) + out)
+            per_stage.append((c, dur[k][s], _AFTER[c], _RECV[c], _TRACK[c]) + out + (None,))
         pre[k] = per_stage
     encoded = getattr(schedule, "encoded", None)
     if encoded is not None:
-        return _compile_encoded(encoded, nm, [pre[k] for k in KINDS], [change[k] for k in KINDS])
-    idxs = [[a.stage * nm + a.microbatch for a in row] for row in schedule]
-    rules = [[pre[a.kind][a.stage] for a in row] for row in schedule]
-    deltas = [[change[a.kind][a.stage] for a in row] for row in schedule]
+        idxs, rules, deltas = _compile_encoded(encoded, nm, [pre[k] for k in KINDS], [change[k] for k in KINDS])
+    else:
+        idxs = [[a.stage * nm + a.microbatch for a in row] for row in schedule]
+        rules = [[pre[a.kind][a.stage] for a in row] for row in schedule]
+        deltas = [[change[a.kind][a.stage] for a in row] for row in schedule]
+    if pairs:
+        _fold_pairs(schedule, pairs, rules, dur, phases)
     return idxs, rules, deltas
+
+
+def _fold_pairs(schedule, pairs, rules, dur, phases) -> None:
+    """Rewrite each pair's two entries in `rules` (see `_compile`): its duration on the first, none on the second."""
+    for d, row in enumerate(schedule):
+        for p in pair_starts(row, pairs):
+            first, second = row[p], row[p + 1]
+            both = dur[first.kind][first.stage] + dur[second.kind][second.stage]
+            ms = both - hidden_ms(phases, first, second)
+            a, b = rules[d][p], rules[d][p + 1]
+            rules[d][p] = (a[0], ms) + a[2:9] + ((second.stage, b[2], b[3]),)
+            rules[d][p + 1] = (b[0], 0.0) + b[2:]
 
 
 def _compile_encoded(encoded, nm: int, pre: list, change: list):
@@ -127,13 +147,20 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     dev_of = [st.device for st in plan.stages]
     hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms, delivery_of(opts.overheads))
     extra = overhead_ms(opts.overheads, dev_of, sc.output)
-    idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop, extra)
+    pairs = getattr(plan, "pairs", ())
+    phases = stage_phases(model, plan.stages) if pairs else None
+    idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop, extra, pairs, phases)
     run = _Run(nd, len(dev_of) * nm, nm, opts, detail)
     # the action objects are read only to record transfers (detail); an encoded schedule stays encoded
     encoded = getattr(plan.schedule, "encoded", None) is not None
     run.execute(idxs, rules, plan.schedule if detail or not encoded else idxs)
     if any(run.pos[d] < len(idxs[d]) for d in range(nd)):
         _raise_deadlock(plan, run.pos, run.waiting)
+    if detail and pairs:  # a pair's second half is shown over the whole pair, as its first
+        for d, row in enumerate(plan.schedule):
+            for p in pair_starts(row, pairs):
+                a, start, end = run.timeline[d][p]
+                run.timeline[d][p + 1] = (row[p + 1], start, end)
     return _finish(plan, sc, run, [peak_live(dl) for dl in deltas])
 
 
@@ -210,15 +237,29 @@ class _Run:
             end_p = len(row)
             while p < end_p:
                 idx = ids[p]
-                code, dur, after, rin, track, dst, step, h, key = row[p]
+                code, dur, after, rin, track, dst, step, h, key, partner = row[p]
                 slot = -1
                 dep = rc = 0.0
+                if partner is not None:  # an overlapped pair: it also waits for its second half's inputs
+                    other = ids[p + 1]
+                    o_after, o_rin = partner[1], partner[2]
+                    if o_after >= 0 and done[o_after][other] < 0:
+                        waiting[other * _SLOTS + o_after] = d
+                        break
+                    if o_rin >= 0 and arrival[o_rin][other] < 0:
+                        waiting[other * _SLOTS + o_rin] = d
+                        break
+                    o_dep = max(done[o_after][other] if o_after >= 0 else 0.0,
+                                arrival[o_rin][other] if o_rin >= 0 else 0.0)
+                    if o_dep > 0.0:  # bound by the partner's input: its slot past _SLOTS (for the critical path)
+                        dep, slot = o_dep, _SLOTS + (o_rin if o_rin >= 0 else o_after)
                 if after >= 0:
-                    dep = done[after][idx]
-                    if dep < 0:
+                    t_after = done[after][idx]
+                    if t_after < 0:
                         waiting[idx * _SLOTS + after] = d
                         break
-                    slot = after
+                    if slot < 0 or t_after > dep:
+                        dep, slot = t_after, after
                 if rin >= 0:
                     t_in = arrival[rin][idx]
                     if t_in < 0:
@@ -295,6 +336,8 @@ def _critical_path(plan, run: _Run) -> list[tuple[int, Action]]:
                 break
             i -= 1
             continue
+        if slot >= _SLOTS:  # a pair's start, bound by its second half's input
+            a, slot = sched[d][i + 1], slot - _SLOTS
         s, idx = a.stage, a.stage * nm + a.microbatch
         if slot < _NK:  # its own earlier action, on this device
             i = run.at[slot][idx]

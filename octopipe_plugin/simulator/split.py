@@ -56,7 +56,7 @@ def without_split_layers(model, splits):
     if not splits:
         return model
     idx = {sp.layer for sp in splits}
-    layers = tuple(replace(l, fwd_ms=0.0, bwd_ms=0.0, wgrad_ms=0.0, state_bytes=0, activation_bytes=0)
+    layers = tuple(l.scaled(0.0, state_bytes=0, activation_bytes=0, phases=())
                    if i in idx else l for i, l in enumerate(model.layers))
     return replace(model, layers=layers)
 

@@ -207,8 +207,7 @@ def _with_layer_scaled(model, index: int, factor: float):
     """The model with one layer's times scaled by `factor` and its state and activation left to the shards."""
     lay = model.layers[index]
     layers = list(model.layers)
-    layers[index] = replace(lay, fwd_ms=lay.fwd_ms * factor, bwd_ms=lay.bwd_ms * factor,
-                            wgrad_ms=lay.wgrad_ms * factor, state_bytes=0, activation_bytes=0)
+    layers[index] = lay.scaled(factor, state_bytes=0, activation_bytes=0)
     return replace(model, layers=tuple(layers))
 
 
