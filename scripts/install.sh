@@ -27,11 +27,14 @@ if ! python -c "import megatron.core" 2>/dev/null; then
 fi
 # Python 3.11: megatron.training imports typing.override (3.12). A .pth gives it to every interpreter of
 # this venv, so the processes Megatron starts itself (the dist-checkpoint writer's spawn child) have it too.
+# Its one line calls the one copy of the shim, octopipe_plugin/compat.py (which imports only typing); the
+# .pth sorts after the editable install's own, so octopipe_plugin imports there. A no-op if it is gone.
 python - <<'PY'
 import os, site, sys
 if sys.version_info < (3, 12):
     with open(os.path.join(site.getsitepackages()[0], "octopipe-py311-typing-override.pth"), "w") as fh:
-        fh.write("import typing; hasattr(typing, 'override') or setattr(typing, 'override', lambda f: f)\n")
+        fh.write("import importlib.util; importlib.util.find_spec('octopipe_plugin') and "
+                 "__import__('octopipe_plugin.compat').compat.allow_megatron_training_import()\n")
 PY
 # megatron's distributed checkpointing needs psutil, which --no-deps leaves out
 python -c "import psutil" 2>/dev/null || pip install -q psutil

@@ -17,7 +17,8 @@ unless given. Switch off what needs CUDA in the Megatron arguments: `--transform
 runs (validate_args' GPU-architecture question is shimmed), and `--sequence-parallel` with
 LayerNorm (apex's layer-norm kernel shimmed by torch's). On Python 3.11 the
 `typing.override` that megatron.training imports reaches every child process (the
-distributed-checkpoint writer's too) through a sitecustomize.py on PYTHONPATH.
+distributed-checkpoint writer's too) through the plugin's sitecustomize.py on PYTHONPATH
+(`reach_child_processes`, as launch.py does; the shim itself is octopipe_plugin/compat.py's).
 Exit status: the first non-zero exit status of a rank, else 0.
 """
 
@@ -26,10 +27,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SITE = "import typing\nif not hasattr(typing, 'override'):\n    typing.override = lambda fn: fn\n"
 
 
 def _free_port() -> int:
@@ -56,12 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing
 
     n, rest = _split(list(sys.argv[1:] if argv is None else argv))
-    site = tempfile.mkdtemp(prefix="octopipe-cpu-run-")
-    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-        f.write(_SITE)
+    from octopipe_plugin.adapters.megatron.compat import reach_child_processes
+
     os.environ.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1",
-                      PYTHONPATH=os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])]))
+                      MASTER_PORT=str(_free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    reach_child_processes()  # Python 3.11: typing.override in every process the ranks start
     _prepare(rest)
     fork = multiprocessing.get_context("fork")  # the ranks inherit the shims and the imports
     procs = [fork.Process(target=_rank, args=(rank, rest), name=f"rank{rank}") for rank in range(n)]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import typing
 
 import torch
 import torch.distributed as dist
+
+from octopipe_plugin.compat import allow_megatron_training_import
 
 _INSTALLED = False
 
@@ -35,8 +36,7 @@ def install() -> None:
         return
     _INSTALLED = True
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if not hasattr(typing, "override"):  # megatron.training imports it (Python >= 3.12)
-        typing.override = lambda fn: fn
+    allow_megatron_training_import()  # Python 3.11: typing.override, which megatron.training imports
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda: None

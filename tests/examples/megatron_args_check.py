@@ -8,11 +8,10 @@ import contextlib
 import json
 import os
 import sys
-import typing
 
-# megatron.training 0.19.2 imports typing.override (Python >= 3.12); on 3.11 it is only a decorator.
-if not hasattr(typing, "override"):
-    typing.override = lambda fn: fn
+from octopipe_plugin.compat import allow_megatron_training_import
+
+allow_megatron_training_import()  # megatron.training 0.19.2 imports typing.override (Python >= 3.12)
 
 # Model-size arguments Megatron needs before it looks at the pipeline ones.
 BASE = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",

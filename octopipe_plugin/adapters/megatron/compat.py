@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import typing
 
+from ...compat import allow_megatron_training_import  # noqa: F401 - the one typing.override shim, re-exported
 from ...errors import OctoPipeError
 
 SUPPORTED_MEGATRON_CORE = ">=0.19.0,<0.20"  # Megatron-LM tag core_v0.19.0 reports 0.19.1; pip has 0.19.2
@@ -50,12 +50,6 @@ def check_megatron_version(version: str | None = None) -> str:
 def require_supported_megatron() -> str:
     """`check_megatron_version` once per process (every hook installation asks first)."""
     return check_megatron_version()
-
-
-def allow_megatron_training_import() -> None:
-    """Give Python 3.11 the `typing.override` decorator (3.12) that megatron.training imports; a no-op on 3.12+."""
-    if not hasattr(typing, "override"):
-        typing.override = lambda fn: fn
 
 
 def reach_child_processes(env: dict | None = None) -> bool:

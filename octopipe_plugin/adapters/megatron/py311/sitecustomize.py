@@ -8,22 +8,19 @@ runs: this one runs it after its own line.
 
 import os
 import sys
-import typing
 from importlib.machinery import PathFinder
-from importlib.util import module_from_spec
-
-if not hasattr(typing, "override"):
-    def _override(fn):
-        """typing.override of Python 3.12: marks the method, changes nothing."""
-        try:
-            fn.__override__ = True
-        except (AttributeError, TypeError):
-            pass
-        return fn
-
-    typing.override = _override
+from importlib.util import module_from_spec, spec_from_file_location
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+try:  # the one copy of the shim: octopipe_plugin/compat.py (imports nothing but typing)
+    from octopipe_plugin.compat import allow_megatron_training_import
+except ImportError:  # octopipe_plugin not importable here: its compat.py, three folders up
+    _spec = spec_from_file_location("_octopipe_py311_compat", os.path.join(_HERE, "..", "..", "..", "compat.py"))
+    _compat = module_from_spec(_spec)
+    _spec.loader.exec_module(_compat)
+    allow_megatron_training_import = _compat.allow_megatron_training_import
+allow_megatron_training_import()
+
 _next = PathFinder.find_spec("sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE])
 if _next is not None and _next.loader is not None:  # the user's own sitecustomize, further down the path
     _next.loader.exec_module(module_from_spec(_next))
