@@ -230,8 +230,8 @@ def embedding_split(plan):
 
 
 def embedding_split_blocker(*, mtp_layers: int = 0, tp_size: int = 1, tied: bool = False) -> str | None:
-    """Why a Megatron run with these settings cannot split its input embedding (reason and fix), or None: the one
-    rule behind split_problem, tied_embedding_split_problem and what `--splits auto` tunes (startup.run_splits)."""
+    """Why a Megatron run with these settings cannot split its input embedding (reason and fix), or None: the
+    input side of `side_split_blocker`."""
     if mtp_layers:
         return (f"--mtp-num-layers {mtp_layers} with a split embedding is not supported (MTP looks up the word "
                 f"embedding); drop the embedding's split or MTP")
@@ -244,6 +244,22 @@ def embedding_split_blocker(*, mtp_layers: int = 0, tp_size: int = 1, tied: bool
     return None
 
 
+def side_split_blocker(side: str, *, mtp_layers: int = 0, tp_size: int = 1, tied: bool = False) -> str | None:
+    """Why a Megatron run with these settings cannot split the layer on `side` ("input": the embedding, "output":
+    the LM head) whatever the plan (reason and fix), or None: the one rule behind split_problem (plan by plan),
+    tied_embedding_split_problem and what `--splits auto` tunes for a launch (startup.run_splits).
+
+    Tensor parallelism (and sequence parallelism) is no refusal for the LM head: each TP rank's shards hold rows
+    of its TP slice of the vocabulary (vocab_shards.head_rows) and reduce their statistics over the TP group
+    first (vocab_shards.shard_tensor_parallel); a head tied to the embedding runs (executor.tied_rows)."""
+    if side == "input":  # split_embedding.py: stage 0's rank need not hold a shard
+        return embedding_split_blocker(mtp_layers=mtp_layers, tp_size=tp_size, tied=tied)
+    if mtp_layers:
+        return (f"--mtp-num-layers {mtp_layers} with a split LM head is not supported (MTP reuses the output "
+                f"layer); drop the LM head's split or MTP")
+    return None
+
+
 def tied_embedding_split_problem(plan) -> str | None:
     """Why a model whose embedding is tied to its LM head cannot run the plan's split embedding, or None."""
     sp = embedding_split(plan)
@@ -252,27 +268,21 @@ def tied_embedding_split_problem(plan) -> str | None:
     return f"plan splits[{plan.splits.index(sp)}] (layer {sp.layer}): {embedding_split_blocker(tied=True)}"
 
 
-def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1) -> str | None:
-    """Why a Megatron run cannot run the plan's split layers (one line naming the plan field), or None.
-
-    Tensor parallelism (and sequence parallelism) is no refusal for the LM head: each TP rank's shards hold rows
-    of its TP slice of the vocabulary (vocab_shards.head_rows) and reduce their statistics over the TP group
-    first (vocab_shards.shard_tensor_parallel). The split embedding runs at TP=1 only (`tp_size`)."""
+def split_problem(plan, *, mtp_layers: int = 0, tp_size: int = 1, tied: bool = False) -> str | None:
+    """Why a Megatron run cannot run the plan's split layers (one line naming the plan field), or None: the
+    settings' refusals of each split's side (side_split_blocker; `tied`: the embedding tied to the head), and
+    a split head's shards without its owner (the last stage's device)."""
     from ...formats.splits import side_of
 
     n = plan.stages[-1].end
     owner = plan.stages[-1].device
     for i, sp in enumerate(plan.splits):
         where = f"plan splits[{i}] (layer {sp.layer})"
-        if side_of(sp, n) == "input":  # split_embedding.py: stage 0's rank need not hold a shard
-            blocker = embedding_split_blocker(mtp_layers=mtp_layers, tp_size=tp_size)
-            if blocker is not None:
-                return f"{where}: {blocker}"
-            continue
-        if owner not in sp.devices:
+        side = side_of(sp, n)
+        if side != "input" and owner not in sp.devices:
             return (f"{where}: devices {list(sp.devices)} must include device {owner}, the LM head's owner (the last "
                     f"stage's device: its J reports Megatron's loss); add it to the split's devices")
-        if mtp_layers:
-            return (f"{where}: --mtp-num-layers {mtp_layers} with a split LM head is not supported (MTP reuses the "
-                    f"output layer); drop the LM head's split or MTP")
+        blocker = side_split_blocker(side, mtp_layers=mtp_layers, tp_size=tp_size, tied=tied)
+        if blocker is not None:
+            return f"{where}: {blocker}"
     return None

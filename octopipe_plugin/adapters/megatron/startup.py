@@ -31,8 +31,7 @@ from .arguments import PLAN_FILE, RunFacts, load_measured_costs, run_facts
 from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
-from .mapping import (embedding_split_blocker, head_split, is_looped, split_problem, stage_layout_args,
-                      tied_embedding_split_problem)
+from .mapping import head_split, is_looped, side_split_blocker, split_problem, stage_layout_args
 from .pretrain_hooks import MODEL_HOOKS
 from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
@@ -79,31 +78,35 @@ def _refuse_splits(args, plan) -> None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
 
 
+def split_settings(args) -> dict:
+    """What of a Megatron run's arguments decides which split layers it runs (mapping.side_split_blocker's
+    keywords): the MTP depth, the tensor-parallel size, and whether the embedding is tied to the LM head."""
+    return {"mtp_layers": int(getattr(args, "mtp_num_layers", 0) or 0),
+            "tp_size": int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+            "tied": not getattr(args, "untie_embeddings_and_output_weights", False)}
+
+
 def split_refusal(args, plan) -> str | None:
     """Why a Megatron run of `args` cannot run the plan's split layers (one line naming the plan field), or None."""
     if not plan.splits:
         return None
-    problem = split_problem(plan, mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
-                            tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+    # a split head tied to the embedding runs (its shards tied by executor.tied_rows); a split embedding tied does not
+    problem = split_problem(plan, **split_settings(args))
     if problem is None and hybrid_pattern(args):
         problem = (f"plan splits: a HybridModel's forward gives no hook for its final-norm hidden states "
                    f"(GPTModel's output_processor); drop `splits` for --hybrid-layer-pattern models")
-    # a split head tied to the embedding runs (its shards tied by executor.tied_rows); a split embedding tied does not
-    if problem is None and not getattr(args, "untie_embeddings_and_output_weights", False):
-        problem = tied_embedding_split_problem(plan)
     return problem
 
 
 def run_splits(args) -> dict:
     """The Constraints fields of what a Megatron run of `args` runs of a split plan: FRAMEWORK_SPLITS' Megatron
-    entry, without the split embedding where split_refusal would refuse one (mapping.embedding_split_blocker: a
-    tied embedding, TP > 1, MTP), so the tuner keeps the head's split instead of proposing a plan the run refuses."""
+    entry, without the split embedding where split_refusal would refuse one (the rule split_problem applies to
+    each split, mapping.side_split_blocker: a tied embedding, TP > 1, MTP), so the tuner keeps the head's split
+    instead of proposing a plan the run refuses."""
     from ...tuner.constraints import framework_splits
 
     fields = dict(framework_splits("megatron"))
-    if embedding_split_blocker(mtp_layers=int(getattr(args, "mtp_num_layers", 0) or 0),
-                               tp_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
-                               tied=not getattr(args, "untie_embeddings_and_output_weights", False)) is not None:
+    if side_split_blocker("input", **split_settings(args)) is not None:
         fields["split_embedding"] = False
     return fields
 
