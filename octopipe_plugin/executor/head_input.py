@@ -10,6 +10,18 @@ statistics and the softmax gradient `coef[t] x (softmax - onehot)` of its rows.
 the per-token losses to the backward's root (the framework's reduction, its loss scaling, a loss
 scaler's factor); the gradient is exact for rules linear in the per-token losses (a masked sum
 or mean, /num_microbatches, x grad scale: Megatron's and DeepSpeed's), which a second probe checks.
+
+Multi-token prediction (DeepSeek-V3 Sec. 2.2; `formats.model.head_inputs`): the head of a model
+with MTP depth d takes 1 + d hidden states through its one weight. The owner hands them over as
+one `HeadInput` whose `hidden` is the states concatenated along dim 0 (`concat_heads`, Megatron's
+layout: the MTP block returns them so), so the rows of hidden.reshape(-1, h) are head-major: the
+main head's tokens, then depth 1's, ...; `targets` and `coef` follow the same rows (`mtp_targets`:
+depth j's targets are the main ones shifted j tokens further, Megatron's roll_tensor and rolled
+loss mask; the coefficients of `mtp_loss_scales`: 1 for the main head, the MTP loss scaling factor
+/ d for each depth). A shard's math is then the one-head math over all those rows: the logits and
+statistics of every hidden state against the same weight rows (the statistics per token and
+hidden state), the partial input gradient of every hidden state in one message, the weight
+gradient summed over the heads.
 """
 
 from __future__ import annotations
@@ -58,6 +70,55 @@ def stats_meta(hidden: TensorMeta) -> TensorMeta:
     exponentials, target logit) in `coef_dtype`."""
     return TensorMeta(shape=(head_input_meta(hidden).targets.shape[0], 3), dtype=coef_dtype(hidden.dtype),
                       requires_grad=False)
+
+
+def concat_heads(hiddens) -> torch.Tensor:
+    """The head input of 1 + d hidden states (a sequence of equal-shape tensors, main first, then MTP depths 1..d)
+    as one tensor: concatenated along dim 0 (differentiable: the partial's gradient reaches each state).
+    A tensor is returned as it is (one head, or the states already concatenated)."""
+    if isinstance(hiddens, torch.Tensor):
+        return hiddens
+    states = list(hiddens)
+    if not states or not all(isinstance(h, torch.Tensor) for h in states):
+        raise TypeError(f"a split head's hidden states: expected a tensor or a sequence of tensors (main, then each "
+                        f"MTP depth), got {type(hiddens).__name__}")
+    shapes = {tuple(h.shape) for h in states}
+    if len(shapes) != 1:
+        raise ValueError(f"the hidden states of a multi-token-prediction head differ in shape {sorted(shapes)}: each "
+                         f"head (the main one and every MTP depth) takes the same [..., hidden] states")
+    return states[0] if len(states) == 1 else torch.cat(states, dim=0)
+
+
+def heads_meta(meta: TensorMeta, heads: int) -> TensorMeta:
+    """The meta of `heads` hidden states of meta `meta` concatenated along dim 0 (`concat_heads`)."""
+    if heads == 1:
+        return meta
+    shape = tuple(meta.shape)
+    if not shape:
+        raise ValueError("a multi-token-prediction head's hidden states have a shape [..., hidden], got a scalar")
+    return TensorMeta(shape=(heads * shape[0], *shape[1:]), dtype=meta.dtype, requires_grad=meta.requires_grad)
+
+
+def mtp_targets(targets: torch.Tensor, depth: int, ignore_index: int = -100) -> torch.Tensor:
+    """The targets of the main head and of MTP depths 1..`depth`, flattened and concatenated (head-major).
+
+    `targets` are the main head's (next-token) targets, sequence along the last dim; depth j's target at position
+    p is the main one at p + j, and the last j positions of each sequence have none (`ignore_index`): Megatron's
+    `roll_tensor(labels, shifts=-1)` once per depth with its loss mask rolled alike (multi_token_prediction.py)."""
+    heads = [targets.reshape(-1)]
+    seq = targets.shape[-1]
+    for j in range(1, depth + 1):
+        shifted = torch.full_like(targets, ignore_index)
+        if j < seq:
+            shifted[..., :seq - j] = targets[..., j:]
+        heads.append(shifted.reshape(-1))
+    return torch.cat(heads) if depth else heads[0]
+
+
+def mtp_loss_scales(depth: int, factor: float) -> tuple[float, ...]:
+    """The loss coefficient of each head: 1 for the main one, `factor` / `depth` for each MTP depth (Megatron's
+    `--mtp-loss-scaling-factor`: mtp_loss_scale = mtp_loss_scaling_factor / mtp_num_layers)."""
+    return (1.0,) + tuple(factor / depth for _ in range(depth))
 
 
 def metas_from_head_input(meta) -> dict:

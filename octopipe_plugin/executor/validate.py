@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import PlanError
 from ..formats import Cluster, Link, validate_plan
-from ..formats.model import head_inputs
 from ..simulator import StageCosts, simulate
 from .lowered import is_forward_only
 from .nccl_rules import check_nccl_rules
@@ -36,17 +34,12 @@ def check_runnable(plan, *, nccl: bool = False, eager_comms: bool = True, prefet
 
 
 def check_model_runnable(model, plan) -> None:
-    """Raise PlanError when the shard runners cannot run `plan` for `model`: a split LM head with MTP inputs.
+    """Raise PlanError when the shard runners cannot run `plan` for `model`; no model refuses today.
 
     A model with multi-token prediction feeds its LM head 1 + depth hidden states (`formats.model.head_inputs`:
-    the `mtp` layers before it); the shard math (executor/vocab_shard.py) takes one. The simulator and the
-    dry run's stand-ins price such a plan; real tensors are refused here, by name, before any process starts.
+    the `mtp` layers before it); a split head runs every one of them over its shards (executor/vocab_shard.py
+    `VocabShards(heads=)`, `SplitTorchStages(mtp_depth=)`: one weight, each head its own loss coefficient), as
+    the simulator prices it and the dry run's stand-ins sleep it. The framework runners keep their own start-up
+    refusals (Megatron's `--mtp-num-layers` with a split head: adapters/megatron/mapping.side_split_blocker).
     """
-    n = plan.stages[-1].end if plan.stages else 0
-    heads = head_inputs(model)
-    for sp in plan.splits:
-        if heads > 1 and sp.layer == n - 1 == model.num_layers - 1:
-            raise PlanError(f"plan splits the LM head (layer {sp.layer}) of model {model.name!r}, whose head takes "
-                            f"{heads} hidden states (the main model's and {heads - 1} MTP depth(s): the 'mtp' layers "
-                            f"before it); the shard runners take one (fix: plan without splits, `--splits off`, or "
-                            f"split only the embedding)")
+    del model, plan  # kept as the one place a model-dependent refusal of a split plan would go

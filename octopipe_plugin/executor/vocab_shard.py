@@ -17,7 +17,15 @@ global rows [lo, hi) of the head weight (`row_range`, or the rows a tensor-paral
 Embedding shard: E looks up the tokens that fall in its rows (zeros elsewhere; summed over
 tensor parallelism), summed into stage 0's input; G adds stage 0's input gradient into its rows.
 A tied embedding and head over the same devices and shares use one shard weight per device: both
-gradients accumulate into it. Shard gradients reach the weight through `grad_sink`: "autograd"
+gradients accumulate into it.
+
+Multi-token prediction (`heads` = 1 + the MTP depth, `formats.model.head_inputs`): the head's one
+weight serves every hidden state. The owner's `HeadInput` holds them concatenated along dim 0
+(`head_input.concat_heads`: head-major rows, the targets and coefficients alike), so H, J and K run
+the one-head math above over all the rows at once: per hidden state and token its statistics, its
+per-token loss (each head's loss coefficients in `coef`: 1 for the main head, the MTP loss scaling
+factor / depth for each depth), its partial input gradient (all of them in the one partial message
+to the owner, which splits it back into the states) and its part of the rows' weight gradient. Shard gradients reach the weight through `grad_sink`: "autograd"
 (the weight's AccumulateGrad runs, so grad-accumulator hooks fire: Megatron DDP's main_grad,
 DeepSpeed's), "direct" (added into `.grad`, no hooks) or a callable `sink(weight, grad)`.
 
@@ -25,7 +33,8 @@ Statistics, coefficients and the softmax gradient are float32 (float64 for float
 as Megatron's vocab-parallel cross-entropy computes in float32.
 
 `SplitTorchStages` is the plain-module runner: TorchStages for the stages, a VocabShards for the
-shards, and a cross-entropy loss rule (mean or sum over the targets, then `scale_loss`).
+shards, and a cross-entropy loss rule (mean or sum over the targets, then `scale_loss`; with MTP
+depths the main loss plus each depth's times its coefficient, as Megatron's `process_mtp_loss`).
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ import torch
 from torch import nn
 
 from ..formats.splits import row_range, side_of
-from .head_input import as_head_input, coef_dtype, head_input_meta, stats_meta
+from .head_input import (
+    as_head_input, coef_dtype, concat_heads, head_input_meta, heads_meta, mtp_loss_scales, mtp_targets, stats_meta,
+)
 from .interface import LossOutput, TensorMeta
 from .split_backward import accumulate_grad, grad_acc
 from .torch_stage import TorchStages
@@ -133,9 +144,12 @@ class VocabShards:
       the same Parameter for a tied pair; None where the rank holds no shard;
     - `head_rows` / `embedding_rows`: the global rows those weights hold (default: the plan's,
       `shard_rows`; with tensor parallelism pass this rank's slice);
-    - `hidden_meta`: the head's input ([..., hidden]; None: the head's messages learn it each step from
-      a handshake ahead of the owner's first head input to each shard); `embedding_meta`: the
+    - `hidden_meta`: the head's input, one hidden state ([..., hidden]; None: the head's messages learn it each
+      step from a handshake ahead of the owner's first head input to each shard); `embedding_meta`: the
       embedding's output (default `hidden_meta`);
+    - `heads`: hidden states the head takes (1 + the MTP depth): the head's input is `heads` states of
+      `hidden_meta` concatenated along dim 0 (module docstring); `report` then gets the per-token losses
+      and coefficients of every head, head-major;
     - `tokens(mb)`: the micro-batch's token ids (on the weight's device), for the embedding's E;
     - `report(mb, per_token_losses, coef) -> LossOutput`: what J reports (default `default_report`);
     - `grad_sink`: where K and G put the weight gradients (module docstring);
@@ -147,12 +161,15 @@ class VocabShards:
                  embedding_rows: tuple[int, int] | None = None, hidden_meta: TensorMeta | None = None,
                  embedding_meta: TensorMeta | None = None, tokens: Callable[[int], torch.Tensor] | None = None,
                  report: Callable | None = None, grad_sink: "str | Callable" = "autograd",
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, heads: int = 1):
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ValueError(f"heads {heads!r}: expected an int >= 1 (1 + the model's MTP depth)")
         if isinstance(grad_sink, str) and grad_sink not in SHARD_SINKS:
             raise ValueError(f"grad_sink {grad_sink!r}: expected one of {', '.join(SHARD_SINKS)} or a callable "
                              f"sink(weight, grad)")
         self.rank = rank
         self.vocab_size = vocab_size
+        self.heads = heads
         self.head_split, self.embedding_split = split_sides(plan)
         self.head_rows = head_rows if head_rows is not None else shard_rows(plan, "output", vocab_size, rank)
         self.embedding_rows = (embedding_rows if embedding_rows is not None
@@ -180,7 +197,8 @@ class VocabShards:
     def split_meta(self, what: str):
         """Meta of a split hand-over: the head's input (a HeadInput of metas) and partials, the statistics, the
         embedding's partials and gradient."""
-        m = self.hidden_meta
+        m = self.hidden_meta if self.heads == 1 or self.hidden_meta is None else heads_meta(self.hidden_meta,
+                                                                                              self.heads)
         if what == "head-input":
             return None if m is None else head_input_meta(m)  # None: learned per step by a handshake
         if what == "head-partial":
@@ -205,6 +223,8 @@ class VocabShards:
         lo, hi = self.head_rows
         given = as_head_input(hidden)
         h = given.hidden
+        if self.heads > 1:
+            _check_heads(given, self.heads, self.rank, f"{stage}H{mb}")
         sdt = coef_dtype(h.dtype)
         sp = self.tp is not None and self.tp.sequence_parallel
         with torch.no_grad():
@@ -313,6 +333,19 @@ class VocabShards:
                 torch.autograd.backward([torch.autograd.graph.GradientEdge(grad_acc(weight), 0)], [grad])
 
 
+def _check_heads(given, heads: int, rank: int, action: str) -> None:
+    """Refuse a head input that does not hold `heads` hidden states' rows (head-major) with a target and a
+    coefficient each."""
+    h = given.hidden
+    rows = h.numel() // h.shape[-1] if h.dim() and h.shape[-1] else 0
+    if h.dim() < 2 or h.shape[0] % heads or given.targets.numel() != rows or given.coef.numel() != rows:
+        raise ValueError(f"rank {rank}: {action}: a head of {heads} hidden states (the main one and {heads - 1} MTP "
+                         f"depth(s)) takes them concatenated along dim 0 with one target and one coefficient per "
+                         f"row; got hidden {tuple(h.shape)}, {given.targets.numel()} targets, {given.coef.numel()} "
+                         f"coefficients (fix: the owner hands over head_input.concat_heads(states) with "
+                         f"mtp_targets)")
+
+
 def _check_rows(name: str, weight, rows, rank: int) -> None:
     """Refuse a shard weight that does not hold exactly the rank's rows (or one given where none is held)."""
     if rows is None:
@@ -342,6 +375,13 @@ class SplitTorchStages(TorchStages):
     - the loss is cross-entropy over the targets that are not `ignore_index`, `reduction` "mean" (as
       `F.cross_entropy`) or "sum" (reported as num_tokens too), then `scale_loss(loss, num_tokens)`
       (default: / num_microbatches) and `grad_scale`, as in TorchStages;
+    - `mtp_depth` d > 0 (multi-token prediction, DeepSeek-V3 Sec. 2.2): the head's owner gives its 1 + d hidden
+      states (main first; a sequence of tensors, or them concatenated along dim 0) and the head runs over
+      all of them (VocabShards `heads`). Depth j's targets are `targets(mb)` shifted j further along their
+      last dim (`head_input.mtp_targets`, the last j positions without one) and the loss is Megatron's:
+      main + sum_j `mtp_loss_scaling_factor` / d x CE_j, CE_j over depth j's own targets ("mean": their
+      mean; "sum": their sum x the main head's count / theirs, as Megatron's per-token loss), reported
+      with each head's cross-entropy in `logs` ("lm loss", "mtp_1 loss", ...);
     - the other keywords are TorchStages' (used for the stages' own layers; `grad_sink` for the shards too).
     """
 
@@ -353,15 +393,20 @@ class SplitTorchStages(TorchStages):
                  metas: Sequence | None = None, load_input: Callable | None = None, loss_fn: Callable | None = None,
                  call: Callable | None = None, scale_loss: Callable | None = None,
                  grad_scale: Callable | None = None, grad_sink: str = "autograd", reduction: str = "mean",
-                 ignore_index: int = -100):
+                 ignore_index: int = -100, mtp_depth: int = 0, mtp_loss_scaling_factor: float = 0.1):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction {reduction!r}: expected one of {', '.join(REDUCTIONS)}")
+        if not isinstance(mtp_depth, int) or isinstance(mtp_depth, bool) or mtp_depth < 0:
+            raise ValueError(f"mtp_depth {mtp_depth!r}: expected an int >= 0")
         self.rank = rank
         self.targets = targets
         self.reduction, self.ignore_index = reduction, ignore_index
+        self.mtp_depth = mtp_depth
+        self.loss_scales = mtp_loss_scales(mtp_depth, mtp_loss_scaling_factor) if mtp_depth else (1.0,)
         shards = VocabShards(plan=plan, rank=rank, vocab_size=vocab_size, head_weight=head_weight,
                              embedding_weight=embedding_weight, hidden_meta=hidden_meta,
-                             embedding_meta=embedding_meta, tokens=tokens, report=self._report, grad_sink=grad_sink)
+                             embedding_meta=embedding_meta, tokens=tokens, report=self._report, grad_sink=grad_sink,
+                             heads=1 + mtp_depth)
         super().__init__(modules=modules, num_stages=plan.num_stages, num_microbatches=num_microbatches, metas=metas,
                          load_input=load_input, loss_fn=loss_fn, call=call, scale_loss=scale_loss,
                          grad_scale=grad_scale, grad_sink=grad_sink, shards=shards,
@@ -379,9 +424,42 @@ class SplitTorchStages(TorchStages):
         valid = t != self.ignore_index
         return valid, int(valid.sum())
 
+    def _module_output(self, stage: int, x, batch):
+        """The stages' outputs as TorchStages gives them; with MTP the head owner's 1 + d hidden states as the
+        head's one input (concatenated along dim 0: the partial's gradient reaches each state)."""
+        out = super()._module_output(stage, x, batch)
+        if self.mtp_depth and self.head_split and stage == self.num_stages - 1:
+            if not isinstance(out, torch.Tensor) and len(out) != 1 + self.mtp_depth:
+                raise ValueError(f"rank {self.rank}: the split head's owner (stage {stage}) gave {len(out)} hidden "
+                                 f"states; a head with MTP depth {self.mtp_depth} takes {1 + self.mtp_depth} (the "
+                                 f"main one, then each depth's)")
+            out = concat_heads(out)
+        return out
+
+    def _mtp_terms(self, mb: int):
+        """(targets of every head, head-major; per head its mask of the targets that count and their number)."""
+        t = mtp_targets(self.targets(mb), self.mtp_depth, self.ignore_index)
+        valid = (t != self.ignore_index).reshape(1 + self.mtp_depth, -1)
+        return t, valid, [int(v.sum()) for v in valid]
+
+    def _mtp_total(self, per_token: torch.Tensor, valid: torch.Tensor, counts: list) -> tuple:
+        """(the micro-batch's loss over every head, each head's cross-entropy): main + coefficient x depth's."""
+        losses = torch.where(valid, per_token.reshape(valid.shape),
+                             torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+        mean = self.reduction == "mean"
+        heads = [losses[0].sum() / counts[0] if mean else losses[0].sum()]
+        total = heads[0]
+        for j in range(1, 1 + self.mtp_depth):
+            n = max(counts[j], 1)  # a depth without targets adds 0 (Megatron clamps its count)
+            heads.append(losses[j].sum() / n)
+            total = total + self.loss_scales[j] * (heads[j] if mean else losses[j].sum() * (counts[0] / n))
+        return total, heads
+
     def _head_loss(self, mb: int, batch):
         """(targets, loss rule) of the owner's hand-over: the unsplit model's cross-entropy, then scale_loss and
         grad_scale, as a function of the per-token losses."""
+        if self.mtp_depth:
+            return self._mtp_head_loss(mb)
         valid, count = self._valid(mb)
         mean = self.reduction == "mean"
 
@@ -392,8 +470,21 @@ class SplitTorchStages(TorchStages):
 
         return self.targets(mb), rule
 
+    def _mtp_head_loss(self, mb: int):
+        """`_head_loss` of a head with MTP depths: every head's targets, the rule over every head's per-token losses."""
+        t, valid, counts = self._mtp_terms(mb)
+        num_tokens = None if self.reduction == "mean" else counts[0]
+
+        def rule(per_token: torch.Tensor) -> torch.Tensor:
+            scaled = self.scale_loss(self._mtp_total(per_token, valid, counts)[0], num_tokens)
+            return self.grad_scale(scaled) if self.grad_scale is not None else scaled
+
+        return t, rule
+
     def _report(self, mb: int, per_token: torch.Tensor, coef: torch.Tensor) -> LossOutput:
         """J's report: the micro-batch's cross-entropy (mean or sum over its targets) and its scaled value."""
+        if self.mtp_depth:
+            return self._mtp_report(mb, per_token)
         valid, count = self._valid(mb)
         with torch.no_grad():
             total = torch.where(valid, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
@@ -401,3 +492,14 @@ class SplitTorchStages(TorchStages):
             num_tokens = None if self.reduction == "mean" else count
             scaled = self.scale_loss(loss, num_tokens)
         return LossOutput(loss=scaled.detach(), num_tokens=num_tokens, raw=loss)
+
+    def _mtp_report(self, mb: int, per_token: torch.Tensor) -> LossOutput:
+        """`_report` of a head with MTP depths: the loss over every head (the backward's root before grad_scale), each
+        head's cross-entropy in `logs`."""
+        t, valid, counts = self._mtp_terms(mb)
+        with torch.no_grad():
+            total, heads = self._mtp_total(per_token, valid, counts)
+            num_tokens = None if self.reduction == "mean" else counts[0]
+            scaled = self.scale_loss(total, num_tokens)
+        logs = {"lm loss": heads[0].detach(), **{f"mtp_{j} loss": heads[j].detach() for j in range(1, len(heads))}}
+        return LossOutput(loss=scaled.detach(), num_tokens=num_tokens, logs=logs, raw=total.detach())

@@ -8,6 +8,11 @@ reference step; then two evaluation steps (the plan's forwards, and one micro-ba
 reference's losses. Every K and G must run inside the runner's `_shard_grad` hook, told `last_backward`
 on the rank's last of each kind. Plans come from the schedule generators or the split-aware tuner,
 their shard actions placed by `tuner.split_sched.insert_shards` (irregular per-device orders).
+
+A toy with MTP depths ("mtp" layers before the head) runs the head over 1 + depth hidden states
+(`SplitTorchStages(mtp_depth=)`); its check also computes the reference with one MTP coefficient
+1% off and requires every compared loss and gradient to miss that one (the tolerance would catch
+such an error in the coefficient).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from ..executor.launch import init_gloo
 from ..executor.vocab_shard import SplitTorchStages, shard_rows
 from ..formats import Layer, Model, plan_from_dict
 from ..formats.splits import SplitLayer
-from .toy import ToySpec, boundary_metas, build_layers, loss_fn, microbatch, reference_step
+from .toy import ToySpec, boundary_metas, build_layers, loss_fn, microbatch, mtp_coefficients, reference_step
 
-KINDS = {"embed": "embedding", "lm": "lm_head"}  # the toy's layer names -> the cost model's kinds
+KINDS = {"embed": "embedding", "lm": "lm_head", "mtp": "mtp"}  # the toy's layer names -> the cost model's kinds
 
 
 def cost_model(spec: ToySpec, head_ms: float = 3.0) -> Model:
@@ -75,6 +80,18 @@ class RecordingSplitStages(SplitTorchStages):
         return super()._shard_grad(stage, kind, last_backward)
 
 
+def stage_metas(spec: ToySpec, plan) -> tuple:
+    """Each stage's output meta: an activation, or after MTP layers the tuple of the main and each depth's states
+    (`boundary_metas` without MTP)."""
+    metas = list(boundary_metas(spec, plan.num_stages))
+    act = TensorMeta(shape=(spec.batch, spec.seq, spec.hidden), dtype=spec.dtype)
+    for s in range(plan.num_stages - 1):
+        depth = spec.layers[:plan.stages[s].end].count("mtp")
+        if depth:
+            metas[s] = tuple(act for _ in range(1 + depth))
+    return tuple(metas)
+
+
 def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int, learn: bool = False) -> SplitTorchStages:
     """SplitTorchStages of `rank`'s stages (split layers taken out) and shards of `plan` over the toy's layers
     (`learn`: the head's input undeclared, learned each step by the transport's handshake)."""
@@ -95,8 +112,8 @@ def split_runner(spec: ToySpec, layers: nn.ModuleList, plan, rank: int, learn: b
         plan=plan, rank=rank, modules=mods, num_microbatches=plan.num_microbatches, vocab_size=spec.vocab,
         hidden_meta=None if learn else act, embedding_meta=act, head_weight=head_w, embedding_weight=emb_w,
         tokens=lambda mb: microbatch(spec, mb)[0], targets=lambda mb: microbatch(spec, mb)[1],
-        metas=boundary_metas(spec, plan.num_stages), load_input=lambda mb: microbatch(spec, mb)[0],
-        loss_fn=loss_fn(spec))
+        metas=stage_metas(spec, plan), load_input=lambda mb: microbatch(spec, mb)[0],
+        loss_fn=loss_fn(spec), mtp_depth=spec.mtp_depth, mtp_loss_scaling_factor=spec.mtp_loss_scale)
 
 
 def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, tags: bool = True,
@@ -109,11 +126,17 @@ def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, ta
     result = executor.run_step()
     ref = build_layers(spec)
     ref_loss = reference_step(spec, ref, plan.num_microbatches)
+    off = off_loss = None
+    if spec.mtp_depth:  # the reference with the last MTP depth's coefficient 1% off: every comparison must miss it
+        coefs = list(mtp_coefficients(spec))
+        coefs[-1] *= 1.01
+        off = build_layers(spec)
+        off_loss = reference_step(spec, off, plan.num_microbatches, tuple(coefs))
     label = (f"rank {rank}, plan {plan.meta.get('label', '')}, {'tagged' if tags else 'untagged'}, {exchange}"
              f"{', head input learned' if learn else ''}")
     reports = runner.head_rows is not None if runner.head_split else plan.num_stages - 1 in plan.stages_of(rank)
     if reports:
-        _same(result.loss, ref_loss, f"{label}: loss")
+        _same(result.loss, ref_loss, f"{label}: loss", off_loss)
     elif result.loss is not None:
         raise AssertionError(f"{label}: a rank without the loss reported one")
     split = {sp.layer for sp in plan.splits}
@@ -121,13 +144,15 @@ def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, ta
         for idx in range(plan.stages[s].start, plan.stages[s].end):
             if idx in split:
                 continue
-            for (name, p), q in zip(layers[idx].named_parameters(), ref[idx].parameters()):
-                _same(p.grad, q.grad, f"{label}: layer {idx} {name}")
+            wrong = off[idx].parameters() if off is not None else (None for _ in ref[idx].parameters())
+            for (name, p), q, o in zip(layers[idx].named_parameters(), ref[idx].parameters(), wrong):
+                _same(p.grad, q.grad, f"{label}: layer {idx} {name}", None if o is None else o.grad)
     last = len(spec.layers) - 1
     for rows, weight, idx in ((runner.head_rows, runner.head_weight, last),
                               (runner.embedding_rows, runner.embedding_weight, 0)):
         if rows is not None:
-            _same(weight.grad, ref[idx].weight.grad[rows[0]:rows[1]], f"{label}: layer {idx} shard rows {rows}")
+            _same(weight.grad, ref[idx].weight.grad[rows[0]:rows[1]], f"{label}: layer {idx} shard rows {rows}",
+                  None if off is None else off[idx].weight.grad[rows[0]:rows[1]])
     if runner.pending():
         raise AssertionError(f"{label}: state of {runner.pending()} (stage or shard, micro-batch) pairs not freed")
     _check_shard_hooks(runner, plan, rank, label)
@@ -184,12 +209,16 @@ def reference_loss(spec: ToySpec, layers: nn.ModuleList, num_microbatches: int, 
     return total
 
 
-def _same(got, want, label: str) -> None:
+def _same(got, want, label: str, wrong=None) -> None:
+    """`got` equals `want` at rtol 1e-10; a 1% scale error of it, and `wrong` (the reference with an MTP coefficient
+    1% off), would fail."""
     if got is None:
         raise AssertionError(f"{label}: no gradient")
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=label)
     if want.abs().max() > 1e-6 and torch.allclose(got * 1.01, want, rtol=1e-10, atol=1e-12):
         raise AssertionError(f"{label}: the tolerance would not catch a 1% scale error")
+    if wrong is not None and torch.allclose(got, wrong, rtol=1e-10, atol=1e-12):
+        raise AssertionError(f"{label}: the tolerance would not catch a 1% error in an MTP depth's loss coefficient")
 
 
 def check_split_plans_worker(rank: int, world: int, port: int, docs: list[dict], specs: list[ToySpec]) -> None:
