@@ -25,6 +25,7 @@ class GpuSpec:
     nvlink_gb_per_s: float  # one direction (NVIDIA quotes both directions added)
     ib_gb_per_s: float  # one InfiniBand NIC per GPU, e.g. NDR 400 Gb/s = 50 GB/s
     efficiency: float  # achieved / peak on large bf16 GEMMs in training
+    arch_major: int  # CUDA compute capability major (8 Ampere, 9 Hopper, 10 Blackwell): Megatron asks it
     hbm_efficiency: float = 0.8  # achieved / peak on streaming element-wise kernels
 
     @property
@@ -46,13 +47,13 @@ class GpuSpec:
 # of bf16 matrix work on an H200 (0.8 of peak), of which 0.75 is kept for whole layers.
 _SPECS = (
     GpuSpec(name="A100-80G", peak_bf16_flops=312e12, memory_bytes=80 * GIB, hbm_gb_per_s=2039,
-            nvlink_gb_per_s=300, ib_gb_per_s=25, efficiency=0.7),
+            nvlink_gb_per_s=300, ib_gb_per_s=25, efficiency=0.7, arch_major=8),
     GpuSpec(name="H100-SXM", peak_bf16_flops=989e12, memory_bytes=80 * GIB, hbm_gb_per_s=3350,
-            nvlink_gb_per_s=450, ib_gb_per_s=50, efficiency=0.7),
+            nvlink_gb_per_s=450, ib_gb_per_s=50, efficiency=0.7, arch_major=9),
     GpuSpec(name="H200", peak_bf16_flops=989e12, memory_bytes=141 * 10**9, hbm_gb_per_s=4800,
-            nvlink_gb_per_s=450, ib_gb_per_s=50, efficiency=0.75),
+            nvlink_gb_per_s=450, ib_gb_per_s=50, efficiency=0.75, arch_major=9),
     GpuSpec(name="B200", peak_bf16_flops=2250e12, memory_bytes=180 * 10**9, hbm_gb_per_s=8000,
-            nvlink_gb_per_s=900, ib_gb_per_s=50, efficiency=0.6),
+            nvlink_gb_per_s=900, ib_gb_per_s=50, efficiency=0.6, arch_major=10),
 )
 
 GPUS = MappingProxyType({g.name: g for g in _SPECS})

@@ -106,13 +106,44 @@ def test_bad_launch_arguments_get_megatrons_own_error_in_one_line(capsys, launch
     assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans on a machine without CUDA")
+def test_tensor_parallel_launch_plans_on_a_machine_without_cuda(capsys, tmp_path, monkeypatch):
+    """At TP > 1 Megatron's validate_args asks the launch's GPU architecture (get_device_arch_version): on a machine
+    without CUDA, through the real parser and validator, it is told the plan's GPU (H100: Hopper, which requires
+    the launch's CUDA_DEVICE_MAX_CONNECTIONS=1; B200: Blackwell, which does not), nothing of Megatron or torch.cuda
+    is left changed, and a CUDA_DEVICE_MAX_CONNECTIONS this process sets otherwise still gets Megatron's message."""
+    import megatron.training.arguments as arguments
+    import torch
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    own, cuda_props = arguments.get_device_arch_version, torch.cuda.get_device_properties
+    tp2 = RUN + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    tp1 = json.loads(_plan(capsys, RUN, "-o", str(tmp_path / "tp1.json"), "--json"))
+    docs = {}
+    for cluster in ("h100x2", "b200x2"):
+        out = tmp_path / f"{cluster}.json"
+        doc = docs[cluster] = json.loads(_plan(capsys, tp2, "--cluster", cluster, "-o", str(out), "--json"))
+        assert doc["launch"]["pipeline_size"] == 2 and doc["launch"]["num_microbatches"] == 4
+        assert read_plan(out).num_devices == 2
+        assert "--tensor-model-parallel-size 2" in doc["plan"]["meta"]["tuned_for"]["megatron_args"]
+    assert docs["h100x2"]["tuned"]["step_ms"] != tp1["tuned"]["step_ms"]  # the TP 2 model, costed as such
+    assert arguments.get_device_arch_version is own and torch.cuda.get_device_properties is cuda_props
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # this process's own setting: Megatron's word on it
+    err = _plan(capsys, tp2, expect=2)
+    assert "Megatron's validate_args: Using tensor model parallelism or context parallelism require setting the " \
+           "environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1" in err and len(err.strip().splitlines()) == 1
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
-def test_tensor_parallel_launch_on_a_machine_without_a_gpu_names_megatrons_question_and_the_fix(capsys):
-    """At TP > 1 validate_args asks the GPU's architecture: without one, the error says who asked and what to do."""
-    err = _plan(capsys, RUN + ["--tensor-model-parallel-size", "2"], "--cluster", "h100x4", expect=2)
+def test_a_launch_whose_validation_asks_this_machines_gpu_names_megatrons_question_and_the_fix(capsys):
+    """--moe-grouped-gemm: validate_args reads this machine's compute capability; without a GPU, the error says who
+    asked and what to do."""
+    err = _plan(capsys, RUN + ["--num-experts", "2", "--moe-grouped-gemm"], expect=2)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "Megatron's validate_args: Torch not compiled with CUDA enabled" in err
-    assert "get_device_arch_version" in err and "run `octopipe plan` on a node that sees a GPU" in err
+    assert "(validate_args, training/arguments.py:" in err and "run `octopipe plan` on a node that sees a GPU" in err
 
 
 def test_cluster_must_have_one_device_per_pipeline_rank(capsys):

@@ -75,7 +75,7 @@ BIG_VOCAB = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-head
 
 @pytest.mark.framework
 @pytest.mark.parametrize("tied,tp", [(False, 1), (True, 1), (False, 2)])
-def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, capsys, monkeypatch, tied, tp):
+def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, capsys, tied, tp):
     """--megatron-args --splits auto: the split-aware tune under the launch's constraints; the written plan is one
     the launch's Megatron run takes (adapters/megatron/startup.split_refusal), else the plan without splits with
     the reason on the split line; a tied head (Megatron's default) is split like an untied one. At
@@ -86,13 +86,7 @@ def test_auto_with_a_megatron_launch_keeps_only_a_split_its_run_takes(tmp_path, 
     from octopipe_plugin.adapters.megatron.startup import split_refusal
 
     launch = BIG_VOCAB + ([] if tied else ["--untie-embeddings-and-output-weights"])
-    if tp > 1:
-        # CUDA shim (no GPU here): at TP > 1 validate_args asks the GPU's architecture to require
-        # CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell; it answers Hopper's, with the variable set as required
-        import megatron.training.arguments as arguments
-
-        monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if tp > 1:  # validate_args' GPU-architecture question is the plan's GPU's where there is no CUDA (from_args)
         launch += ["--tensor-model-parallel-size", str(tp)]
     out = tmp_path / "plan.json"
     # --iterations bounds the search; the generous --time-budget only keeps the wall-clock guard off on a busy machine

@@ -71,10 +71,12 @@ def launch_argv(text: str) -> list[str]:
     return words
 
 
-def parse_launch(argv: list[str], world_size: int | None = None):
+def parse_launch(argv: list[str], world_size: int | None = None, *, cluster=None, gpu: str | None = None):
     """Megatron's parse_args (OctoPipe's arguments included) and validate_args on `argv`; Megatron's error, one line.
 
-    `world_size`: the launch's GPU count (default TP x PP x CP: one data-parallel replica).
+    `world_size`: the launch's GPU count (default TP x PP x CP: one data-parallel replica). `cluster`, `gpu`: what the
+    plan is for (as launch_model costs it), the GPU whose architecture validation is told where this machine has no
+    CUDA (`_validate_args`).
     """
     import warnings
 
@@ -96,7 +98,7 @@ def parse_launch(argv: list[str], world_size: int | None = None):
             raw = {"layout": args.pipeline_model_parallel_layout}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                arguments.validate_args(args)
+                _validate_args(arguments, args, cluster, gpu or getattr(args, "octopipe_gpu", None))
     except SystemExit:  # argparse: its message is the last line it printed
         lines = [ln for ln in said.getvalue().splitlines() if ln.strip()]
         raise OctoPipeError(f"--megatron-args: Megatron's parser: {lines[-1] if lines else 'refused them'}") from None
@@ -114,9 +116,51 @@ def parse_launch(argv: list[str], world_size: int | None = None):
     return args
 
 
+def _validate_args(arguments, args, cluster, gpu: str | None) -> None:
+    """Megatron's validate_args on `args`; on a machine without CUDA, called so that its question of the GPU's
+    architecture is answered with the launch's GPU (the one the plan is for: `gpu`, else the cluster's).
+
+    Why: at TP or CP > 1 megatron-core 0.19's validate_args calls megatron.training.utils.get_device_arch_version
+    (`torch.cuda.get_device_properties("cuda:0").major`; arguments.py: `(tp > 1 or cp > 1) and
+    get_device_arch_version() < 10`, also under Megatron-FSDP and GTP weight shards), and no argument skips that
+    call where TP > 1. It asks which architecture the *launch* runs on, to require the launch's
+    CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell (and to add Blackwell's high-priority stream groups): settings
+    of the launch's environment, not of its model or pipeline. Planning on a CPU machine, the answer is the target
+    GPU's compute capability (gpus.GpuSpec.arch_major), and the launch's required CUDA_DEVICE_MAX_CONNECTIONS=1 is
+    taken as set where this process leaves it unset (the launch's own start-up checks its environment). Nothing is
+    patched, of torch.cuda or of Megatron: this call of validate_args runs Megatron's own code with that one
+    name of its module resolved to the target's answer (every other name is the module's)."""
+    import inspect
+    import types
+
+    import torch
+
+    validate = arguments.validate_args
+    if torch.cuda.is_available():  # Megatron asks this machine's GPU, as the launch's start-up does
+        validate(args)
+        return
+    from ...costs import cost_gpu
+    from ...gpus import get_gpu
+
+    major = get_gpu(cost_gpu(cluster, gpu)).arch_major
+    own = inspect.unwrap(validate)
+    validate = types.FunctionType(own.__code__, {**own.__globals__, "get_device_arch_version": lambda: major},
+                                  own.__name__, own.__defaults__, own.__closure__)
+    validate.__kwdefaults__ = own.__kwdefaults__
+    env = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if env is None and major < 10:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    try:
+        validate(args)
+    finally:
+        if env is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+
+
 def _no_gpu_hint(exc: BaseException) -> str:
-    """Where validate_args asked this machine's GPU and there is none (at TP or CP > 1 it reads the device's
-    architecture), the Megatron function that asked and the fix; else nothing."""
+    """Where validate_args asked this machine's GPU and there is none (e.g. --moe-grouped-gemm reads its compute
+    capability; the architecture question at TP or CP > 1 is answered by `_validate_args`), the Megatron function
+    that asked and the fix; else nothing."""
     import traceback
 
     import torch
@@ -166,7 +210,7 @@ def current_stages(args, model, pipeline_size: int) -> tuple[list[tuple[int, int
 def view_launch(text: str, cluster, *, world_size: int | None = None, gpu: str | None = None) -> LaunchView:
     """Parse a launch's arguments with Megatron and build what the start-up would: model, run sizes, current stages."""
     argv = launch_argv(text)
-    args = parse_launch(argv, world_size)
+    args = parse_launch(argv, world_size, cluster=cluster, gpu=gpu)
     facts = run_facts(args)
     if cluster.num_devices != facts.pipeline_size:
         raise OctoPipeError(f"--cluster {cluster.name} has {cluster.num_devices} devices but the launch's pipeline has "
