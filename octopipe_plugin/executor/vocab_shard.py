@@ -17,7 +17,9 @@ global rows [lo, hi) of the head weight (`row_range`, or the rows a tensor-paral
 Embedding shard: E looks up the tokens that fall in its rows (zeros elsewhere; summed over
 tensor parallelism), summed into stage 0's input; G adds stage 0's input gradient into its rows.
 A tied embedding and head over the same devices and shares use one shard weight per device: both
-gradients accumulate into it.
+gradients accumulate into it. Shard gradients reach the weight through `grad_sink`: "autograd"
+(the weight's AccumulateGrad runs, so grad-accumulator hooks fire: Megatron DDP's main_grad,
+DeepSpeed's), "direct" (added into `.grad`, no hooks) or a callable `sink(weight, grad)`.
 
 Multi-token prediction (`heads` = 1 + the MTP depth, `formats.model.head_inputs`): the head's one
 weight serves every hidden state. The owner's `HeadInput` holds them concatenated along dim 0
@@ -25,9 +27,7 @@ weight serves every hidden state. The owner's `HeadInput` holds them concatenate
 the one-head math above over all the rows at once: per hidden state and token its statistics, its
 per-token loss (each head's loss coefficients in `coef`: 1 for the main head, the MTP loss scaling
 factor / depth for each depth), its partial input gradient (all of them in the one partial message
-to the owner, which splits it back into the states) and its part of the rows' weight gradient. Shard gradients reach the weight through `grad_sink`: "autograd"
-(the weight's AccumulateGrad runs, so grad-accumulator hooks fire: Megatron DDP's main_grad,
-DeepSpeed's), "direct" (added into `.grad`, no hooks) or a callable `sink(weight, grad)`.
+to the owner, which splits it back into the states) and its part of the rows' weight gradient.
 
 Statistics, coefficients and the softmax gradient are float32 (float64 for float64 activations),
 as Megatron's vocab-parallel cross-entropy computes in float32.

@@ -152,6 +152,46 @@ def test_a_head_input_without_every_head_s_rows_is_refused_by_name():
         VocabShards(plan=plan, rank=0, vocab_size=V, head_weight=nn.Parameter(w[lo:hi].clone()), heads=0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_split_torch_stages_hand_over_every_head_s_targets_and_megatron_s_mtp_loss(reduction):
+    """The owner's loss terms: each depth's cross-entropy over its own targets times factor / depth ("sum": times
+    the main head's count over the depth's, as Megatron's per-token loss), / num_microbatches; the report logs
+    each head's."""
+    from octopipe_plugin.executor.vocab_shard import SplitTorchStages
+
+    plan, depth = _plan(), 2
+    states, w, t = _data(depth)
+    lo, hi = shard_rows(plan, "output", V, 1)
+    runner = SplitTorchStages(plan=plan, rank=1, modules={1: nn.Identity()}, num_microbatches=2, vocab_size=V,
+                              head_weight=nn.Parameter(w[lo:hi].clone()), targets=lambda mb: t, reduction=reduction,
+                              mtp_depth=depth, mtp_loss_scaling_factor=FACTOR)
+    t_all, rule = runner._head_loss(0, None)
+    assert torch.equal(t_all, mtp_targets(t, depth))
+    per_token = torch.rand(t_all.numel(), generator=torch.Generator().manual_seed(5), dtype=DT) + 0.5
+    heads = per_token.reshape(1 + depth, -1)
+    valid = (t_all != -100).reshape(1 + depth, -1)
+    sums = [float(heads[j][valid[j]].sum()) for j in range(1 + depth)]
+    counts = [int(v.sum()) for v in valid]
+    assert counts == [7, 5, 4]  # 8 tokens: the masked main one (depth 1 sees it one earlier), each depth's last ones
+    if reduction == "mean":
+        want = sums[0] / counts[0] + sum(FACTOR / depth * sums[j] / counts[j] for j in (1, 2))
+    else:
+        want = sums[0] + sum(FACTOR / depth * sums[j] * counts[0] / counts[j] for j in (1, 2))
+    assert float(rule(per_token)) == pytest.approx(want / 2, rel=1e-12)
+    coef = loss_coefficients(rule, t_all.numel(), DT, "cpu")
+    rep = runner._report(0, per_token, coef)
+    assert float(rep.loss) == pytest.approx(want / 2, rel=1e-12) and float(rep.raw) == pytest.approx(want, rel=1e-12)
+    assert rep.num_tokens == (None if reduction == "mean" else counts[0])
+    main = sums[0] / counts[0] if reduction == "mean" else sums[0]
+    assert float(rep.logs["lm loss"]) == pytest.approx(main, rel=1e-12)
+    for j in (1, 2):
+        assert float(rep.logs[f"mtp_{j} loss"]) == pytest.approx(sums[j] / counts[j], rel=1e-12)
+    # the owner's hidden states: main, then each depth's, concatenated along dim 0; a missing depth is refused
+    assert torch.equal(runner._module_output(1, tuple(states), None), torch.cat(states))
+    with pytest.raises(ValueError, match="gave 2 hidden states; a head with MTP depth 2 takes 3"):
+        runner._module_output(1, tuple(states[:2]), None)
+
+
 # ----- the toy language model with MTP, run by the executor over gloo
 
 MTP1 = ToySpec(layers=("embed", "mlp", "attn", "mlp", "mtp", "lm"), vocab=29, mtp_loss_scale=FACTOR)
