@@ -44,7 +44,7 @@ def main() -> None:
     devices, mbs = 16, 64
     model, cluster = _model(64), _cluster(devices)
     print(f"plan: {devices} devices x {mbs} micro-batches x 2 stages per device (target < 20 ms)")
-    for name in ("interleaved-1f1b", "zb-v", "dualpipev"):
+    for name in ("interleaved-1f1b", "combined-1f1b", "zb-v", "dualpipev"):
         plan = build_plan(model, name, devices, mbs, 2)
         costs = stage_costs(model, plan.stages)
         n_actions = sum(len(row) for row in plan.schedule)

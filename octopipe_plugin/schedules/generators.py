@@ -4,12 +4,15 @@ Every generator has the signature `generate(stage_devices, num_devices, num_micr
 and returns one tuple of Actions per device. Each first checks that the stage map is the
 placement it was written for and refuses other inputs with a PlanError saying why.
 
-DualPipeV representation: DualPipe overlaps the forward of one chunk with the backward of
-the other chunk on one device (compute of one hides the all-to-all of the other). The plan
-format has no fused action for that, so an overlapped pair "F of stage a, B of stage b" is
-written as the two ordinary actions `aF`, `bB` back to back (forward first, as DualPipe
-issues it). A simulator therefore charges F + B for the pair: the ordering and memory of
-DualPipeV are exact, the communication hiding inside a pair is not modelled.
+Overlapped pairs: the schedules that run the forward of one micro-batch and the backward of
+another on one device at once (DualPipeV's "F & B" steps, Megatron's combined 1F1B with
+`--overlap-moe-expert-parallel-comm`) return an `actions.PairedSchedule`: the same per-device
+tuple, each pair's two actions adjacent (forward first), plus `.pairs`, which
+`schedules.registry.build_plan` moves into `Plan.pairs`. The simulator prices a pair as its two
+phase sequences interleaved (simulator/pairs.py), so the all-to-all one half hides behind the
+other's compute is priced; for layers without communication phases a pair costs exactly its two
+actions one after the other, so order, memory and the step of such models are those of the
+same actions unpaired.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from ..errors import PlanError
-from ..actions import Action, B, F, I, W
+from ..actions import Action, B, F, I, PairedSchedule, W
 from .placement import looped, v_shape
 
 Schedule = tuple[tuple[Action, ...], ...]
@@ -132,6 +135,81 @@ def interleaved_1f1b(stage_devices: Sequence[int], num_devices: int, num_microba
 
         out.append(tuple(_warm_steady_drain(warm, total, fwd, bwd)))
     return tuple(out)
+
+
+def combined_1f1b(stage_devices: Sequence[int], num_devices: int, num_microbatches: int,
+                  group_size: int | None = None) -> PairedSchedule:
+    """Megatron-core's combined 1F1B (`--overlap-moe-expert-parallel-comm`), action for action, merged steps as pairs.
+
+    With the flag on, megatron-core 0.19.2 runs forward_backward_pipelining_with_interleaving
+    (pipeline_parallel/schedules.py) with one change to the order and one to the execution:
+
+    - the warm-up takes one more forward: get_pp_rank_microbatches, schedules.py:937-943,
+      `2(p-r-1) + (v-1)g` "+ 1" "to ensure the forward and backward computations are
+      independent in all 1f1b steps", capped at v*m (schedules.py:949-951);
+    - every steady-state step (schedules.py:1706-1708 and 1863/1875: forward virtual
+      micro-batch k + warm-up with backward virtual micro-batch k) goes through
+      forward_backward_helper_wrapper's combined path (schedules.py:1458-1459) into
+      combined_1f1b_schedule_for_interleaved_pipelining and combined_forward_backward_step
+      (pipeline_parallel/combined_1f1b.py), which runs that F and that B as one merged unit:
+      TransformerModelChunkSchedulePlan.run (models/common/model_chunk_schedule_plan.py:488,
+      544-562) overlaps forward layer i with backward layer n-1-i, each layer's dispatch and
+      combine all-to-alls of one micro-batch beside the other's attention / expert compute
+      (TransformerLayerSchedulePlan.run, model_chunk_schedule_plan.py:224-266). Those steps are
+      this schedule's pairs (F first: `F(k + warm-up) + B(k)`); the warm-up forwards
+      (schedules.py:1546, 1595) and the cool-down backwards (schedules.py:1944, 1985) run alone.
+
+    Micro-batch and chunk of a virtual micro-batch come from Megatron's get_schedule_table
+    (`megatron_table`), backwards walking the chunks down, as in `interleaved_1f1b`. With one
+    device Megatron has no pipeline: combined_1f1b_schedule_for_no_pipelining
+    (combined_1f1b.py:35, 76-133, schedules.py:751) runs F0, then F(i+1) with B(i), then B(m-1),
+    which is this order with p = 1 (warm-up 1). With p > 1 megatron-core overlaps only in the
+    interleaved function (transformer_config.py:2674-2678 requires a virtual pipeline size), so
+    v = 1 here is that function with virtual_pipeline_model_parallel_size = 1 (warm-up
+    2(p-r-1) + 1, m >= p), not the non-interleaved 1F1B; Megatron-LM's command line maps a
+    virtual size of 1 to None (training/arguments.py:917, 944) and so needs v >= 2.
+
+    Order differs from `interleaved_1f1b` only by the extra warm-up forward; memory is one more
+    live activation per device. Looped placement, v >= 1 stages per device; m >= p (Megatron's
+    micro-batch groups, `megatron_group_size`); one device serves v = 1 and any m.
+    """
+    name = "combined-1f1b"
+    p, m = num_devices, num_microbatches
+    v = _stages_per_device(name, stage_devices, p)
+    _require_map(name, stage_devices, looped(p, v))
+    _check_m(name, m)
+    if p == 1:
+        if v > 1:
+            raise PlanError(f"{name}: Megatron runs no pipeline schedule with one device; use 1 stage")
+        g = 1
+    else:
+        if m < p:
+            raise PlanError(f"{name}: Megatron needs at least {p} micro-batches (one per device), got {m}")
+        g = group_size if group_size is not None else megatron_group_size(p, m)
+        if not p <= g <= m or 0 < m % g < p:
+            raise PlanError(f"{name}: group size {g} must be in [p={p}, m={m}] with m % g == 0 or >= p")
+    table = megatron_table(m, v, g)
+    total = m * v
+    rows, pairs = [], []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * g + 1, total)
+
+        def fwd(k: int) -> Action:
+            mb, c = table[k]
+            return F(c * p + r, mb)
+
+        def bwd(k: int) -> Action:
+            mb, c = table[k]
+            return B((v - 1 - c) * p + r, mb)
+
+        row = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):  # the steady state: each F merged with a B, one pair
+            pair = (fwd(k + warm), bwd(k))
+            row += pair
+            pairs.append(pair)
+        row += [bwd(k) for k in range(total - warm, total)]
+        rows.append(tuple(row))
+    return PairedSchedule(rows, pairs)
 
 
 def zb_h1(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
@@ -257,16 +335,21 @@ def _zb_v_rank(p: int, r: int, n: int) -> list[Action]:
     return row
 
 
-def dualpipev(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> Schedule:
-    """DualPipeV (DeepSeek; torch's ScheduleDualPipeV order): V placement, overlapped F&B written as F then B.
+def dualpipev(stage_devices: Sequence[int], num_devices: int, num_microbatches: int) -> PairedSchedule:
+    """DualPipeV (DeepSeek; torch's ScheduleDualPipeV order): V placement, its overlapped F&B steps as pairs.
 
-    Needs m >= 2p micro-batches (one per stage), like DeepSeek's and torch's implementations.
+    The main phase's "F0 & B1" and "F1 & B0" steps, and phase 5's "F1 & B0", are overlapped
+    pairs, as DeepSeek's `_forward_backward_chunk` and torch's OVERLAP_F_B run them (the last
+    rank's first main step runs its F0 and B1 apart, as both do). Needs m >= 2p micro-batches
+    (one per stage), like DeepSeek's and torch's implementations.
     """
     p, m = num_devices, num_microbatches
     _require_map("dualpipev", stage_devices, v_shape(p, 2))
     if m < 2 * p:
         raise PlanError(f"dualpipev: needs at least 2 x devices = {2 * p} micro-batches, got {m}")
-    return tuple(tuple(_DualPipeVRank(p, r).build(m)) for r in range(p))
+    ranks = [_DualPipeVRank(p, r) for r in range(p)]
+    rows = [tuple(rank.build(m)) for rank in ranks]
+    return PairedSchedule(rows, [pair for rank in ranks for pair in rank.pairs])
 
 
 class _DualPipeVRank:
@@ -278,6 +361,7 @@ class _DualPipeVRank:
         self.next_mb: dict[tuple[int, str], int] = {}
         self.weights: deque[tuple[int, int]] = deque()
         self.row: list[Action] = []
+        self.pairs: list[tuple[Action, Action]] = []
 
     def _take(self, stage: int, kind: str) -> int:
         mb = self.next_mb.get((stage, kind), 0)
@@ -297,6 +381,12 @@ class _DualPipeVRank:
         else:
             self.row.append(B(stage, mb))
 
+    def fb(self, f_stage: int, b_stage: int) -> None:
+        """An overlapped pair: the next forward of `f_stage` with the next fused backward of `b_stage`."""
+        self.f(f_stage)
+        self.b(b_stage)
+        self.pairs.append((self.row[-2], self.row[-1]))
+
     def w(self) -> None:
         """The oldest queued W, if any."""
         if self.weights:
@@ -315,15 +405,16 @@ class _DualPipeVRank:
             self.b(s1, split=True)
             self.w()
             self.f(s1)
-        for _ in range(m - 2 * p + r + 1):  # 4: main, overlapped (F0 & B1), (F1 & B0)
-            self.f(s0)  # the last rank's first pair is not overlapped in DualPipe; same two actions here
-            self.b(s1)
-            self.f(s1)
-            self.b(s0)
+        for i in range(m - 2 * p + r + 1):  # 4: main, overlapped (F0 & B1), (F1 & B0)
+            if i == 0 and r == p - 1:  # the last rank's first F0, B1 run apart in DualPipe (a smaller bubble)
+                self.f(s0)
+                self.b(s1)
+            else:
+                self.fb(s0, s1)
+            self.fb(s1, s0)
         for _ in range(p - r - 1):  # 5: B1, overlapped (F1 & B0)
             self.b(s1)
-            self.f(s1)
-            self.b(s0)
+            self.fb(s1, s0)
         split = False
         for i in range(r + 1):  # 6: B1 B0, second half zero-bubble
             split = split or (i == (r + 1) // 2 and r % 2 == 1)

@@ -27,6 +27,7 @@ class ScheduleSpec:
     min_microbatches: Callable[[int, int], int]  # (devices, stages per device) -> smallest m served
     requirements: str
     uses_split_backward: bool = False
+    overlapped_pairs: bool = False  # the generator returns an actions.PairedSchedule (F&B run overlapped)
     extra_check: Callable[[int, int, int], object] | None = None  # (devices, m, v); raises PlanError to refuse
 
     def check(self, num_devices: int, num_microbatches: int, stages_per_device: int) -> None:
@@ -62,6 +63,12 @@ def _zb_rounds_check(p: int, m: int, v: int) -> None:
     gen.zb_round_size(p, m, v)  # check() has already refused p < 1 and m < 1
 
 
+def _combined_check(p: int, m: int, v: int) -> None:
+    """Combined 1F1B with one device is Megatron's no-pipelining schedule: one stage (the generator's refusal)."""
+    if p == 1 and v > 1:
+        raise PlanError(f"combined-1f1b: Megatron runs no pipeline schedule with one device; use 1 stage, got {v}")
+
+
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
     spec.name: spec
     for spec in (
@@ -75,6 +82,13 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
                      stages_per_device=None, min_microbatches=_interleaved_min,
                      requirements="v >= 1 stages per device looped (stage s on device s % p); "
                                   "m >= p when v > 1 (Megatron's micro-batch groups); v = 1 is plain 1F1B"),
+        ScheduleSpec(name="combined-1f1b", generate=gen.combined_1f1b, placement=Placement.LOOPED,
+                     stages_per_device=None, min_microbatches=lambda p, v: p, overlapped_pairs=True,
+                     extra_check=_combined_check,
+                     requirements="Megatron's 1F1B under --overlap-moe-expert-parallel-comm: v >= 1 stages "
+                                  "per device looped; m >= p (Megatron's micro-batch groups); one warm-up forward "
+                                  "more than interleaved-1f1b, each steady-state F&B an overlapped pair (hides the "
+                                  "MoE all-to-all); one device: v = 1, any m"),
         ScheduleSpec(name="zb-h1", generate=gen.zb_h1, placement=Placement.LOOPED, stages_per_device=1,
                      min_microbatches=lambda p, v: 1, uses_split_backward=True,
                      requirements="one stage per device; any m >= 1; split backward (I, W); 1F1B's peak memory"),
@@ -90,8 +104,9 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
                                   "any m >= 1; split backward (I, W)"),
         ScheduleSpec(name="dualpipev", generate=gen.dualpipev, placement=Placement.V, stages_per_device=2,
                      min_microbatches=lambda p, v: 2 * p, uses_split_backward=True,
-                     requirements="exactly 2 stages per device in a V; m >= 2p; overlapped F&B pairs "
-                                  "written as F then B"),
+                     overlapped_pairs=True,
+                     requirements="exactly 2 stages per device in a V; m >= 2p; the main phase's "
+                                  "overlapped F&B steps as pairs"),
     )
 })
 
@@ -133,10 +148,11 @@ def build_plan(model, name: str, num_devices: int, num_microbatches: int, stages
         raise OctoPipeError(f"unknown split {split!r}; valid: megatron, balanced (or explicit boundaries)")
     devices = place(spec.placement, num_devices, v)
     schedule = spec.generate(devices, num_devices, num_microbatches)
+    pairs = tuple(getattr(schedule, "pairs", ()))  # a PairedSchedule's overlapped pairs (generators.py)
     stages = tuple(Stage(start=a, end=b, device=d) for (a, b), d in zip(ranges, devices))
     plan = Plan(model=model.name, num_devices=num_devices, num_microbatches=num_microbatches, stages=stages,
-                schedule=schedule, meta={"schedule": spec.name, "split": "explicit" if boundaries else split,
-                                         "stages_per_device": v})
+                schedule=tuple(schedule), pairs=pairs,
+                meta={"schedule": spec.name, "split": "explicit" if boundaries else split, "stages_per_device": v})
     if validate:
         validate_plan(plan, model.num_layers)
     return plan

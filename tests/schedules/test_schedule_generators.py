@@ -71,6 +71,8 @@ def test_every_served_configuration_is_valid_and_deadlock_free(split):
     ("dualpipev", 4, 2, 7, "at least 8 micro-batches"),
     ("interleaved-1f1b", 4, 2, 3, "at least 4 micro-batches"),
     ("interleaved-1f1b", 1, 2, 4, "one device"),
+    ("combined-1f1b", 4, 2, 3, "at least 4 micro-batches"),
+    ("combined-1f1b", 1, 2, 4, "one device"),
     ("1f1b", 4, 2, 8, "exactly 1 stage"),
     ("gpipe", 2, 0, 4, "exactly 1 stage"),
 ])

@@ -7,14 +7,13 @@ stage_index of the stages), as tests/schedules/test_interleaved_zb.py does for i
 ZB-V compares one to one: the same F, I and W in the same order on every rank, and both serve
 every m >= 1 (torch, like us, builds for max(m, 2p - 1) micro-batches and drops the extra ones).
 
-DualPipeV differs by design in one respect. Torch writes the steady state's overlapped pairs
-as one action, `(0F3;3B1)OVERLAP_F_B`: DeepSeek's runtime runs that F and that B at the same
-time, hiding one's communication behind the other's compute. Our plan IR has no overlapped
-action: a device runs one action at a time (the reference execution semantics), so a pair is
-written as its F followed by its B, and the simulator charges their times one after the other.
-What is comparable, and compared, is the order: expanding each torch pair into its sub-actions
-(F first, as torch lists them) gives exactly our list on every rank, fused B inside the pairs
-and I/W in the cool-down included. Both refuse m < 2p (one micro-batch per stage).
+DualPipeV also compares one to one. Torch writes the steady state's overlapped steps as one
+action, `(0F3;3B1)OVERLAP_F_B` (DeepSeek's runtime runs that F and that B at the same time,
+hiding one's communication behind the other's compute); our generator writes the same step as
+the overlapped pair `0F3+3B1`: its two actions adjacent, F first, listed in the schedule's
+`pairs`. Expanding each torch pair into its sub-actions gives exactly our list on every rank
+(fused B inside the pairs and I/W in the cool-down included), and torch's pairs are exactly
+ours. Both refuse m < 2p (one micro-batch per stage).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from octopipe_plugin.actions import format_schedule
 from octopipe_plugin.errors import PlanError
 from octopipe_plugin.schedules.generators import dualpipev, zb_v
 from octopipe_plugin.schedules.placement import v_shape
@@ -50,6 +50,13 @@ def torch_order(schedule_cls, p: int, m: int) -> list[list[str]] | None:
     return [[t for a in sched.pipeline_order[r] if a is not None for t in _expanded(a)] for r in range(p)]
 
 
+def torch_pairs(schedule_cls, p: int, m: int) -> list[list[str]]:
+    """Every rank's OVERLAP_F_B actions as `F+B` text, in order."""
+    sched = schedule_cls([_torch_stage(p, 0), _torch_stage(p, 2 * p - 1)], m)
+    return [["+".join(str(s) for s in a.sub_actions) for a in sched.pipeline_order[r]
+             if a is not None and getattr(a, "sub_actions", None)] for r in range(p)]
+
+
 def our_order(generate, p: int, m: int) -> list[list[str]] | None:
     """Our generator's per-device lists as text; None when it refuses."""
     try:
@@ -69,7 +76,7 @@ def test_zb_v_is_torchs_order():
 
 
 @pytest.mark.timeout(120)
-def test_dualpipev_is_torchs_order_with_overlapped_pairs_written_f_then_b():
+def test_dualpipev_is_torchs_order_and_its_overlapped_steps_are_our_pairs():
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
     pairs = 0
@@ -78,6 +85,10 @@ def test_dualpipev_is_torchs_order_with_overlapped_pairs_written_f_then_b():
         assert (want is None) == (m < 2 * p), (p, m)
         assert our_order(dualpipev, p, m) == want, (p, m)
         if want is not None:
-            sched = ScheduleDualPipeV([_torch_stage(p, 0), _torch_stage(p, 2 * p - 1)], m)
-            pairs += sum(len(getattr(a, "sub_actions", None) or ()) == 2 for a in sched.pipeline_order[0] if a)
+            ours = dualpipev(v_shape(p, 2), p, m)
+            entries = format_schedule(ours, ours.pairs)
+            mine = [[e for e in row if "+" in e] for row in entries]
+            assert mine == torch_pairs(ScheduleDualPipeV, p, m), (p, m)
+            assert sum(map(len, mine)) == len(ours.pairs)
+            pairs += len(ours.pairs)
     assert pairs > 100  # the overlapped steady state is really exercised, not only warm-up and cool-down

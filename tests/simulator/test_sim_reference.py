@@ -7,6 +7,8 @@ device-worth of layers (split evenly over the v stages of a device), transfers c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from octopipe_plugin.errors import DeadlockError
@@ -75,13 +77,29 @@ def test_zb_h1_idle_is_a_third_of_1f1b(p, extra):
 @pytest.mark.parametrize("extra", [0, 1, 4])
 def test_v_schedules_reach_the_start_lag_bound(name, p, extra):
     # F = I = W = T per stage, two stages per device: each device has 6mT of work and the last
-    # device cannot start before (p-1)T, so step >= 6mT + (p-1)T; ZB-V (m >= 2p-1) and DualPipeV
-    # (m >= 2p) meet that bound exactly: bubble ratio (p-1)/(6m+p-1), i.e. near zero.
+    # device cannot start before (p-1)T, so step >= 6mT + (p-1)T; ZB-V (m >= 2p-1) and DualPipeV's
+    # order run action by action (m >= 2p, its overlapped pairs taken apart) meet that bound exactly:
+    # bubble ratio (p-1)/(6m+p-1), i.e. near zero.
     m = 2 * p + extra
     t = 0.5
-    res = run(name, p, m, v=2, f=2 * t, i=2 * t, w=2 * t)
+    model = uniform(2 * p, t, t, t)
+    plan = build_plan(model, name, p, m, 2)
+    res = simulate(model, cluster(), replace(plan, pairs=()))
     assert res.step_time_ms == pytest.approx(6 * m * t + (p - 1) * t)
     assert res.bubble_ratio == pytest.approx((p - 1) / (6 * m + p - 1))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("extra", [0, 1, 4])
+def test_dualpipev_with_its_pairs_has_dualpipes_bubble(p, extra):
+    # Run as DualPipe runs it, each overlapped F&B pair starts once both its inputs are there and sends
+    # both outputs at its end; without communication to hide a pair costs F + B, and the idle time per
+    # device is DeepSeek's DualPipe formula (PP/2 - 1)(F&B + B - 3W), with PP/2 = p for the V and
+    # F&B = F + B = 3T, B = 2T, W = T: 2(p-1)T, twice the start-lag bound's (p-1)T, whatever m.
+    m = 2 * p + extra
+    t = 0.5
+    res = run("dualpipev", p, m, v=2, f=2 * t, i=2 * t, w=2 * t)
+    assert res.step_time_ms == pytest.approx(6 * m * t + (p - 1) * (3 * t + 2 * t - 3 * t))
 
 
 @pytest.mark.parametrize("p, m", [(2, 1), (3, 2), (4, 5), (6, 3)])
