@@ -19,7 +19,8 @@ from .comm_cache import CommCache, default_cache
 from .data import StepData
 from .errors import ExecutorError
 from .interface import (
-    FORWARD_ONLY, LAST_BACKWARD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_evaluation, check_runner,
+    FORWARD_ONLY, LAST_BACKWARD, PAIR_METHOD, RUNNER_METHODS, SHARD_METHODS, LossOutput, check_evaluation,
+    check_runner,
 )
 from .lowered import LoweredPlan, forward_plan, lowered_plan
 from .nccl_rules import check_nccl_rules
@@ -98,7 +99,9 @@ class PipelineExecutor:
     runs, whether the call is its stage's last weight-gradient action of a training step;
     `on_last_backward(stage)` is called right after that action (its weight gradients are
     complete), so a framework can start that stage's gradient reduction while other stages
-    still compute. Communicators and receive buffers come from `cache` (the process-wide
+    still compute. An overlapped pair of the plan (`Plan.pairs`) waits for both halves'
+    inputs, runs through the runner's optional `pair` (else half after half) and then hands
+    on the first half's output and the second's. Communicators and receive buffers come from `cache` (the process-wide
     `default_cache()` unless given). Everything derived from the plan is `self.lowered`
     (`executor.lowered.lowered_plan`).
     """
@@ -118,7 +121,8 @@ class PipelineExecutor:
         self.lowered: LoweredPlan = lowered_plan(plan, self.rank, self.options.prefetch)
         # before any message: a runner that cannot take the executor's calls fails here, not at its first action
         self.binding = check_runner(runner, {a.kind for a in plan.schedule[self.rank]} | {Kind.F},
-                                    split=any(st.shard is not None for st in self.lowered.program.steps))
+                                    split=any(st.shard is not None for st in self.lowered.program.steps),
+                                    pairs=bool(self.lowered.program.pair_starts))
         # with a split LM head the loss is the shards' (their J), not the last stage's F
         self.head_split = any(side_of(sp, plan.stages[-1].end) == "output" for sp in plan.splits)
         size = dist.get_world_size(group)
@@ -206,42 +210,97 @@ class PipelineExecutor:
         split_metas = ({w: self.runner.split_meta(w) for w in WHATS}
                        if any(st.shard is not None for st in low.program.steps) else None)
         tp.begin({s: self.runner.boundary_meta(s) for s in range(ns - 1)}, forward_only, split_metas)
-        for i, step in enumerate(low.program.steps):
+        steps, starts = low.program.steps, low.program.pair_starts
+        i = 0
+        while i < len(steps):
+            if i in starts:  # an overlapped pair: steps i and i + 1 as one unit
+                self._run_pair(i, steps[i], steps[i + 1], low, tp, local, batches, result)
+                i += 2
+                continue
+            step = steps[i]
             tp.post_upto(step.post_upto)
             a = step.action
-            if step.recv is not None:
-                inp = tp.recv(step.recv, a)
-            else:
-                key = local_input_key(a, ns)
-                inp = local.pop(key) if key is not None else None
-            takes = step.shard.takes if step.shard is not None else ()
-            if takes or a.kind is Kind.J:  # a J of the only shard takes no peer statistics
-                inp = taken(a, [tp.recv(t.msg, a) if t.msg is not None else local.pop(t.key) for t in takes])
+            inp = self._input(step, tp, local, ns)
             last = not forward_only and low.is_last_backward(i, a)
             start = time.time()
             out = self._run(a, inp, batches, forward_only, last)
             result.timeline.append((a, start, time.time()))
-            if a.kind is Kind.J:  # a head shard: its partial goes on (not in evaluation), every shard reports the loss
-                out, loss = out
-                result.outputs[a.microbatch] = _loss_output(loss, self.rank, a)
-            if step.shard is not None:
-                for msg in step.shard.sends:
-                    tp.send(msg, out, a)
-                for key in step.shard.keeps:
-                    local[key] = out
-            if a.kind is Kind.F and a.stage == ns - 1 and not self.head_split:
-                result.outputs[a.microbatch] = _loss_output(out, self.rank, a)
-            elif a.output_stage(ns) is not None:
-                if step.send is not None:
-                    tp.send(step.send, out, a)
-                else:
-                    local[local_output_key(a, ns)] = out
-            if last and self.on_last_backward is not None and a.rule.side is None:  # a stage's, not a shard's
-                self.on_last_backward(a.stage)
+            self._hand_on(step, out, last, tp, local, result, ns)
             tp.reap()
+            i += 1
         tp.finish()
         tp.reset()
         return result
+
+    def _input(self, step, tp: Transport, local: dict, ns: int):
+        """What a step's action takes: its received or same-device input, with a split layer's hand-overs."""
+        a = step.action
+        if step.recv is not None:
+            inp = tp.recv(step.recv, a)
+        else:
+            key = local_input_key(a, ns)
+            inp = local.pop(key) if key is not None else None
+        takes = step.shard.takes if step.shard is not None else ()
+        if takes or a.kind is Kind.J:  # a J of the only shard takes no peer statistics
+            inp = taken(a, [tp.recv(t.msg, a) if t.msg is not None else local.pop(t.key) for t in takes])
+        return inp
+
+    def _hand_on(self, step, out, last: bool, tp: Transport, local: dict, result: StepResult, ns: int) -> None:
+        """Send or keep what a step's action made (and take the loss it reports)."""
+        a = step.action
+        if a.kind is Kind.J:  # a head shard: its partial goes on (not in evaluation), every shard reports the loss
+            out, loss = out
+            result.outputs[a.microbatch] = _loss_output(loss, self.rank, a)
+        if step.shard is not None:
+            for msg in step.shard.sends:
+                tp.send(msg, out, a)
+            for key in step.shard.keeps:
+                local[key] = out
+        if a.kind is Kind.F and a.stage == ns - 1 and not self.head_split:
+            result.outputs[a.microbatch] = _loss_output(out, self.rank, a)
+        elif a.output_stage(ns) is not None:
+            if step.send is not None:
+                tp.send(step.send, out, a)
+            else:
+                local[local_output_key(a, ns)] = out
+        if last and self.on_last_backward is not None and a.rule.side is None:  # a stage's, not a shard's
+            self.on_last_backward(a.stage)
+
+    def _run_pair(self, i: int, first, second, low: LoweredPlan, tp: Transport, local: dict, batches: StepData,
+                  result: StepResult) -> None:
+        """An overlapped pair (steps i, i + 1; docs/formats.md, "Overlapped pairs"): both halves' receives posted
+        and awaited first, then the runner's `pair` (or, without one, the halves one after the other), then the
+        first half's output handed on, then the second's. A pair runs in training steps only (lowered.forward_plan
+        runs every forward alone)."""
+        ns = self.plan.num_stages
+        tp.post_upto(first.post_upto)  # it covers the second half's receives (program.build_program)
+        tp.post_upto(second.post_upto)
+        a, b = first.action, second.action
+        inp_a = self._input(first, tp, local, ns)
+        inp_b = self._input(second, tp, local, ns)
+        last_a, last_b = low.is_last_backward(i, a), low.is_last_backward(i + 1, b)
+        start = time.time()
+        if self.binding.runs_pairs:
+            kw = {LAST_BACKWARD: last_b} if PAIR_METHOD in self.binding.takes_last_backward else {}
+            batch = batches.get(a.stage, a.microbatch) if a.kind is Kind.F else None
+            got = self.runner.pair(a, inp_a, b, inp_b, batch=batch, **kw)
+            if not isinstance(got, (tuple, list)) or len(got) != 2:
+                raise ExecutorError(f"rank {self.rank}: pair {a}+{b}: the runner's pair() returned "
+                                    f"{type(got).__name__}: expected (first's output, second's output)",
+                                    rank=self.rank, action=f"{a}+{b}")
+            out_a, out_b = got
+            end = time.time()
+            result.timeline.append((a, start, end))
+            result.timeline.append((b, start, end))
+        else:
+            out_a = self._run(a, inp_a, batches, False, last_a)
+            mid = time.time()
+            result.timeline.append((a, start, mid))
+            out_b = self._run(b, inp_b, batches, False, last_b)
+            result.timeline.append((b, mid, time.time()))
+        self._hand_on(first, out_a, last_a, tp, local, result, ns)
+        self._hand_on(second, out_b, last_b, tp, local, result, ns)
+        tp.reap()
 
     def _run(self, a: Action, inp, batches: StepData, forward_only: bool, last: bool):
         r, s, mb = self.runner, a.stage, a.microbatch

@@ -96,6 +96,13 @@ class StageRunner(Protocol):
       and its B/I returns their gradient (handed to every G). Shard methods get no `batch`: the
       embedding's shards load their own tokens, the head's get everything from the HeadInput.
       `StageCore` runners run them in the `shards=` they are built with (`vocab_shard.VocabShards`).
+    - Optional, overlapped pairs (docs/formats.md, "Overlapped pairs"): a runner with a method
+      `pair(first, first_input, second, second_input, *, batch=None, last_backward=False)` gets
+      each pair of its rank's list (`first` an F, `second` a B or I of another micro-batch, both
+      `Action`s) as one call, once both inputs are there, and returns (first's output, second's
+      output), running the two halves interleaved (executor/phased.py: one half's communication
+      while the other computes); `batch` is the F's micro-batch, `last_backward` the second's
+      flag. A runner without it runs the two halves one after the other, as unpaired actions.
     - `check_runner` refuses, when the executor is built, a runner whose methods cannot take
       these calls.
     """
@@ -143,11 +150,15 @@ _POSITIONAL = MappingProxyType({
     "backward_input": ("stage", "mb", "grad_output"), "backward_weight": ("stage", "mb"),
     "head_forward": ("stage", "mb", "hidden"), "head_backward_input": ("stage", "mb", "peer_stats"),
     "head_backward_weight": ("stage", "mb"), "embedding_forward": ("stage", "mb"),
-    "embedding_backward": ("stage", "mb", "grad_output"), "split_meta": ("what",)})
-_KEYWORDS = MappingProxyType({"forward": ("batch", "forward_only")})  # always passed
+    "embedding_backward": ("stage", "mb", "grad_output"), "split_meta": ("what",),
+    "pair": ("first", "first_input", "second", "second_input")})
+_KEYWORDS = MappingProxyType({"forward": ("batch", "forward_only"), "pair": ("batch",)})  # always passed
 LAST_BACKWARD = "last_backward"  # passed where the method accepts it
-# the methods told `last_backward=`: the stages' weight-gradient actions, and the shards' (K, G: per kind)
-_TAKES_LAST = ("backward", "backward_input", "backward_weight", "head_backward_weight", "embedding_backward")
+# the methods told `last_backward=`: the stages' weight-gradient actions, and the shards' (K, G: per kind); a
+# pair's, for its second half
+_TAKES_LAST = ("backward", "backward_input", "backward_weight", "head_backward_weight", "embedding_backward",
+               "pair")
+PAIR_METHOD = "pair"  # optional: runs an overlapped pair as one call (StageRunner)
 FORWARD_ONLY = "forward_only"  # passed (True) to H, J and E in an evaluation step only
 _SHARD_NAMES = frozenset(SHARD_METHODS.values()) | {"split_meta"}
 _EVAL_SHARD = (SHARD_METHODS[Kind.H], SHARD_METHODS[Kind.J], SHARD_METHODS[Kind.E])  # what evaluation runs
@@ -160,17 +171,22 @@ class RunnerBinding:
 
     takes_last_backward: frozenset[str]
     no_forward_only: frozenset[str] = frozenset()
+    runs_pairs: bool = False  # the runner's `pair` runs the rank's overlapped pairs (else: half after half)
 
 
-def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
+def check_runner(runner, kinds, *, split: bool = False, pairs: bool = False) -> RunnerBinding:
     """Refuse (RunnerInterfaceError, one line naming class, method and what is missing) a runner that cannot
-    take the calls the executor makes for actions of `kinds` (`split`: and a split layer's hand-overs); say
-    which methods take `last_backward=`."""
+    take the calls the executor makes for actions of `kinds` (`split`: and a split layer's hand-overs; `pairs`:
+    the rank runs overlapped pairs, which go to the runner's optional `pair` where it has one); say which
+    methods take `last_backward=`."""
     cls = type(runner).__name__
     kinds = set(kinds)
     names = ["boundary_meta"] + [RUNNER_METHODS[k] for k in Kind if k in kinds]
     if split or kinds & set(SHARD_METHODS):
         names.append("split_meta")
+    runs_pairs = pairs and callable(getattr(runner, PAIR_METHOD, None))
+    if runs_pairs:
+        names.append(PAIR_METHOD)
     takes, no_eval = set(), set()
     for name in names:
         method = getattr(runner, name, None)
@@ -192,7 +208,8 @@ def check_runner(runner, kinds, *, split: bool = False) -> RunnerBinding:
             takes.add(name)
         if name in _EVAL_SHARD and not _accepts(sig, FORWARD_ONLY):
             no_eval.add(name)
-    return RunnerBinding(takes_last_backward=frozenset(takes), no_forward_only=frozenset(no_eval))
+    return RunnerBinding(takes_last_backward=frozenset(takes), no_forward_only=frozenset(no_eval),
+                         runs_pairs=runs_pairs)
 
 
 def check_evaluation(runner, binding: RunnerBinding, kinds) -> None:

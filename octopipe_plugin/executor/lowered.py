@@ -30,8 +30,9 @@ _CACHE_SIZE = 64  # plans x ranks x prefetch kept; a process runs a handful (tra
 
 
 def plan_key(plan) -> tuple:
-    """What identifies a plan's messages and programs: devices, stages and every device's list."""
-    return (plan.num_devices, plan.stages, plan.schedule, plan.splits)
+    """What identifies a plan's messages and programs: devices, stages, every device's list, split layers and
+    overlapped pairs (a pair changes when receives are posted and waited for, not the messages)."""
+    return (plan.num_devices, plan.stages, plan.schedule, plan.splits, getattr(plan, "pairs", ()))
 
 
 class _Key:
@@ -90,7 +91,8 @@ def forward_plan(plan, num_microbatches: int | None = None):
     """The forward-only (evaluation) plan of `plan` for `num_microbatches` (None: the plan's own count).
 
     With the plan's count, every device keeps the plan's forward kinds (`FORWARD_KINDS`) in the
-    plan's order (a subset of a deadlock-free plan's dependencies, in its order, cannot deadlock).
+    plan's order (a subset of a deadlock-free plan's dependencies, in its order, cannot deadlock),
+    each alone: an overlapped pair's forward runs unpaired (its partner is a backward).
     With another count (Megatron and DeepSpeed may evaluate on another micro-batch count than they
     train on) every device runs, per micro-batch in order, the embedding's E on its shard devices,
     the stages' forwards in stage order, the head's H then J on its shard devices: a topological
@@ -101,7 +103,7 @@ def forward_plan(plan, num_microbatches: int | None = None):
         raise ValueError(f"forward_plan: num_microbatches: expected >= 1, got {m}")
     if m == plan.num_microbatches:
         rows = tuple(tuple(a for a in row if a.kind in FORWARD_KINDS) for row in plan.schedule)
-        return replace(plan, schedule=rows)
+        return replace(plan, schedule=rows, pairs=())
     n = plan.stages[-1].end
     split = {side_of(sp, n): (owner_stage(sp, plan.stages), sp.devices) for sp in plan.splits}
     rows = [[] for _ in range(plan.num_devices)]
@@ -117,7 +119,7 @@ def forward_plan(plan, num_microbatches: int | None = None):
             for kind in (Kind.H, Kind.J):
                 for d in devs:
                     rows[d].append(Action(o, kind, mb))
-    return replace(plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows))
+    return replace(plan, num_microbatches=m, schedule=tuple(tuple(r) for r in rows), pairs=())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,6 +15,11 @@ the order `run_step` posts them):
    completed; with `host_waits=False` (`lanes.CudaLane`) a receive's wait is a stream
    dependency of the compute that consumes it, and the host runs on.
 
+An overlapped pair (`RankProgram.pair_starts`) is one unit in both places: the host waits for
+both halves' receives before either computes and posts the first half's sends, then the
+second's, after both (`rank_ops`); on the device the first half also waits for the second
+half's receives, and a send of either half needs both computed.
+
 With `pair_groups` each direction of each rank pair is its own communicator (comm_cache);
 without, both directions of a pair share one (NCCL's per-pair communicator of one group).
 Metas are taken as declared (a handshake message adds one operation in the same place of
@@ -165,7 +170,10 @@ class _Replay:
         moved = False
         for r, prog in enumerate(self.programs):
             while self.ready[r] < self.enqueued[r]:
-                if any((m, "recv") not in self.done for m in prog.steps[self.ready[r]].recvs):
+                i = self.ready[r]
+                # a pair's first half starts once both halves' inputs are there
+                needs = prog.steps[i].recvs + (prog.steps[i + 1].recvs if i in prog.pair_starts else ())
+                if any((m, "recv") not in self.done for m in needs):
                     break
                 self.ready[r] += 1
                 moved = True

@@ -6,7 +6,9 @@ boundary meta declared (the batched exchange issues the same operations in the s
 per communicator, held until the next exchange point; it is not replayed here): per step, the receives its `post_upto`
 asks for (a per-peer prefix), then the wait for its own input, its compute, then the
 non-blocking send of its output; at the end of the step, the wait for every send in the
-order it was posted (`Transport.finish`). The NCCL-rules checker replays these lists, and
+order it was posted (`Transport.finish`). An overlapped pair (`RankProgram.pair_starts`) is one
+unit: both halves' receives are posted and waited for, then both compute, then the first
+half's sends, then the second's, all belonging to the pair's last step (both halves end together). The NCCL-rules checker replays these lists, and
 `format_ops` prints them for debugging ordering problems (`octopipe lower`).
 """
 
@@ -40,6 +42,7 @@ class Op:
     action: Action | None = None  # COMPUTE: the action run
     msg: Message | None = None  # receives and sends: the message
     pair: tuple[int, int] | None = None  # WARM: the (src, dst) direction warmed
+    overlapped: bool = False  # COMPUTE: the first half of an overlapped pair (the next COMPUTE its second)
 
 
 def rank_ops(program: RankProgram, warm: tuple[tuple[int, int], ...] = ()) -> tuple[Op, ...]:
@@ -55,25 +58,34 @@ def rank_ops(program: RankProgram, warm: tuple[tuple[int, int], ...] = ()) -> tu
             ops.append(Op(kind=OpKind.POST_RECV, step=step, msg=order[k]))
         posted[peer] = max(posted.get(peer, 0), count)
 
-    for i, step in enumerate(program.steps):
-        for peer, count in step.post_upto:
-            post(peer, count, i)
-        for msg in step.recvs:  # its stage input, then a split layer's hand-overs (split_program.py)
-            post(msg.src, position[msg] + 1, i)
-            ops.append(Op(kind=OpKind.WAIT_RECV, step=i, msg=msg))
-        ops.append(Op(kind=OpKind.COMPUTE, step=i, action=step.action))
-        for msg in step.sends:
-            send = Op(kind=OpKind.SEND, step=i, msg=msg)
-            ops.append(send)
-            sends.append(send)
+    steps, starts = program.steps, program.pair_starts
+    i = 0
+    while i < len(steps):
+        unit = range(i, i + 2) if i in starts else range(i, i + 1)  # a pair: both halves, as one
+        for j in unit:
+            for peer, count in steps[j].post_upto:
+                post(peer, count, j)
+        for j in unit:
+            for msg in steps[j].recvs:  # its stage input, then a split layer's hand-overs (split_program.py)
+                post(msg.src, position[msg] + 1, j)
+                ops.append(Op(kind=OpKind.WAIT_RECV, step=j, msg=msg))
+        for j in unit:
+            ops.append(Op(kind=OpKind.COMPUTE, step=j, action=steps[j].action, overlapped=j in starts))
+        for j in unit:
+            for msg in steps[j].sends:
+                send = Op(kind=OpKind.SEND, step=unit[-1], msg=msg)
+                ops.append(send)
+                sends.append(send)
+        i = unit[-1] + 1
     ops += [Op(kind=OpKind.WAIT_SEND, step=len(program.steps), msg=s.msg) for s in sends]
     return tuple(ops)
 
 
 def describe(op: Op, rank: int) -> str:
-    """One op as text: `3F12`, `recv ACT 2F5 from r1` (the message made by 2F5), `send GRAD 3B0 to r2`."""
+    """One op as text: `3F12` (`3F12+` the first half of an overlapped pair), `recv ACT 2F5 from r1` (the message
+    made by 2F5), `send GRAD 3B0 to r2`."""
     if op.kind is OpKind.COMPUTE:
-        return str(op.action)
+        return f"{op.action}+" if op.overlapped else str(op.action)
     if op.kind is OpKind.WARM:
         return f"warm r{op.pair[0]}->r{op.pair[1]}"
     m = op.msg

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..actions import Action
+from ..actions import Action, pair_starts
 from ..schedules.messages import Message, messages_by_action, plan_messages
 from ..schedules.split_messages import pair_messages
 from .split_program import ShardIO, shard_io
@@ -49,6 +49,13 @@ class RankProgram:
     steps: tuple[Step, ...]
     recv_order: dict[int, tuple[Message, ...]]  # peer -> messages from it, in per-peer order
     send_order: dict[int, tuple[Message, ...]]  # peer -> messages to it, in per-peer order
+    # indices of `steps` where an overlapped pair starts (docs/formats.md, "Overlapped pairs"): step i and i + 1
+    # run as one unit, which waits for both halves' inputs and then hands on the first's output, then the second's
+    pair_starts: frozenset[int] = frozenset()
+
+    def pair_at(self, index: int) -> bool:
+        """Whether step `index` is the first half of an overlapped pair (step index + 1 its second)."""
+        return index in self.pair_starts
 
 
 def build_program(plan, rank: int, prefetch: int = 2, *, messages=None, by_action=None) -> RankProgram:
@@ -56,9 +63,10 @@ def build_program(plan, rank: int, prefetch: int = 2, *, messages=None, by_actio
 
     Posting is a per-peer prefix: to post a message, every earlier message from that peer is
     posted too. This is what keeps the order rule intact and never deadlocks: a prefix only
-    holds messages the sender produces before the one needed. `messages` is the plan's
-    `plan_messages` when the caller has them, `by_action` its `messages_by_action` (executor.lowered
-    computes both once per plan).
+    holds messages the sender produces before the one needed. An overlapped pair's first half
+    also posts its second half's receives (the pair waits for both inputs before it starts).
+    `messages` is the plan's `plan_messages` when the caller has them, `by_action` its
+    `messages_by_action` (executor.lowered computes both once per plan).
     """
     if messages is None:  # with a split layer's messages too, in one per-pair order
         messages = pair_messages(plan) if plan.splits else plan_messages(plan)
@@ -72,17 +80,18 @@ def build_program(plan, rank: int, prefetch: int = 2, *, messages=None, by_actio
     stage_row = [None if a.rule.side is not None else a for a in row]  # shard actions carry no stage message
     need = [[position[m] for m in (recvs.get(a),) + (shards[i].recvs if i in shards else ()) if m is not None]
             for i, a in enumerate(stage_row)]
+    starts = pair_starts(row, getattr(plan, "pairs", ()))
     steps = []
     for i, a in enumerate(row):
         upto: dict[int, int] = {}
-        for positions in need[i:i + 1 + max(prefetch, 0)]:
+        for positions in need[i:i + 1 + max(prefetch, 0) + (i in starts)]:
             for pos in positions:
                 upto[pos[0]] = max(upto.get(pos[0], 0), pos[1] + 1)
         st = stage_row[i]
         steps.append(Step(action=a, recv=recvs.get(st), send=sends.get(st), post_upto=tuple(sorted(upto.items())),
                           shard=shards.get(i)))
     return RankProgram(rank=rank, num_stages=plan.num_stages, steps=tuple(steps),
-                       recv_order=recv_order, send_order=send_order)
+                       recv_order=recv_order, send_order=send_order, pair_starts=starts)
 
 
 def local_input_key(action: Action, num_stages: int) -> tuple[str, int, int] | None:
