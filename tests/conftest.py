@@ -19,8 +19,8 @@ os.environ.setdefault("OCTOPIPE_CALIBRATION", os.path.join(_SCRATCH, "no-calibra
 os.environ.setdefault("OCTOPIPE_PROFILE_CACHE", os.path.join(_SCRATCH, "profile-cache"))
 
 # DeepSpeed's CPU accelerator maps a 66 MiB shared-memory all-reduce buffer per rank and never
-# unlinks it: without this, every multi-rank DeepSpeed test leaves its buffers in /dev/shm
-# (RAM) until the machine reboots.
+# unlinks it. OctoPipe runs unlink theirs (adapters/deepspeed/shm.py, also called by ds_harness's
+# worker); this catches a DeepSpeed-only run's, which would stay in /dev/shm (RAM) until reboot.
 _DS_SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
 
 

@@ -38,6 +38,7 @@ from .checkpoint import load_checkpoint, save_records
 from .config import check_microbatches
 from .module import OctoPipePipelineModule
 from .overlap import StageReduction, overlap_applies
+from .shm import release_shm_buffers
 from .stages import DeepSpeedStages
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class OctoPipeEngine(PipelineEngine):
     def __init__(self, *args, **kwargs):
         self._octopipe_ready = False  # PipelineEngine.__init__ warms p2p up by topological stage ids
         super().__init__(*args, **kwargs)
+        release_shm_buffers()  # DeepSpeed's CPU shm all-reduce buffers out of /dev/shm, every rank having mapped them
         if not isinstance(self.module, OctoPipePipelineModule) or self.module.octopipe_plan is None:
             raise OctoPipeError("OctoPipeEngine needs an OctoPipePipelineModule built with plan= or config=")
         self.plan = self.module.octopipe_plan

@@ -32,6 +32,7 @@ from .checkpoint import RECORD, load_checkpoint as load_mapped, read_tag
 from .config import BlockRefused, parse_block, refused
 from .engine import OctoPipeEngine
 from .module import OctoPipePipelineModule, rebuild_at_plan
+from .shm import release_shm_buffers
 from .versions import UnsupportedVersion, check_installed
 
 PATCHES = Patches("deepspeed")
@@ -92,6 +93,7 @@ def _pipeline_chooser(stock):
             planned = isinstance(model, OctoPipePipelineModule) and model.octopipe_plan is not None
             if _block(kwargs) is None and not planned:
                 return _mapping_octopipe_checkpoints(stock(*args, **kwargs))
+            release_shm_buffers()  # an OctoPipe run, refused below or not: DeepSpeed's CPU shm buffers out of /dev/shm
             try:
                 check_installed()
                 if not planned:

@@ -247,6 +247,9 @@ def worker(rank: int, world: int, port: int, scenarios: list, out_dir: str, run=
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from octopipe_plugin.adapters.deepspeed.shm import release_shm_buffers
+
+    release_shm_buffers()  # the scenarios' DeepSpeed-only engines too: nothing of the spawn left in /dev/shm
     for sc in scenarios:
         before = live_groups()
         try:

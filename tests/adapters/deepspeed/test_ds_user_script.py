@@ -38,13 +38,13 @@ def launch(*flags, timeout=300):
     return out.returncode, out.stdout + out.stderr
 
 
-def launch_ranks(*flags, timeout=300):
+def launch_ranks(*flags, timeout=300, port=None):
     """[(returncode, output)] of each rank of user_train.py, started as 2 processes with torchrun's
     environment but not torchrun (which kills the other ranks at the first failure, so it cannot show
     that every rank ends by itself with the line)."""
     from octopipe_plugin.executor.launch import free_port
 
-    port = str(free_port())
+    port = str(port or free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1", RANK=str(rank),
@@ -118,3 +118,35 @@ def test_positional_model_early_import_and_subclass_all_run_the_plan(tmp_path):
     plan = _plan(tmp_path, 14)
     keyword = _trained(["--plan", plan])
     assert _trained(["--plan", plan, "--subclass", "init", "--positional", "--early-import"]) == keyword
+
+
+@pytest.mark.timeout(700)
+def test_runs_leave_nothing_in_dev_shm(tmp_path):
+    """DeepSpeed's CPU shm comm op maps one 66 MiB /dev/shm buffer per rank, named for the run's MASTER_ADDR/PORT,
+    and never unlinks it: an OctoPipe run (trained, or refused with its line) unlinks them once every rank has
+    mapped them (adapters/deepspeed/shm.py). Watched while the ranks run: the buffers were there, then gone."""
+    import glob
+    import threading
+
+    from octopipe_plugin.executor.launch import free_port
+
+    for flags, rc in ((["--plan", _plan(tmp_path, 14)], 0), (["--plan", _plan(tmp_path, 10)], 1)):
+        port = free_port()
+        pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
+        seen, done = set(), threading.Event()
+
+        def watch():
+            while not done.is_set():
+                seen.update(glob.glob(pattern))
+                done.wait(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            outs = launch_ranks(*flags, port=port)
+        finally:
+            done.set()
+            watcher.join()
+        assert [r for r, _ in outs] == [rc, rc], outs
+        assert len(seen) == 2, (flags, seen)  # the shm op ran: one buffer per rank
+        assert glob.glob(pattern) == [], flags
