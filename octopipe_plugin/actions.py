@@ -256,15 +256,25 @@ def pair_starts(row, pairs) -> frozenset[int]:
     """Positions in one device's list where an overlapped pair starts (its second half is the next action)."""
     if not pairs:
         return frozenset()
+    return _starts(row, {f: b for f, b in pairs})
+
+
+def pair_positions(schedule, pairs) -> list[frozenset[int]]:
+    """`pair_starts` of every device's list (the pairs looked up once)."""
+    if not pairs:
+        return [frozenset() for _ in schedule]
     firsts = {f: b for f, b in pairs}
+    return [_starts(row, firsts) for row in schedule]
+
+
+def _starts(row, firsts) -> frozenset[int]:
     return frozenset(i for i in range(len(row) - 1) if firsts.get(row[i]) == row[i + 1])
 
 
 def format_schedule(schedule, pairs=()) -> list[list[str]]:
     """Per-device action lists as strings (the plan file's `schedule`), each overlapped pair as one `3F12+5B7`."""
     out = []
-    for dev in schedule:
-        starts = pair_starts(dev, pairs)
+    for dev, starts in zip(schedule, pair_positions(schedule, pairs)):
         row, i = [], 0
         while i < len(dev):
             if i in starts:
@@ -310,8 +320,7 @@ def render_grid(schedule, mark: dict[int, int] | None = None, width: int | None 
     mark = mark or {}
     pairs = getattr(schedule, "pairs", ())
     cells = []
-    for dev in schedule:  # a pair's halves both shown, joined by the sign: `3F12+` `5B7`
-        starts = pair_starts(dev, pairs)
+    for dev, starts in zip(schedule, pair_positions(schedule, pairs)):  # a pair's halves shown as `3F12+` `5B7`
         cells.append([f"{a}{PAIR_SEP}" if i in starts else str(a) for i, a in enumerate(dev)])
     for d, i in mark.items():
         if 0 <= i < len(cells[d]):

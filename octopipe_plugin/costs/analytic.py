@@ -22,8 +22,8 @@ from .calibration import kind_scale
 from .blocks import Block, Dims, attention, llm_dims, mlp, moe, norm, tp_comm, vision_dims
 from ..gpus import GpuSpec, get_gpu
 from .mamba import mamba
-from .ops import Op, elementwise, matmul, total_flops, total_times
-from ..formats.model import Layer, Model
+from .ops import Op, elementwise, matmul, op_times, total_flops, total_times
+from ..formats.model import Layer, Model, Phase
 
 RECOMPUTED_KINDS = frozenset(DECODER_KINDS) | {"vision", "moe_mlp"}  # Megatron recomputes transformer-block layers only
 # Unfused vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py): per logit, the bf16
@@ -46,6 +46,7 @@ class LayerCost:
     recompute_activation_bytes: int
     output_bytes: int
     flops: tuple[float, float, float]  # F, I, W
+    phases: tuple[Phase, ...] = ()  # sub-layer phases where the layer communicates on its own link (ep > 1)
 
 
 def state_bytes_per_param(arch: Arch) -> float:
@@ -173,23 +174,51 @@ def layer_cost(arch: Arch, kind: str, gpu: GpuSpec | str = "H100", *, calibrated
     """
     gpu = get_gpu(gpu)
     block = kind_block(arch, kind)
+    # measured efficiency of this kind on this GPU (costs/calibration.json), 1.0 where never measured; it scales
+    # compute, not a link's communication phase
+    sc = kind_scale(gpu.name, kind) if calibrated else None
+    phases = block_phases(block.ops, gpu, sc, arch.recompute and kind in RECOMPUTED_KINDS)
     f, i, w = total_times(list(block.ops), gpu)
-    if calibrated:
-        # measured efficiency of this kind on this GPU (costs/calibration.json), 1.0 where never measured
-        sc = kind_scale(gpu.name, kind)
+    if sc is not None:
         f, i, w = f / sc.fwd, i / sc.bwd, w / sc.wgrad
+    if phases:  # the layer is the sum of its phases (formats/model.py checks it)
+        f, i = sum(p.fwd_ms for p in phases), sum(p.bwd_ms for p in phases)
     out = output_bytes(arch, kind)
     recomputed = kind in RECOMPUTED_KINDS
     # Full recompute keeps only the layer input (Korthikanti et al. 2022, Sec. 4.1: 2sbh, /t under SP),
     # which is what the previous layer of the same stack (ViT or decoder) sends on.
     input_bytes = output_bytes(arch, "vision" if kind == "vision" else "dense")
     rec_act = input_bytes if recomputed else block.activation
-    if arch.recompute and recomputed:
-        i += f  # the forward is re-run right before the input-gradient pass
+    if arch.recompute and recomputed and not phases:
+        i += f  # the forward is re-run right before the input-gradient pass (block_phases adds it per phase)
     return LayerCost(kind=kind, fwd_ms=f, bwd_ms=i, wgrad_ms=w, params=block.params,
                      state_bytes=int(block.params * state_bytes_per_param(arch)),
                      activation_bytes=rec_act if arch.recompute else block.activation,
-                     recompute_activation_bytes=rec_act, output_bytes=out, flops=total_flops(list(block.ops)))
+                     recompute_activation_bytes=rec_act, output_bytes=out, flops=total_flops(list(block.ops)),
+                     phases=phases)
+
+
+def block_phases(ops, gpu: GpuSpec, scale=None, recompute: bool = False) -> tuple[Phase, ...]:
+    """A block's ops grouped into phases: each link op (`Op.on_link`, an all-to-all) one communication phase, the
+    compute ops between them one compute phase each, named for the parts they hold; () when no op is on a link.
+
+    `scale` (a calibration KindScale) divides compute times; `recompute` adds each phase's F to its I (the
+    recomputed forward before the backward, on the same resources)."""
+    if not any(op.on_link for op in ops):
+        return ()
+    groups: list[tuple[bool, list[str], float, float]] = []
+    for op in ops:
+        f, i, _ = op_times(op, gpu)
+        if not op.on_link and scale is not None:
+            f, i = f / scale.fwd, i / scale.bwd
+        label = op.phase or "compute"
+        if groups and not op.on_link and not groups[-1][0]:
+            link, names, gf, gi = groups[-1]
+            groups[-1] = (link, names if label in names else names + [label], gf + f, gi + i)
+        else:
+            groups.append((op.on_link, [label], f, i))
+    return tuple(Phase(name="+".join(names), resource="comm" if link else "compute", fwd_ms=gf,
+                       bwd_ms=gi + (gf if recompute else 0.0)) for link, names, gf, gi in groups)
 
 
 def layer_output_bytes(arch: Arch, kind: str, name: str, default: int) -> int:
@@ -210,7 +239,7 @@ def build_model(arch: Arch, gpu: GpuSpec | str = "H100", *, calibrated: bool = T
     layers = tuple(
         Layer(name=name, kind=kind, fwd_ms=c.fwd_ms, bwd_ms=c.bwd_ms, wgrad_ms=c.wgrad_ms, state_bytes=c.state_bytes,
               activation_bytes=c.activation_bytes, output_bytes=layer_output_bytes(arch, kind, name, c.output_bytes),
-              recompute_activation_bytes=c.recompute_activation_bytes)
+              recompute_activation_bytes=c.recompute_activation_bytes, phases=c.phases)
         for name, kind in plan for c in (costs[kind],)
     )
     inputs = {}

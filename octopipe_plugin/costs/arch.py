@@ -33,6 +33,9 @@ class Arch:
     sequence_parallel: bool = True  # Megatron's --sequence-parallel (only matters with tp > 1)
     dp: int = 1  # data-parallel size sharding the optimizer (Megatron distributed optimizer)
     ep: int = 1  # expert-parallel size sharding the experts
+    # nodes the expert-parallel group spans (ep / ep_nodes ranks in each): its all-to-alls cross the inter-node
+    # link when > 1 (DeepSeek-V3's cross-node EP), stay on NVLink at 1
+    ep_nodes: int = 1
     recompute: bool = False  # full activation recomputation of every decoder / vision layer
     dtype_bytes: int = 2
     gated_mlp: bool = True  # SwiGLU / GeGLU: three weight matrices instead of two
@@ -169,7 +172,7 @@ def _check_field(key: str, value, src: str):
     if key in _BOOL_FIELDS:
         return check_value(value, src, path, bool)
     positive = key in _REQUIRED[1:] + ("seq_len", "micro_batch_size", "tp", "dp", "ep", "dtype_bytes",
-                                       "moe_layer_freq", "mamba_state", "mamba_head_dim", "mamba_groups",
+                                       "ep_nodes", "moe_layer_freq", "mamba_state", "mamba_head_dim", "mamba_groups",
                                        "mamba_conv", "mamba_chunk", "vision_tiles")
     most = L.MAX_LAYERS if key in ("num_layers", "vision_layers", "mtp_depth") else L.MAX_ARCH_INT
     return check_value(value, src, path, int, minimum=1 if positive else 0, maximum=most)
@@ -199,6 +202,8 @@ def check_arch(arch: Arch, src: str = "<arch>") -> None:
     if arch.num_experts:
         _require(0 < arch.top_k <= arch.num_experts, src, "$.top_k", f"1..num_experts={arch.num_experts}", arch.top_k)
         _require(arch.num_experts % arch.ep == 0, src, "$.ep", f"a divisor of num_experts={arch.num_experts}", arch.ep)
+        _require(arch.ep % arch.ep_nodes == 0, src, "$.ep_nodes", f"a divisor of ep={arch.ep} (the EP group's "
+                 f"ranks spread evenly over its nodes)", arch.ep_nodes)
         _require(arch.expert_ffn % t == 0, src, "$.moe_ffn", f"a multiple of tp={t}", arch.expert_ffn)
     else:
         _require(arch.top_k == 0 and arch.shared_experts == 0, src, "$.num_experts",

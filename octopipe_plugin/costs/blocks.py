@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import Arch
-from .ops import Op, collective, core, elementwise, matmul
+from dataclasses import replace
+
+from .ops import Op, alltoall, collective, core, elementwise, matmul
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,7 +122,7 @@ def attention(d: Dims, window: int = 0) -> Block:
         act += 4 * n * (d.heads // t)  # flash keeps only an fp32 log-sum-exp per query row
     if d.dropout:
         act += n * h // sp  # 1-byte mask after the output projection
-    return Block(ops=tuple(ops), params=params, activation=act)
+    return Block(ops=tuple(replace(op, phase="attention") for op in ops), params=params, activation=act)
 
 
 def mlp_ops(d: Dims, ffn: int, tokens: int, prefix: str = "") -> tuple[list[Op], int, int]:
@@ -151,8 +153,10 @@ def moe(d: Dims, arch: Arch) -> Block:
     """Norm + router + top-k routed experts (grouped GEMM) + shared experts + residual (DeepSeek-V3 Sec. 2.1.2).
 
     Every tensor-parallel rank computes all n*top_k token copies on its 1/t slice of each expert (Megatron's
-    all-gather dispatcher with expert-TP = t); with ep > 1 the dispatch and combine all-to-alls are modelled as
-    NVLink traffic of (ep-1)/ep of the routed copies each way (experts within one node).
+    all-gather dispatcher with expert-TP = t); with ep > 1 the routed copies go to their experts' ranks in a
+    dispatch all-to-all before the experts and come back in a combine all-to-all after them (Megatron's alltoall
+    dispatcher), each a communication phase of its own over the EP group's links (`ops.alltoall`: NVLink within
+    a node, the inter-node link across `ep_nodes`). Ops carry the part they belong to (`Op.phase`).
     """
     n, h, t, dt, sp = d.n, d.h, d.t, d.dt, d.sp
     e, k, fe = arch.num_experts, arch.top_k, arch.expert_ffn
@@ -162,19 +166,24 @@ def moe(d: Dims, arch: Arch) -> Block:
     norm_op, norm_params, norm_act = norm(d)
     ops = [norm_op, *tp_comm(d, "moe all-reduce"), matmul("router", n // sp, h, e, dt),
            elementwise("router softmax/top-k", 8.0 * n / sp * e), elementwise("permute", 2.0 * copies * h * dt)]
+    ops = [replace(op, phase="router") for op in ops]
+    routed = copies * h * dt
     if arch.ep > 1:
-        ops.append(collective("all-to-all", 2.0 * copies * h * dt * (arch.ep - 1) / arch.ep))
-    ops += [matmul("expert fc1", copies, h, up, dt, weights=local),
-            elementwise("expert activation", (3 if d.gated else 2) * copies * fe / t * dt),
-            matmul("expert fc2", copies, fe // t, h, dt, weights=local),
-            elementwise("unpermute", (2.0 * copies + n) * h * dt)]
+        ops.append(alltoall("dispatch", routed, arch.ep, arch.ep_nodes))
+    ops += [replace(op, phase="experts") for op in (
+        matmul("expert fc1", copies, h, up, dt, weights=local),
+        elementwise("expert activation", (3 if d.gated else 2) * copies * fe / t * dt),
+        matmul("expert fc2", copies, fe // t, h, dt, weights=local))]
+    if arch.ep > 1:
+        ops.append(alltoall("combine", routed, arch.ep, arch.ep_nodes))
+    ops.append(replace(elementwise("unpermute", (2.0 * copies + n) * h * dt), phase="combine-out"))
     params = norm_params + h * e + local * (h * up + fe // t * h)
     act = norm_act + n * h * dt // sp + 4 * n * e // sp  # norm in, router/expert input, fp32 router probs
     act += copies * h * dt + copies * up * dt + copies * fe // t * dt + copies * h * dt  # per-copy tensors
     if arch.shared_experts:
         s_ops, s_params, s_saved = mlp_ops(d, arch.shared_experts * fe, n, prefix="shared ")
-        ops += s_ops
+        ops += [replace(op, phase="shared experts") for op in s_ops]
         params += s_params
         act += s_saved
-    ops.append(elementwise("residual", 3 * n * h * dt / sp))
+    ops.append(replace(elementwise("residual", 3 * n * h * dt / sp), phase="combine-out"))
     return Block(ops=tuple(ops), params=params, activation=act)

@@ -23,6 +23,11 @@ class Op:
     w_flops: float = 0.0
     w_bytes: float = 0.0
     comm_bytes: float = 0.0  # bytes each rank moves over NVLink in F, and again in I
+    comm_ib_bytes: float = 0.0  # bytes each rank moves over the inter-node link at the same time (an all-to-all)
+    # a communication phase of its own (an expert-parallel all-to-all, which another action's compute may hide
+    # inside an overlapped pair); False: the op blocks the device's compute as today (tensor-parallel collectives)
+    on_link: bool = False
+    phase: str = ""  # the sub-layer part it belongs to ("attention", "router", "experts"...), names its phase
 
 
 def matmul(name: str, m: int, k: int, n: int, dt: int, weights: int = 1) -> Op:
@@ -50,13 +55,22 @@ def collective(name: str, nbytes: float) -> Op:
     return Op(name=name, comm_bytes=nbytes)
 
 
+def alltoall(name: str, nbytes: float, ep: int, ep_nodes: int) -> Op:
+    """An expert-parallel all-to-all moving `nbytes` per rank (every peer's share, its own included) over an EP
+    group of `ep` ranks spread evenly over `ep_nodes` nodes: each rank sends nbytes/ep to every other rank, NVLink
+    to the peers of its node and the inter-node link to the rest, both at once; the same again in the backward."""
+    per_node = ep // ep_nodes
+    return Op(name=name, comm_bytes=nbytes * (per_node - 1) / ep, comm_ib_bytes=nbytes * (ep - per_node) / ep,
+              on_link=True, phase=name)
+
+
 def op_times(op: Op, gpu: GpuSpec) -> tuple[float, float, float]:
     """(F, I, W) milliseconds of one op on `gpu`."""
 
     def roof(flops: float, nbytes: float) -> float:
         return max(flops / gpu.flops, nbytes / gpu.hbm_bytes_per_s) * 1e3
 
-    comm = op.comm_bytes / (gpu.nvlink_gb_per_s * 1e9) * 1e3
+    comm = max(op.comm_bytes / (gpu.nvlink_gb_per_s * 1e9), op.comm_ib_bytes / (gpu.ib_gb_per_s * 1e9)) * 1e3
     return roof(op.f_flops, op.f_bytes) + comm, roof(op.i_flops, op.i_bytes) + comm, roof(op.w_flops, op.w_bytes)
 
 

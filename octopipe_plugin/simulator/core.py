@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError
-from ..actions import CODE, KINDS, RULES, Action, Flow, pair_starts, senders
+from ..actions import CODE, KINDS, RULES, Action, Flow, pair_positions, senders
 from .costs import StageCosts, hop_times, kind_durations, stage_costs
 from .memory import activation_changes, peak_live
 from .pairs import hidden_ms, stage_phases
@@ -110,8 +110,8 @@ def _compile(schedule, nm: int, sc: StageCosts, dev_of: list[int], hop, extra=No
 
 def _fold_pairs(schedule, pairs, rules, dur, phases) -> None:
     """Rewrite each pair's two entries in `rules` (see `_compile`): its duration on the first, none on the second."""
-    for d, row in enumerate(schedule):
-        for p in pair_starts(row, pairs):
+    for d, (row, starts) in enumerate(zip(schedule, pair_positions(schedule, pairs))):
+        for p in starts:
             first, second = row[p], row[p + 1]
             both = dur[first.kind][first.stage] + dur[second.kind][second.stage]
             ms = both - hidden_ms(phases, first, second)
@@ -157,8 +157,8 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     if any(run.pos[d] < len(idxs[d]) for d in range(nd)):
         _raise_deadlock(plan, run.pos, run.waiting)
     if detail and pairs:  # a pair's second half is shown over the whole pair, as its first
-        for d, row in enumerate(plan.schedule):
-            for p in pair_starts(row, pairs):
+        for d, (row, starts) in enumerate(zip(plan.schedule, pair_positions(plan.schedule, pairs))):
+            for p in starts:
                 a, start, end = run.timeline[d][p]
                 run.timeline[d][p + 1] = (row[p + 1], start, end)
     return _finish(plan, sc, run, [peak_live(dl) for dl in deltas])

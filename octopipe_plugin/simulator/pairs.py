@@ -58,7 +58,7 @@ def _layer_bwd(layer, with_wgrad: bool):
 
 def stage_phases(model, stages) -> StagePhases | None:
     """The phase sequences of every stage's F, I and B; None when no layer of `model` has a communication phase."""
-    if model is None or not any(p.resource == "comm" for layer in model.layers for p in layer.phases):
+    if not communicates(model):
         return None
     fwd, bwd, fused = [], [], []
     for st in stages:
@@ -103,3 +103,8 @@ def comm_share(phases: StagePhases | None, kind: Kind, stage: int) -> float:
     if phases is None:
         return 0.0
     return sum(ms for comm, ms in phases.of(kind, stage) if comm)
+
+
+def communicates(model) -> bool:
+    """Whether some layer of `model` has a communication phase (only then can a pair hide anything)."""
+    return model is not None and any(p.resource == "comm" for layer in model.layers for p in layer.phases)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..actions import RULES, Action, Kind
+from ..actions import RULES, Action, Kind, pair_positions
 from ..errors import DeadlockError, PlanError
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
 from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, stage_costs
 from .overheads import delivery_of, overhead_ms
 from .memory import activation_changes
+from .pairs import hidden_ms, stage_phases
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
 GRAD = "grad"  # key prefix of a stage's input gradient, made by its B or its I (whichever the plan runs)
@@ -236,6 +237,8 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
                    delivery_of(options.overheads))
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
+    if plan.pairs:
+        _fold_pairs(rows, plan, stage_phases(without_split_layers(model, plan.splits), plan.stages))
     done: dict = {}
     waiting: dict = {}
     free, busy, pos = [0.0] * nd, [0.0] * nd, [0] * nd
@@ -275,6 +278,10 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     if any(pos[d] < len(rows[d]) for d in range(nd)):
         _raise_deadlock(plan, rows, pos, waiting, _stuck_grid)
     critical = []
+    if detail and plan.pairs:  # a pair's second half is shown over the whole pair, as its first
+        for d, (row, starts) in enumerate(zip(plan.schedule, pair_positions(plan.schedule, plan.pairs))):
+            for p in starts:
+                timeline[d][p + 1] = (row[p + 1], timeline[d][p][1], timeline[d][p][2])
     if detail:
         transfers = _transfers(g, rows, done, Transfer)
         critical = _critical_path(rows, timeline, bound)
@@ -294,6 +301,16 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
                      transfers=transfers or [], critical_path=critical, stage_activation=sc.activation,
                      live_changes=[[g.live(a, d) for a, _, _ in row] for d, row in enumerate(timeline)]
                      if detail else None)
+
+
+def _fold_pairs(rows, plan, phases) -> None:
+    """An overlapped pair (simulator/pairs.py): its first half waits for both halves' inputs and takes the pair's
+    time, its second half none, so both end together (core.py `_fold_pairs` is the same rule for the compiled loop)."""
+    for d, (row, starts) in enumerate(zip(plan.schedule, pair_positions(plan.schedule, plan.pairs))):
+        for p in starts:
+            (a, ka, da, ta), (b, kb, db, tb) = rows[d][p], rows[d][p + 1]
+            rows[d][p] = (a, ka, da + db, ta + tb - hidden_ms(phases, a, b))
+            rows[d][p + 1] = (b, kb, [], 0.0)
 
 
 def _critical_path(rows, timeline, bound) -> list[tuple[int, Action]]:

@@ -47,10 +47,11 @@ class EncodedSchedule(Sequence):
     object per action; only the plan that is kept (written, drawn, polished) is materialised.
     """
 
-    __slots__ = ("encoded", "_table", "_rows", "clock")
+    __slots__ = ("encoded", "_table", "_rows", "clock", "pairs")
 
     def __init__(self, encoded, table: ActionTable | None = None):
         self.encoded = tuple(encoded)
+        self.pairs: tuple = ()  # overlapped pairs a pairing policy made (tuner/listsched.py), adjacent in their rows
         # (step ms, per-device peak live activation bytes) when the list scheduler timed this order itself
         self.clock: tuple[float, tuple[int, ...]] | None = None
         self._table = table or ActionTable()

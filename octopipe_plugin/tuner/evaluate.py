@@ -15,6 +15,8 @@ from ..errors import DeadlockError
 from ..formats import Plan
 from ..simulator import SimOptions, simulate, stage_costs
 from ..simulator.memory import least_live
+from ..simulator.pairs import communicates
+from .pairing import with_adjacent_pairs
 from .layout import Layout, device_work, make_job
 from .listsched import Policy, build_schedule, schedule_units
 from .encoded import action_count
@@ -63,6 +65,8 @@ class Evaluator:
         self._jobs: dict[Layout, tuple] = {}
         # judged candidates; outcomes are kept without their plans, so long runs hold no schedules here
         self._seen: dict[tuple, Outcome | None] = {}
+        # pairs can hide a layer's communication (tuner/pairing.py): every candidate is judged paired too
+        self.pairing = communicates(model)
 
     @property
     def work(self) -> float:
@@ -127,7 +131,8 @@ class Evaluator:
             return None
         plan = self.plan_of(layout, schedule, {"schedule": "octopipe", "policy": policy.describe()})
         clock = getattr(schedule, "clock", None)
-        if clock is None or self.options.contention or not self.options.overlap:  # its clock is the reference one
+        # its clock is the reference one, without pairs: a model that pairs is judged by the simulator at once
+        if clock is None or self.options.contention or not self.options.overlap or self.pairing:
             return self.simulated(plan, costs=sc)
         self.meter.evaluations += 1
         step, live = clock
@@ -159,9 +164,10 @@ class Evaluator:
         return out
 
     def plan_of(self, layout: Layout, schedule, meta: dict | None = None) -> Plan:
-        """The Plan of a layout run in the given per-device order."""
+        """The Plan of a layout run in the given per-device order (with the pairs a pairing policy made)."""
         return Plan(model=self.model.name, num_devices=self.cluster.num_devices, num_microbatches=self.m,
-                    stages=layout.stages(), schedule=schedule, meta=meta or {})
+                    stages=layout.stages(), schedule=schedule, meta=meta or {},
+                    pairs=getattr(schedule, "pairs", ()))
 
     def run(self, layout: Layout, spec) -> Outcome | None:
         """Evaluate a candidate whose spec is a Policy (list-scheduled) or an explicit order."""
@@ -169,9 +175,24 @@ class Evaluator:
             return self.scheduled(layout, spec)
         return self.ordered(layout, spec)
 
-    def simulated(self, plan: Plan, costs=None) -> Outcome | None:
-        """Simulate an explicit plan; None when it deadlocks."""
+    def simulated(self, plan: Plan, costs=None, *, pair: bool = True) -> Outcome | None:
+        """Simulate an explicit plan; None when it deadlocks. Where pairs can pay (`pairing`) and `pair`, a plan
+        without pairs is also judged with its adjacent F and B paired (tuner/pairing.py), and the better kept."""
         sc = costs if costs is not None else stage_costs(self.model, plan.stages)
+        out = self._simulated(plan, sc)
+        if not (self.pairing and pair) or plan.pairs:
+            return out
+        paired = with_adjacent_pairs(plan)
+        if paired is plan:
+            return out
+        other = self._simulated(paired, sc)
+        if other is None:
+            return out
+        if out is None or (other.fits, -other.step_ms) > (out.fits, -out.step_ms):
+            return other
+        return out
+
+    def _simulated(self, plan: Plan, sc) -> Outcome | None:
         self.work += action_count(plan.schedule)
         self.meter.evaluations += 1
         try:

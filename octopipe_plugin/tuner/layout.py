@@ -8,6 +8,8 @@ from ..formats import Stage
 from ..simulator import StageCosts, stage_costs
 from ..simulator.costs import hop_times
 from ..simulator.overheads import delivery_of, overhead_ms
+from ..actions import RULES, Action, Kind
+from ..simulator.pairs import hidden_ms, stage_phases
 from .listsched import Job
 
 
@@ -54,8 +56,26 @@ def make_job(model, cluster, num_microbatches: int, layout: Layout,
     cap = tuple(float(cluster.usable_memory_bytes - static[d]) for d in range(nd))
     job = Job(devices=devs, num_devices=nd, num_microbatches=num_microbatches, fwd=sc.fwd, bwd=sc.bwd,
               wgrad=sc.wgrad, activation=sc.activation, hop=hop, act_cap=cap,
-              extra=overhead_ms(overheads, devs, sc.output), fused=sc.fused)
+              extra=overhead_ms(overheads, devs, sc.output), fused=sc.fused, hidden=pair_savings(model, stages))
     return job, sc, static
+
+
+def pair_savings(model, stages) -> dict | None:
+    """{(Kind.B | Kind.I, a, b): ms} that pairing F of stage a with B / I of stage b on their device saves, where > 0
+    (simulator/pairs.py); None when the model does not communicate."""
+    phases = stage_phases(model, stages)
+    if phases is None:
+        return None
+    out = {}
+    for a, sa in enumerate(stages):
+        for b, sb in enumerate(stages):
+            if sa.device != sb.device:
+                continue
+            for kind in RULES[Kind.F].pairs_with:
+                ms = hidden_ms(phases, Action(a, Kind.F, 0), Action(b, kind, 1))
+                if ms > 0.0:
+                    out[(kind, a, b)] = ms
+    return out
 
 
 def device_work(sc: StageCosts, devices, num_devices: int, num_microbatches: int) -> list[float]:

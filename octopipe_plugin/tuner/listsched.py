@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..actions import KINDS, RULES, Action, Flow, Kind
+from ..actions import KINDS, RULES, Action, Flow, Kind, PairedSchedule
 from ..simulator.costs import kind_durations
 from ..simulator.memory import activation_changes, per_microbatch
 from .encoded import EncodedSchedule
 
 INF = float("inf")
+_PAIR = "pair"  # a decision: (forward stage, backward stage) run as one overlapped pair
+_PAIR_CODE = {"off": 0, "ready": 1, "wait": 2}  # Pairing for the compiled loop
 
 
 class Split(str, enum.Enum):
@@ -38,6 +40,14 @@ class WFill(str, enum.Enum):
 
     ALWAYS = "always"
     FIT = "fit"
+
+
+class Pairing(str, enum.Enum):
+    """Whether the list scheduler pairs a backward with a forward: never, with a ready one, or also a due one."""
+
+    OFF = "off"
+    READY = "ready"
+    WAIT = "wait"
 
 
 class Order(str, enum.Enum):
@@ -57,12 +67,17 @@ class Policy:
     w_fill: WFill = WFill.ALWAYS
     f_order: Order = Order.DEEP
     b_order: Order = Order.DEEP
+    # a device about to run a backward while a forward of another micro-batch is ready runs both as an overlapped
+    # pair, where the pair hides communication (Job.hidden; tuner/pairing.py); WAIT: also with a forward whose
+    # input is due within less than the pair hides (the pair starts once both are in)
+    pair: Pairing = Pairing.OFF
 
     def describe(self) -> str:
         """Compact text of the policy for logs and plan metadata."""
         split = "".join(s.value[0] for s in self.split)
         return (f"depth={list(self.depth)} split={split} wlim={list(self.w_limit)} "
-                f"wfill={self.w_fill.value} f={self.f_order.value} b={self.b_order.value}")
+                f"wfill={self.w_fill.value} f={self.f_order.value} b={self.b_order.value}"
+                + ("" if self.pair is Pairing.OFF else f" pair={self.pair.value}"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +95,9 @@ class Job:
     act_cap: tuple[float, ...]  # activation bytes each device may hold (memory minus static state)
     extra: dict | None = None  # per kind, each stage's host overhead (simulator/overheads.py); None: none
     fused: tuple[float, ...] | None = None  # per stage B's measured time (StageCosts.fused); None: bwd + wgrad
+    # what pairing F of stage a with B (I) of stage b saves, {(Kind.B | Kind.I, a, b): ms} for a and b on one device
+    # where it is > 0 (simulator/pairs.py `hidden_ms`); None: the model does not communicate, nothing pairs
+    hidden: dict | None = None
 
 
 # Below this many actions the Python scheduler takes milliseconds; above it the compiled one pays for its load.
@@ -119,6 +137,15 @@ def _kernel():
     return listsched_kernel
 
 
+def hidden_table(job: Job) -> np.ndarray:
+    """Job.hidden as a (2, stages, stages) array: [0] F with B, [1] F with I (zero where nothing is hidden)."""
+    ns = len(job.devices)
+    out = np.zeros((2, ns, ns), np.float64)
+    for (kind, a, b), ms in (job.hidden or {}).items():
+        out[0 if kind is Kind.B else 1, a, b] = ms
+    return out
+
+
 def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
     """The compiled scheduler's rows as an EncodedSchedule."""
     kernel = _kernel()
@@ -128,16 +155,22 @@ def _compiled(job: Job, policy: Policy) -> EncodedSchedule | None:
     send = [0 if RULES[k].sends is None else RULES[k].sends.step for k in kinds]
     split_code = {Split.FUSED: kernel.FUSED, Split.SPLIT: kernel.SPLIT, Split.AUTO: kernel.AUTO}
     hop = np.array([0.0 if h is None else h for h in job.hop], f64)
-    out, lengths, ok, free, peak = kernel.schedule_kernel(
+    out, lengths, ok, free, peak, paired = kernel.schedule_kernel(
         job.num_microbatches, np.array(job.devices, i64), np.array([dur[k] for k in kinds], f64),
         np.array([change[k] for k in kinds], i64), np.array(per_microbatch(job.activation), i64),
         np.array(send, i64), hop, np.array(job.act_cap, f64),
         np.array(policy.depth, i64), np.array([split_code[s] for s in policy.split], i64),
         np.array(policy.w_limit, i64), policy.w_fill is WFill.ALWAYS, policy.f_order is Order.DEEP,
-        policy.b_order is Order.DEEP)
+        policy.b_order is Order.DEEP, _PAIR_CODE[policy.pair] if job.hidden is not None else 0, hidden_table(job))
     if not ok:
         return None
     rows = EncodedSchedule([out[d, :lengths[d]].copy() for d in range(job.num_devices)])
+    pairs = []
+    for d in range(job.num_devices):
+        for p in np.nonzero(paired[d, :lengths[d]])[0].tolist():
+            (s1, k1, m1), (s2, k2, m2) = out[d, p].tolist(), out[d, p + 1].tolist()
+            pairs.append((Action(s1, KINDS[k1], m1), Action(s2, KINDS[k2], m2)))
+    rows.pairs = tuple(sorted(pairs))
     rows.clock = (float(free.max()) if len(free) else 0.0, tuple(int(x) for x in peak))
     return rows
 
@@ -184,6 +217,8 @@ class _Scheduler:
         self.decision = [None] * nd
         self.version = [0] * nd
         self.heap: list[tuple[float, int, int]] = []
+        self.hidden = job.hidden if policy.pair is not Pairing.OFF and job.hidden is not None else None
+        self.pairs: list[tuple[Action, Action]] = []
 
     def run(self):
         """Commit decisions in time order until every action is placed; None if stuck."""
@@ -200,10 +235,11 @@ class _Scheduler:
             kind = decision[d][1]
             self._commit(d, t, kind, decision[d][2])
             if kind is not Kind.W:
-                done_main += 1
+                done_main += 2 if kind is _PAIR else 1
         if done_main < total or any(self.wq):
             return None
-        return tuple(tuple(row) for row in self.out)
+        rows = tuple(tuple(row) for row in self.out)
+        return PairedSchedule(rows, self.pairs) if self.pairs else rows
 
     def _redecide(self, d) -> None:
         """Recompute device d's next decision and queue it (a device waiting for news is not queued)."""
@@ -260,12 +296,22 @@ class _Scheduler:
         t = t0 if t0 > nxt else nxt
         deep = self.pol.b_order is Order.DEEP
         ready_b = [s for r, s in bw if r <= t]
+        ready_f = [s for r, s in fw if r <= t]
+        f_pick = max if self.pol.f_order is Order.DEEP else min
         if ready_b:
             s = max(ready_b) if deep else min(ready_b, key=lambda x: (self.next_b[x], -x))
+            if self.hidden is not None:
+                # pair it with the forward the policy would run next among those whose input is in, or due within
+                # less than what the pair hides (the pair starts once both are in: waiting costs less than it saves)
+                bk = self._backward_kind(d, s)
+                wait = self.pol.pair is Pairing.WAIT
+                due = {f: r for r, f in fw if (r - t < self.hidden.get((bk, f, s), 0.0) if wait else r <= t)
+                       and self.hidden.get((bk, f, s), 0.0) > 0.0}
+                if due:
+                    f = f_pick(due)
+                    return (max(t, due[f]), _PAIR, (f, s))
             return (t, Kind.B, s)
-        ready_f = [s for r, s in fw if r <= t]
-        s = max(ready_f) if self.pol.f_order is Order.DEEP else min(ready_f)
-        return (t, Kind.F, s)
+        return (t, Kind.F, f_pick(ready_f))
 
     def _backward_kind(self, d, s):
         mode = self.pol.split[d]
@@ -274,6 +320,21 @@ class _Scheduler:
         return Kind.I
 
     def _commit(self, d, t, kind, s):
+        if kind is _PAIR:  # an overlapped pair: F then B (I), both ending after the pair's time (simulator/pairs.py)
+            sf, sb = s
+            bk = self._backward_kind(d, sb)
+            end = t + self.dur[Kind.F][sf] + self.dur[bk][sb] - self.hidden[(bk, sf, sb)]
+            first, t1 = self._commit_one(d, t, Kind.F, sf, end)
+            second, t2 = self._commit_one(d, t, Kind.B, sb, end)
+            self.pairs.append((first, second))
+            touched = t1 | t2
+        else:
+            touched = self._commit_one(d, t, kind, s)[1]
+        for e in touched:
+            self._redecide(e)
+
+    def _commit_one(self, d, t, kind, s, end=None):
+        """Place one action at t (ending at `end` when given: a pair's half); (it, the devices its output reaches)."""
         job, m = self.job, self.m
         if kind is Kind.W:
             s, mb = self.wq[d].popleft()
@@ -291,7 +352,8 @@ class _Scheduler:
             if s == self.low[d]:
                 self.inflight[d] -= 1
         dur, change, ends, arrival, step = self.effects[kind]
-        end = t + dur[s]
+        if end is None:
+            end = t + dur[s]
         self.live[d] += change[s]
         idx = s * m + mb
         if ends is not None:
@@ -302,7 +364,7 @@ class _Scheduler:
             h = job.hop[s if step > 0 else dst]
             arrival[idx + step * m] = end if h is None else end + h
             touched.add(job.devices[dst])
-        self.out[d].append(Action(s, kind, mb))
+        a = Action(s, kind, mb)
+        self.out[d].append(a)
         self.free[d] = end
-        for e in touched:
-            self._redecide(e)
+        return a, touched

@@ -19,11 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError, PlanError
+from ..simulator.pairs import communicates
 
 # framework -> (built-in schedules it runs as they are, stages per device it takes: None for any)
 NATIVE = {
     "megatron": (("interleaved-1f1b", "1f1b"), None),
     "deepspeed": (("1f1b",), 1),
+}
+# and, where the model communicates (an expert-parallel all-to-all), what the framework runs to hide it: Megatron's
+# --overlap-moe-expert-parallel-comm (with expert parallelism only) runs its combined 1F1B
+OVERLAPPED = {
+    "megatron": ("combined-1f1b",),
+    "deepspeed": (),
 }
 WHAT = {
     "megatron": "stock Megatron",
@@ -51,9 +58,12 @@ class NativeBest:
         return f"{self.schedule}, {where} from the {self.split} split{moved}, v={self.stages_per_device}"
 
 
-def native_runs(baselines, framework: str) -> list[NativeBest]:
-    """Every fitting run among `baselines` that `framework` runs unmodified, fastest first, one per (split, v)."""
+def native_runs(baselines, framework: str, model=None) -> list[NativeBest]:
+    """Every fitting run among `baselines` that `framework` runs unmodified, fastest first, one per (split, v);
+    with a `model` that communicates, its overlapped schedules too (OVERLAPPED)."""
     names, v = NATIVE[framework]
+    if communicates(model):
+        names = names + OVERLAPPED[framework]
     runs = sorted((b for b in baselines if b.name in names and b.outcome is not None and b.outcome.fits
                    and (v is None or b.stages_per_device == v)), key=lambda r: (r.outcome.step_ms, r.name))
     out, seen = [], set()
@@ -73,7 +83,7 @@ def native_best(baselines, framework: str, model=None, cluster=None, num_microba
     With the model, cluster and micro-batch count, every fitting run's boundaries are refined
     first (each split and v: a hill-climb can end far from where it started).
     """
-    runs = native_runs(baselines, framework)
+    runs = native_runs(baselines, framework, model)
     if model is not None and cluster is not None and num_microbatches is not None:
         runs = [refine(r, model, cluster, num_microbatches, options) for r in runs]
     return min(runs, key=lambda r: r.step_ms) if runs else None

@@ -28,12 +28,13 @@ def critical_slots(ev: Evaluator, plan) -> list[tuple[int, int]]:
 
 
 def move_earlier(plan, device: int, index: int, by: int):
-    """The plan with action `index` of `device` moved `by` places earlier."""
+    """The plan with action `index` of `device` moved `by` places earlier, without pairs (a move may split one; the
+    evaluator pairs the new order again where pairs pay)."""
     row = list(plan.schedule[device])
     j = max(0, index - by)
     row.insert(j, row.pop(index))
     schedule = tuple(tuple(row) if d == device else r for d, r in enumerate(plan.schedule))
-    return replace(plan, schedule=schedule)
+    return replace(plan, schedule=schedule, pairs=())
 
 
 def polish_step(ev: Evaluator, rng, best: Outcome, slots: list[tuple[int, int]]) -> Outcome | None:

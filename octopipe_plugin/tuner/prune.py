@@ -20,4 +20,10 @@ def drop_empty_stages(plan: Plan) -> Plan:
         tuple(Action(new_index[a.stage], a.kind, a.microbatch) for a in row if a.stage in new_index)
         for row in plan.schedule
     )
-    return replace(plan, stages=tuple(stages), schedule=schedule)
+    def renamed(a: Action) -> Action:
+        return Action(new_index[a.stage], a.kind, a.microbatch)
+
+    # a pair with a half on an empty stage goes (its other half runs alone)
+    pairs = tuple(sorted((renamed(f), renamed(b)) for f, b in plan.pairs
+                         if f.stage in new_index and b.stage in new_index))
+    return replace(plan, stages=tuple(stages), schedule=schedule, pairs=pairs)

@@ -34,6 +34,7 @@ from .layout import Layout
 from .listsched import Policy
 from .moves import Context, pick_move
 from .periodic import extend_schedule, scale_policy
+from .pairing import pair_step
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
@@ -219,7 +220,7 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         fitting = [b.search for b in allowed if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed))
-        _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
+        _search(evs, rng, budget, Context.of(model, nd, evs.m, pairing=evs.pairing), hand)
     except KeyboardInterrupt:
         _interrupted(budget, hand, baselines)
     try:
@@ -262,7 +263,8 @@ def _first_plan(ev, evs, layouts, hand) -> list[Candidate]:
         return []
     lay, nd = layouts[0], ev.cluster.num_devices
     found = []
-    for pol in seed_policies(lay, nd, evs.m, split_backward=hand.constraints.split_backward)[:2]:
+    for pol in seed_policies(lay, nd, evs.m, split_backward=hand.constraints.split_backward,
+                             pairs=evs.pairing)[:2]:
         out = evs.scheduled(lay, pol)
         if out is not None and out.fits and out.plan is not None:
             found.append(Candidate(step_ms=out.step_ms, layout=lay, spec=pol, outcome=out))
@@ -279,7 +281,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[Candidate]:
     for i, lay in enumerate(layouts):
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
-        for pol in seed_policies(lay, nd, ev.m, split_backward=hand.constraints.split_backward):
+        for pol in seed_policies(lay, nd, ev.m, split_backward=hand.constraints.split_backward, pairs=ev.pairing):
             if (found or floor is not None) and time.monotonic() >= budget.setup_deadline():
                 break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
@@ -351,7 +353,7 @@ def _neighbour(rng, ctx, layout, spec):
     kicks = 1 if rng.random() < 0.7 else rng.randint(2, 5)
     cand = None
     for _ in range(kicks):
-        nxt = pick_move(rng)(rng, ctx, layout, spec)
+        nxt = pick_move(rng, ctx.pairing)(rng, ctx, layout, spec)
         if nxt is not None:
             cand = nxt
             layout, spec = nxt
@@ -384,7 +386,8 @@ def _full_of(ev, evs, cand: Candidate, table) -> Outcome | None:
 
 
 def _polish(ev, rng, hand, budget) -> None:
-    """Order moves on the critical path of the plan in hand until the budget ends."""
+    """Order moves on the critical path of the plan in hand until the budget ends; where pairs pay (the
+    evaluator's `pairing`), every other move is a pairing move (tuner/pairing.py)."""
     best = hand.outcome
     if not budget.left(1.0 - RESULT_SHARE):
         return  # the critical path alone is a detailed simulation: none when no polish step can follow
@@ -393,7 +396,10 @@ def _polish(ev, rng, hand, budget) -> None:
     while budget.left(1.0 - RESULT_SHARE) and misses < 200:
         budget.done += 1
         ev.work += STEP_UNITS
-        better = polish_step(ev, rng, best, slots)
+        if ev.pairing and rng.random() < 0.5:
+            better = pair_step(ev, rng, best)
+        else:
+            better = polish_step(ev, rng, best, slots)
         if better is None:
             misses += 1
         else:

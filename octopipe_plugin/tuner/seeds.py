@@ -11,7 +11,7 @@ from ..schedules.placement import Placement, place
 from ..schedules.registry import SCHEDULES, build_plan
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
-from .listsched import Order, Policy, Split, WFill, build_schedule
+from .listsched import Order, Pairing, Policy, Split, WFill, build_schedule
 from .moves import rebalance
 from .encoded import ActionTable
 from .periodic import extend_schedule
@@ -133,9 +133,10 @@ def _build(model, name, split, v, num_devices, m, ranges):
 
 
 def _full_outcome(ev, model, name, split, v, num_devices, m, plan, ranges, table, seen, reason):
-    """The built-in's outcome at the full count: its short plan grown periodically, else built at m."""
+    """The built-in's outcome at the full count: its short plan grown periodically, else built at m (a plan with
+    pairs always: the growth repeats actions, not the pairs between them)."""
     full_plan = None
-    if plan is not None:
+    if plan is not None and not plan.pairs:
         grown = extend_schedule(plan.schedule, plan.num_microbatches, m, table)
         if grown is not None:
             full_plan = replace(plan, num_microbatches=m, schedule=grown)
@@ -204,9 +205,12 @@ def seed_layouts(model, num_devices: int) -> list[tuple[str, Layout]]:
 
 
 def seed_policies(layout: Layout, num_devices: int, num_microbatches: int, *,
-                  split_backward: bool = True) -> list[Policy]:
-    """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout (all fused without split backward)."""
+                  split_backward: bool = True, pairs: bool = False) -> list[Policy]:
+    """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout (all fused without split backward);
+    with `pairs` (the model communicates: tuner/pairing.py) each also pairing, right after it."""
     pols = _seed_policies(layout, num_devices, num_microbatches)
+    if pairs:
+        pols = [q for p in pols for q in (p, replace(p, pair=Pairing.READY))]
     if split_backward:
         return pols
     fused = (Split.FUSED,) * num_devices

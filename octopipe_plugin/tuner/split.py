@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from ..errors import OctoPipeError
+from ..errors import DeadlockError, OctoPipeError
 from ..formats.model import head_inputs
 from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
 from ..simulator.costs import stage_costs
 from ..simulator.overheads import delivery_of
+from ..simulator.pairs import communicates
+from .pairing import still_adjacent, unpaired, with_adjacent_pairs
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
 
@@ -211,6 +213,30 @@ def _with_layer_scaled(model, index: int, factor: float):
     return replace(model, layers=tuple(layers))
 
 
+def _judged(model, cluster, cand, opts):
+    """(plan, SimResult) of an insertion: without pairs, with its pairs that stayed adjacent, or where pairs pay
+    with its order paired anew (tuner/pairing.py), whichever is fastest and does not deadlock (a pair waits for
+    both halves' inputs, so one the shards' hand-overs feed can); (None, None) for no candidate."""
+    if cand is None:
+        return None, None
+    cands = [still_adjacent(cand)]
+    if cand.pairs:
+        cands.append(unpaired(cand))  # the inserter's own order without pairs always runs
+    if communicates(model):
+        cands.append(with_adjacent_pairs(unpaired(cand)))
+    best = (None, None)
+    for i, c in enumerate(cands):
+        if any(c is o for o in cands[:i]):
+            continue
+        try:
+            res = simulate(model, cluster, c, opts, detail=False)
+        except DeadlockError:
+            continue
+        if best[1] is None or res.step_time_ms < best[1].step_time_ms:
+            best = (c, res)
+    return best
+
+
 def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf"), owner_shard=False):
     """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated.
 
@@ -246,7 +272,7 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         splits = extra + (_split_of(head, shares, stats, stages[-1].device if owner_shard else None),)
         base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
         cand = insert_shards(model, cluster, base, pol, opts.launch_ms, delivery_of(opts.overheads))
-        res = None if cand is None else simulate(model, cluster, cand, opts, detail=False)
+        cand, res = _judged(model, cluster, cand, opts)
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 best is None or res.step_time_ms < best[0]):
             best = (res.step_time_ms, list(shares), pol, res, stages)

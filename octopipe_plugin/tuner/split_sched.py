@@ -14,9 +14,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 
-from ..actions import RULES, Action, Kind, shard_kinds
+from ..actions import RULES, Action, Kind, pair_positions, shard_kinds
 from ..formats import Plan
 from ..simulator.costs import stage_costs
+from ..simulator.pairs import hidden_ms, stage_phases
 from ..simulator.split import GRAD, SplitGraph, shard_state, split_costs, without_split_layers  # the judge's own rules
 
 BASE = "base"  # the next stage action of the device's own order
@@ -48,14 +49,20 @@ def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: fl
     static = [a + b for a, b in zip(sc.device_state(plan.stages, plan.num_devices),
                                     shard_state(model, splits, plan.num_devices))]
     room = [cluster.usable_memory_bytes - b for b in static]
-    return _Inserter(g, plan, policy, room).run()
+    phases = stage_phases(without_split_layers(model, plan.splits), plan.stages) if plan.pairs else None
+    return _Inserter(g, plan, policy, room, phases).run()
 
 
 class _Inserter:
     """State of one insertion run."""
 
-    def __init__(self, g: SplitGraph, plan: Plan, policy: ShardPolicy, room: list[int]):
+    def __init__(self, g: SplitGraph, plan: Plan, policy: ShardPolicy, room: list[int], phases=None):
         self.g, self.plan, self.pol = g, plan, policy
+        # the base order's overlapped pairs, kept as units (simulator/pairs.py): position of the first half -> the
+        # pair's time; the second half is placed with its first, never on its own
+        self.pair_at = [{i: g.duration(row[i], d) + g.duration(row[i + 1], d) - hidden_ms(phases, row[i], row[i + 1])
+                         for i in starts} for d, (row, starts) in enumerate(zip(plan.schedule,
+                                                                                 pair_positions(plan.schedule, plan.pairs)))]
         self.room = room  # per device, the bytes live activations may take
         self.live = [0] * plan.num_devices
         nd, m = plan.num_devices, plan.num_microbatches
@@ -115,10 +122,14 @@ class _Inserter:
         """(rank, ready time, action) of every action device d could run next whose inputs are known and that fit."""
         out = []
         row, ran, i, seen = self.base[d], self.ran[d], self.bpos[d], 0
+        pair_at = self.pair_at[d]
         while i < len(row) and seen < self.pol.window:
-            if not ran[i]:
+            if not ran[i] and (i - 1) not in pair_at:  # a pair's second half goes with its first
                 seen += 1
                 r = self._ready(row[i], d)
+                if r is not None and i in pair_at:  # a pair: both halves' inputs in, both fit
+                    r2 = self._ready(row[i + 1], d)
+                    r = None if r2 is None or not self._fits(row[i + 1], d) else max(r, r2)
                 if r is not None and self._fits(row[i], d):  # earlier in the order ranks first
                     rank = 2.5 if self.pol.defer_w and row[i].kind is Kind.W else (1 if self.pol.shard_first else 0)
                     out.append((rank + seen * 1e-3, r, (row[i], i)))
@@ -171,8 +182,16 @@ class _Inserter:
 
     def _commit(self, d: int, t: float, choice) -> None:
         a, i = choice
-        dur = self.g.duration(a, d)
-        end = t + dur
+        if RULES[a.kind].side is None and i in self.pair_at[d]:  # a pair: both halves end after its time
+            end = t + self.pair_at[d][i]
+            woken = self._place(d, a, i, end) | self._place(d, self.base[d][i + 1], i + 1, end)
+        else:
+            woken = self._place(d, a, i, t + self.g.duration(a, d))
+        for w in woken:
+            self._redecide(w)
+
+    def _place(self, d: int, a: Action, i: int, end: float) -> set:
+        """Append `a` (base position i, or -1 for a shard action) ending at `end`; the devices to re-decide."""
         self.free[d] = end
         self.out[d].append(a)
         self.live[d] += self.lv[(d, a)]
@@ -195,5 +214,4 @@ class _Inserter:
         for k in keys:
             self.done[k] = end
             woken |= self.consumers.get(k, set())
-        for w in woken:
-            self._redecide(w)
+        return woken

@@ -1,0 +1,89 @@
+"""The pairing move: which F and B (or I) run as overlapped pairs on each device.
+
+Pairs only pay where a layer communicates on its own link (`simulator.pairs.communicates`: an
+expert-parallel all-to-all); for every other model the tuner never pairs, so its plans stay as
+they were. Where they can pay, every candidate the search judges is also judged with each
+F that its device runs right before a B or I of another micro-batch paired with it
+(`adjacent_pairs`; the evaluator keeps the faster of the two), and the plan in hand ends with
+single pairs taken out and F/B pulled together where the simulator says it is faster
+(`pair_step`). A pair waits for both halves' inputs, so pairing is not free: a pair can hold back
+its F's output and with it the next stage; the simulator decides every time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..actions import RULES, pair_problem
+
+
+def adjacent_pairs(schedule) -> tuple:
+    """Every F right before a B/I of another micro-batch on its device, paired (left to right, each action once)."""
+    out = []
+    for row in schedule:
+        i, n = 0, len(row)
+        while i < n - 1:
+            a, b = row[i], row[i + 1]
+            if b.kind in RULES[a.kind].pairs_with and pair_problem(a, b) is None:
+                out.append((a, b))
+                i += 2
+            else:
+                i += 1
+    return tuple(sorted(out))
+
+
+def unpaired(plan):
+    """The plan without pairs (for moves that reorder actions and would split a pair)."""
+    return replace(plan, pairs=()) if plan.pairs else plan
+
+
+def with_adjacent_pairs(plan):
+    """The plan with `adjacent_pairs` of its order (itself when there are none)."""
+    pairs = adjacent_pairs(plan.schedule)
+    return replace(plan, pairs=pairs) if pairs and pairs != plan.pairs else plan
+
+
+def pair_step(ev, rng, best):
+    """One pairing move on the plan in hand: drop one pair, or pull a B/I two places ahead to pair it with the F
+    before it; the better outcome (judged without the evaluator's own pairing), or None."""
+    plan = best.plan
+    if plan.pairs and rng.random() < 0.5:
+        drop = rng.choice(plan.pairs)
+        cand = replace(plan, pairs=tuple(p for p in plan.pairs if p != drop))
+    else:
+        cand = _pulled(plan, rng)
+        if cand is None:
+            return None
+    out = ev.simulated(cand, pair=False)
+    if out is not None and out.fits and out.step_ms < best.step_ms - 1e-9:
+        return out
+    return None
+
+
+def _pulled(plan, rng):
+    """The plan with one F at i and a B/I of another micro-batch at i + 2 made a pair at i, i + 1 (None: no spot)."""
+    paired = {a for p in plan.pairs for a in p}
+    spots = []
+    for d, row in enumerate(plan.schedule):
+        for i in range(len(row) - 2):
+            a, b = row[i], row[i + 2]
+            if a in paired or b in paired or row[i + 1] in paired:
+                continue
+            if b.kind in RULES[a.kind].pairs_with and pair_problem(a, b) is None:
+                spots.append((d, i))
+    if not spots:
+        return None
+    d, i = rng.choice(spots)
+    row = list(plan.schedule[d])
+    row.insert(i + 1, row.pop(i + 2))
+    schedule = tuple(tuple(row) if k == d else r for k, r in enumerate(plan.schedule))
+    return replace(plan, schedule=schedule, pairs=tuple(sorted(plan.pairs + ((row[i], row[i + 1]),))))
+
+
+def still_adjacent(plan):
+    """The plan keeping only the pairs whose halves are still adjacent (after a move that inserted actions)."""
+    if not plan.pairs:
+        return plan
+    adjacent = {(row[i], row[i + 1]) for row in plan.schedule for i in range(len(row) - 1)}
+    kept = tuple(p for p in plan.pairs if p in adjacent)
+    return plan if kept == plan.pairs else replace(plan, pairs=kept)
