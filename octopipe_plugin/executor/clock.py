@@ -9,6 +9,11 @@ asynchronous kernels. time.sleep waking late is not the device's delay (a GPU ha
 scheduler tick): the next deadline counts from this one's, so the oversleep is taken back
 from the next sleep instead of adding up over the hundreds of sleeps of a step.
 
+An overlapped pair (`DeviceClock.overlapped`) is one unit whose own phases the caller sleeps
+for real, on two threads (the device's compute and its link): it starts like an action, when the
+device is free and its inputs have landed, and lasts what its phases really took, so how much
+of one half's communication hides behind the other half's compute is measured, not assumed.
+
 The 'wall' clock measures without that rule: an action sleeps its cost from the moment the
 host reaches it, and its input is there when the host has received it, since in wall mode
 the stand-ins send payloads of the modelled size over the process group (`wall_numel`) and
@@ -73,4 +78,28 @@ class DeviceClock:
         self.owed = max(0.0, time.time() - end)
         self.free = end
         self.busy_s += ms / 1000.0
+        return end
+
+    def overlapped(self, run, ready_at: float = 0.0) -> float:
+        """Run one unit that sleeps its own phases (`run()`, an overlapped pair's) once the device is free and
+        `ready_at` has passed; it lasts what `run` really took. Returns its end time."""
+        if self.mode == "off":
+            return time.time()
+        if self.mode == "wall":
+            start = time.time()
+            run()
+            end = time.time()
+            self.busy_s += end - start
+            return end
+        start = max(self.free, ready_at)
+        sleep_until(start)
+        began = time.time()
+        run()
+        elapsed = time.time() - began
+        # the unit lasts its measured span from its modelled start; a host that reached it late trails the device
+        # (taken back from the next sleep, as an oversleep is)
+        end = start + elapsed
+        self.owed = max(0.0, time.time() - end)
+        self.free = end
+        self.busy_s += elapsed
         return end

@@ -7,9 +7,11 @@ span from a common start instant to the moment the last rank's step returns. Tra
 priced by the cluster (the consumer does not use a payload before send time + transfer
 time) or free when no cluster is given. Every boundary carries one payload per model output
 live across it, as the model graph says (a branched model's cut carries several).
-See SleepStages for the 'device' and 'wall' clocks. On the wall clock the model's bytes
-really travel over gloo and only compute is scaled: the prediction prices transfers unscaled
-by `links` (this host's, from `octopipe cluster --measure`), else by the cluster's links.
+An overlapped pair sleeps its halves' phases on two threads, compute and link (SleepStages.pair),
+so what it hides is measured. See SleepStages for the 'device' and 'wall' clocks. On the wall
+clock the model's bytes really travel over gloo and only compute is scaled: the prediction
+prices transfers unscaled by `links` (this host's, from `octopipe cluster --measure`), else by
+the cluster's links.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ..errors import OctoPipeError
 from ..formats import Cluster, Link, plan_from_dict, plan_to_dict
 from ..simulator import simulate, stage_costs
+from ..simulator.pairs import stage_phases
 from ..simulator.split import without_split_layers
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import init_gloo, spawn
@@ -120,8 +123,10 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     sc = scaled_costs(model, plan, scale)
     # wall clock: real bytes over the host's real links, so transfers keep the cluster's own times
     fast = host_links(cluster, links) if clock == "wall" else scaled_cluster(cluster, scale)
-    # a split plan's shard costs come from the (scaled) model, its stages' from `sc`
-    sim = simulate(scaled_model(model, scale) if plan.splits else None, fast, plan, costs=sc, detail=False)
+    # a split plan's shard costs come from the (scaled) model, its stages' from `sc`; so do an overlapped pair's
+    # phases (what it hides: simulator/pairs.py)
+    pairs = bool(getattr(plan, "pairs", ()))
+    sim = simulate(scaled_model(model, scale) if plan.splits or pairs else None, fast, plan, costs=sc, detail=False)
     step_s = sim.step_time_ms / 1000.0
     if max_step_ms is not None and sim.step_time_ms > max_step_ms:
         raise OctoPipeError(f"time scale {scale:.4g} makes the step last {step_s:.4g} s, more than the "
@@ -129,7 +134,8 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     if step_s > timeout_s:
         raise OctoPipeError(f"the scaled step lasts {step_s:.4g} s, longer than the {timeout_s:g} s timeout a rank "
                             f"waits for one message: raise --timeout above {step_s:.4g} or lower the time scale")
-    costs = standin_costs(sc, [st.device for st in plan.stages], fast)
+    phases = stage_phases(scaled_model(model, scale), plan.stages) if pairs else None
+    costs = standin_costs(sc, [st.device for st in plan.stages], fast, phases)
     if plan.splits:
         costs = replace(costs, shards=standin_shards(scaled_model(model, scale), plan, fast))
     live = stage_live_outputs(model, plan.stages)
@@ -172,6 +178,7 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     runner.start(t0)
     executor.run_step()
     end = time.time()
+    runner.close()
     dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"start": t0, "end": end, "busy": runner.busy_s, "checked": runner.checked}, fh)

@@ -8,8 +8,9 @@ asks for (a per-peer prefix), then the wait for its own input, its compute, then
 non-blocking send of its output; at the end of the step, the wait for every send in the
 order it was posted (`Transport.finish`). An overlapped pair (`RankProgram.pair_starts`) is one
 unit: both halves' receives are posted and waited for, then both compute, then the first
-half's sends, then the second's, all belonging to the pair's last step (both halves end together). The NCCL-rules checker replays these lists, and
-`format_ops` prints them for debugging ordering problems (`octopipe lower`).
+half's sends, then the second's, all belonging to the pair's last step (both halves end
+together). The NCCL-rules checker replays these lists, and `format_ops` prints them for
+debugging ordering problems (`octopipe lower`).
 """
 
 from __future__ import annotations

@@ -28,16 +28,21 @@ completed (a split layer's hand-overs keep their small summable payloads).
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from ..actions import Kind
 from ..simulator.costs import hop_times
+from ..simulator.pairs import StagePhases
 from ..schedules.split_messages import WHATS
 from .clock import DeviceClock, wall_numel
 from .errors import ExecutorError
 from .interface import LossOutput, TensorMeta
+from .phased import pair_order
 
 _HEADER = 5  # [micro-batch, producing stage, direction, send time, producing layer]
 _PAYLOAD = TensorMeta(shape=(_HEADER,), dtype=torch.float64)
@@ -54,6 +59,9 @@ class StandInCosts:
     # payload_bytes[s]: what boundary s's first payload carries on the wall clock (empty: headers only)
     payload_bytes: tuple[int, ...] = ()
     shards: tuple["ShardCosts", ...] = ()  # the plan's split layers
+    # per stage, the (scaled) phase sequences of its F, I and B (simulator/pairs.stage_phases): what an overlapped
+    # pair sleeps phase by phase; None: no layer communicates (a pair sleeps its two costs back to back)
+    phases: StagePhases | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -249,6 +257,13 @@ class SleepStages:
     host delay: each action sleeps its full cost from the moment the host reaches it, and
     boundaries carry payloads of the modelled size that really travel (no stamped arrival).
     A split plan's shard actions are its `SleepShards` (`self.shards`, on the same clock).
+
+    An overlapped pair (`pair`) starts once both halves' inputs have landed and sleeps each
+    half's phases (`costs.phases`) on their resource: compute phases on the calling thread,
+    communication phases on the rank's one link thread, each half's in order, in the order
+    simulator/pairs.overlap_ms starts them (phased.pair_order); its real span is what the device
+    clock charges, so the hiding is measured. Both halves' outputs carry the pair's end.
+    Unpaired actions sleep their whole cost, as before.
     """
 
     def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device",
@@ -267,6 +282,10 @@ class SleepStages:
         self.num_devices = len(costs.shards[0].link_ms) if costs.shards else 0
         self.shards = SleepShards(shards=costs.shards, rank=rank, device=self.device,
                                   num_devices=self.num_devices) if costs.shards else None
+        self._link: ThreadPoolExecutor | None = None  # the link's thread (made at the first overlapped pair)
+        self._host_sleep = _Sleeper()
+        self._link_sleep: _Sleeper | None = None
+        self.pairs_run = 0
 
     @property
     def checked(self) -> int:
@@ -339,13 +358,18 @@ class SleepStages:
 
     def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
         """Check the incoming activation (stage 0 of a split embedding: the partials), sleep F."""
+        end = self._work(self.costs.fwd[stage], self._forward_ready(stage, mb, inputs))
+        return self._forward_output(stage, mb, end)
+
+    def _forward_ready(self, stage: int, mb: int, inputs) -> float:
+        """When F's input has landed (checked)."""
         if stage > 0:
-            ready = self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False)
-        elif "input" in self.split:
-            ready = self.shards.ready_at(inputs, f"{stage}F{mb}", mb, "embedding-partial")
-        else:
-            ready = 0.0
-        end = self._work(self.costs.fwd[stage], ready)
+            return self._expect(inputs, f"{stage}F{mb}", mb, stage - 1, grad=False)
+        if "input" in self.split:
+            return self.shards.ready_at(inputs, f"{stage}F{mb}", mb, "embedding-partial")
+        return 0.0
+
+    def _forward_output(self, stage: int, mb: int, end: float):
         if stage == self.num_stages - 1:
             if "output" in self.split:
                 return self.shards.stamp("head-input", mb, end)
@@ -353,15 +377,97 @@ class SleepStages:
         return self._payload(mb, stage, False, end)
 
     def _backward(self, stage: int, mb: int, grad_output, ms: float, kind: str):
-        ready = 0.0
+        end = self._work(ms, self._backward_ready(stage, mb, grad_output, kind))
+        return self._backward_output(stage, mb, end)
+
+    def _backward_ready(self, stage: int, mb: int, grad_output, kind: str) -> float:
+        """When a backward's output gradient has landed (checked)."""
         if stage < self.num_stages - 1:
-            ready = self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
-        elif "output" in self.split:
-            ready = self.shards.ready_at(grad_output, f"{stage}{kind}{mb}", mb, "head-partial")
-        end = self._work(ms, ready)
+            return self._expect(grad_output, f"{stage}{kind}{mb}", mb, stage + 1, grad=True)
+        if "output" in self.split:
+            return self.shards.ready_at(grad_output, f"{stage}{kind}{mb}", mb, "head-partial")
+        return 0.0
+
+    def _backward_output(self, stage: int, mb: int, end: float):
         if stage > 0:
             return self._payload(mb, stage, True, end)
         return self.shards.stamp("embedding-grad", mb, end) if "input" in self.split else None
+
+    # ----- overlapped pairs
+
+    def pair(self, first, first_input, second, second_input, *, batch=None, last_backward: bool = False):
+        """An overlapped pair: F `first` with B or I `second` (class docstring); both outputs carry its end."""
+        if first.kind is not Kind.F or second.kind not in (Kind.B, Kind.I):
+            raise ExecutorError(f"rank {self.rank}: pair {first}+{second}: the stand-ins pair an F with a B or I",
+                                rank=self.rank, action=f"{first}+{second}")
+        f, b = first, second
+        ready = max(self._forward_ready(f.stage, f.microbatch, first_input),
+                    self._backward_ready(b.stage, b.microbatch, second_input, b.kind.value))
+        dur_f = self.costs.fwd[f.stage]
+        dur_b = self.costs.bwd[b.stage] + (self.costs.wgrad[b.stage] if b.kind is Kind.B else 0.0)
+        phases = self.costs.phases
+        if phases is None:  # nothing communicates: the pair is its two costs back to back (as the simulator's)
+            end = self._work(dur_f + dur_b, ready)
+        else:
+            seq_f, seq_b = phases.of(f.kind, f.stage), phases.of(b.kind, b.stage)
+            # what the stage costs hold beyond the phases (the simulator charges it whole, outside the overlap)
+            rest = max(0.0, dur_f - sum(ms for _, ms in seq_f)) + max(0.0, dur_b - sum(ms for _, ms in seq_b))
+            end = self.device.overlapped(lambda: self._sleep_pair(seq_f, seq_b, rest), ready)
+        self.pairs_run += 1
+        return self._forward_output(f.stage, f.microbatch, end), self._backward_output(b.stage, b.microbatch, end)
+
+    def _sleep_pair(self, seq_f, seq_b, rest_ms: float) -> None:
+        """Sleep two phase sequences overlapped: compute on this thread, communication on the link's, each
+        sequence in order; compute phases run, and exchanges queue on the link, in the order `pair_order` starts
+        them, and an exchange is handed to the link as soon as its half's phase before it has finished (before
+        this thread sleeps its next compute phase); then `rest_ms` of compute."""
+        if self._link is None:
+            self._link = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link{self.rank}")
+            self._link_sleep = _Sleeper()
+        self._host_sleep.owed = self._link_sleep.owed = 0.0  # the last pair's oversleep is in its measured span
+        seqs = (seq_f, seq_b)
+        order, _ = pair_order(seq_f, seq_b)
+        seen = [0, 0]
+        steps = []
+        for k in order:
+            steps.append((k, seen[k]))
+            seen[k] += 1
+        link = [(k, j) for k, j in steps if seqs[k][j][0]]
+        compute = [(k, j) for k, j in steps if not seqs[k][j][0]]
+        done, pending = [0, 0], [None, None]  # phases of each half finished; its exchange in flight
+
+        def settle(k: int) -> None:
+            if pending[k] is not None:
+                pending[k].result()
+                pending[k] = None
+                done[k] += 1
+
+        li = ci = 0
+        while li < len(link) or ci < len(compute):
+            while li < len(link):  # every exchange whose turn on the link has come and whose half is at it
+                k, j = link[li]
+                if done[k] != j or pending[k] is not None:
+                    break
+                pending[k] = self._link.submit(self._link_sleep.sleep, seqs[k][j][1])
+                li += 1
+            if ci < len(compute):
+                k, j = compute[ci]
+                settle(k)  # its half's exchange before it
+                self._host_sleep.sleep(seqs[k][j][1])
+                done[k] += 1
+                ci += 1
+            elif li < len(link):
+                settle(link[li][0])  # only exchanges left: the one the next waits behind
+        settle(0)
+        settle(1)
+        if rest_ms > 0.0:
+            self._host_sleep.sleep(rest_ms)
+
+    def close(self) -> None:
+        """Stop the link thread (if a pair made one)."""
+        if self._link is not None:
+            self._link.shutdown(wait=True)
+            self._link = None
 
     # ----- split layers' shards: SleepShards' (the one stand-in of shard passes and their hand-overs)
 
@@ -402,6 +508,25 @@ class SleepStages:
         return self._backward(stage, mb, grad_output, self.costs.bwd[stage] + self.costs.wgrad[stage], "B")
 
 
+class _Sleeper:
+    """One thread's phase sleeps: each lasts its ms from the moment it starts (so what one thread waits on the
+    other is measured), less what the thread's previous sleep overslept (time.sleep's wake-up lateness is not the
+    device's, as in clock.DeviceClock)."""
+
+    def __init__(self):
+        self.owed = 0.0
+
+    def sleep(self, ms: float) -> None:
+        """Sleep `ms` from now, less the oversleep owed."""
+        if ms <= 0.0:
+            return
+        deadline = time.time() + ms / 1000.0 - self.owed
+        delay = deadline - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        self.owed = max(0.0, time.time() - deadline)
+
+
 def _count(value) -> str:
     return str(len(value)) if isinstance(value, tuple) else type(value).__name__
 
@@ -429,12 +554,15 @@ def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
                  for c in split_costs(model, plan))
 
 
-def standin_costs(stage_costs, stage_devices: Sequence[int], cluster) -> StandInCosts:
+def standin_costs(stage_costs, stage_devices: Sequence[int], cluster, phases: StagePhases | None = None
+                  ) -> StandInCosts:
     """Stand-in costs from simulator StageCosts; hops priced by the simulator's own `hop_times` (0 on one device).
 
-    `payload_bytes`: the cut's bytes where the boundary crosses devices (0 where the tensor stays in memory)."""
+    `payload_bytes`: the cut's bytes where the boundary crosses devices (0 where the tensor stays in memory);
+    `phases`: the stages' phase sequences an overlapped pair sleeps (simulator/pairs.stage_phases of the scaled
+    model), None where the plan has no pairs or no layer communicates."""
     hops = hop_times(cluster, stage_devices, stage_costs.output)
     hop = tuple(0.0 if h is None else h for h in hops) + (0.0,)
     sent = tuple(0 if h is None else int(n) for h, n in zip(hops, stage_costs.output)) + (0,)
     return StandInCosts(fwd=tuple(stage_costs.fwd), bwd=tuple(stage_costs.bwd), wgrad=tuple(stage_costs.wgrad),
-                        hop=hop, payload_bytes=sent)
+                        hop=hop, payload_bytes=sent, phases=phases)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from ..actions import pair_problem
+from ..actions import Action, pair_problem
 from ..errors import DeadlockError
 from ..executor.validate import check_runnable
 
@@ -52,9 +52,11 @@ def move_pairs(plan, rng: random.Random, count: int = 1):
     pairs = list(plan.pairs)
     for _ in range(count):
         used = _used(pairs)
+        # neither end paired already (no pair's halves are parted), and the moved action stays after the action of
+        # its own stage and micro-batch it waits for (the kind table's `after`: a B's F)
         options = [(d, i, j) for d, row in enumerate(rows) for i, a in enumerate(row) if a not in used
-                   for j in range(i + 2, len(row)) if row[j] not in used and pair_problem(a, row[j]) is None]
-        # (neither end is paired already, so no existing pair's halves are parted)
+                   for j in range(i + 2, len(row)) if row[j] not in used and pair_problem(a, row[j]) is None
+                   and _after_stays_before(row, j, i + 1)]
         if not options:
             break
         d, i, j = options[rng.randrange(len(options))]
@@ -62,6 +64,33 @@ def move_pairs(plan, rng: random.Random, count: int = 1):
         rows[d].insert(i + 1, b)
         pairs.append((rows[d][i], b))
     return replace(plan, schedule=tuple(tuple(r) for r in rows), pairs=tuple(sorted(pairs)))
+
+
+def _after_stays_before(row, j: int, at: int) -> bool:
+    """Whether moving row[j] to position `at` keeps it after its `after` action (when that is on this device)."""
+    a = row[j]
+    after = a.rule.after
+    if after is None:
+        return True
+    need = Action(a.stage, after, a.microbatch)
+    return need not in row[at:j]
+
+
+def phased_model(num_layers: int, name: str = "moe-toy"):
+    """A model of MoE layers whose dispatch and combine all-to-alls are half of each F and a third of each I
+    (formats.model.Phase): what pairs can hide."""
+    from ..formats import Layer, Model
+    from ..formats.model import Phase
+
+    def layer(i: int) -> Layer:
+        phases = (Phase(name="attention", resource="compute", fwd_ms=1.0, bwd_ms=2.0),
+                  Phase(name="dispatch", resource="comm", fwd_ms=1.0, bwd_ms=1.0),
+                  Phase(name="experts", resource="compute", fwd_ms=1.0, bwd_ms=2.0),
+                  Phase(name="combine", resource="comm", fwd_ms=1.0, bwd_ms=1.0))
+        return Layer(name=f"moe{i}", kind="moe", fwd_ms=4.0, bwd_ms=6.0, wgrad_ms=2.0, state_bytes=1 << 20,
+                     activation_bytes=1 << 20, output_bytes=1 << 16, phases=phases)
+
+    return Model(name=name, layers=tuple(layer(i) for i in range(num_layers)))
 
 
 def greedy_pairs(plan, limit: int | None = None, rng: random.Random | None = None):
