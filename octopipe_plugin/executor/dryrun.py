@@ -134,7 +134,8 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     if step_s > timeout_s:
         raise OctoPipeError(f"the scaled step lasts {step_s:.4g} s, longer than the {timeout_s:g} s timeout a rank "
                             f"waits for one message: raise --timeout above {step_s:.4g} or lower the time scale")
-    phases = stage_phases(scaled_model(model, scale), plan.stages) if pairs else None
+    # the stages' phases without their split layers (priced as shards), as the split simulator takes them
+    phases = stage_phases(scaled_model(without_split_layers(model, plan.splits), scale), plan.stages) if pairs else None
     costs = standin_costs(sc, [st.device for st in plan.stages], fast, phases)
     if plan.splits:
         costs = replace(costs, shards=standin_shards(scaled_model(model, scale), plan, fast))

@@ -60,7 +60,7 @@ def _cluster(p: int):
     return replace(zero_cost_cluster(p), memory_bytes=1 << 40)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), source=st.sampled_from(["builtin", "looped", "v", "arbitrary"]),
        how=st.sampled_from(["adjacent", "move"]))
 def test_random_pairs_are_refused_by_name_or_simulate_and_lower(seed, source, how):
