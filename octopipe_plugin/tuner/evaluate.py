@@ -131,9 +131,9 @@ class Evaluator:
             return None
         plan = self.plan_of(layout, schedule, {"schedule": "octopipe", "policy": policy.describe()})
         clock = getattr(schedule, "clock", None)
-        # its clock is the reference one, without pairs: a model that pairs is judged by the simulator at once
-        if clock is None or self.options.contention or not self.options.overlap or self.pairing:
-            return self.simulated(plan, costs=sc)
+        # its clock is the reference one (pairs included: it pairs by the simulator's rule, tuner/listsched.py)
+        if clock is None or self.options.contention or not self.options.overlap:
+            return self.simulated(plan, costs=sc, pair=False)  # the policy chose its pairs
         self.meter.evaluations += 1
         step, live = clock
         busy = self.m * sum(sc.fwd) + self.m * sum(sc.bwd) + self.m * sum(sc.wgrad)
@@ -159,6 +159,7 @@ class Evaluator:
             return self._seen[key]
         _, sc, _ = self.job(layout)
         self.work += action_count(schedule)  # hashing the order for the cache
+        # an explicit order (a built-in's, a reordered one) keeps no pairs of its own: judged paired too (`simulated`)
         out = self.simulated(self.plan_of(layout, schedule, {"schedule": "octopipe"}), costs=sc)
         self._seen[key] = None if out is None else replace(out, plan=None)
         return out

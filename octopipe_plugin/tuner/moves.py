@@ -257,7 +257,7 @@ MOVES = (
 
 
 # drawn too where pairs can pay; elsewhere the draws stay as they were (same plans for a seed)
-PAIR_MOVES = MOVES + ((change_pair, 2),)
+PAIR_MOVES = MOVES + ((change_pair, 1),)
 
 
 def pick_move(rng, pairing: bool = False):
