@@ -27,6 +27,11 @@ class GpuSpec:
     efficiency: float  # achieved / peak on large bf16 GEMMs in training
     arch_major: int  # CUDA compute capability major (8 Ampere, 9 Hopper, 10 Blackwell): Megatron asks it
     hbm_efficiency: float = 0.8  # achieved / peak on streaming element-wise kernels
+    # host memory one GPU may use (the DGX node's RAM over its 8 GPUs) and its device<->host copy bandwidth, one
+    # direction (PCIe Gen4 x16 ~ 25 GB/s on A100, Gen5 x16 ~ 50 GB/s on H100 / H200 / B200): what offloaded
+    # activations cost (docs/formats.md, "Memory choices")
+    host_memory_bytes: int = 256 * GIB
+    host_link_gb_per_s: float = 50.0
 
     @property
     def flops(self) -> float:
@@ -47,13 +52,15 @@ class GpuSpec:
 # of bf16 matrix work on an H200 (0.8 of peak), of which 0.75 is kept for whole layers.
 _SPECS = (
     GpuSpec(name="A100-80G", peak_bf16_flops=312e12, memory_bytes=80 * GIB, hbm_gb_per_s=2039,
-            nvlink_gb_per_s=300, ib_gb_per_s=25, efficiency=0.7, arch_major=8),
+            nvlink_gb_per_s=300, ib_gb_per_s=25, efficiency=0.7, arch_major=8,
+            host_memory_bytes=128 * GIB, host_link_gb_per_s=25.0),
     GpuSpec(name="H100-SXM", peak_bf16_flops=989e12, memory_bytes=80 * GIB, hbm_gb_per_s=3350,
             nvlink_gb_per_s=450, ib_gb_per_s=50, efficiency=0.7, arch_major=9),
     GpuSpec(name="H200", peak_bf16_flops=989e12, memory_bytes=141 * 10**9, hbm_gb_per_s=4800,
             nvlink_gb_per_s=450, ib_gb_per_s=50, efficiency=0.75, arch_major=9),
     GpuSpec(name="B200", peak_bf16_flops=2250e12, memory_bytes=180 * 10**9, hbm_gb_per_s=8000,
-            nvlink_gb_per_s=900, ib_gb_per_s=50, efficiency=0.6, arch_major=10),
+            nvlink_gb_per_s=900, ib_gb_per_s=50, efficiency=0.6, arch_major=10,
+            host_memory_bytes=512 * GIB),
 )
 
 GPUS = MappingProxyType({g.name: g for g in _SPECS})

@@ -38,6 +38,27 @@ class Cluster:
     gpu: str | None = None
     # bytes kept free on every device for what no plan accounts for (headroom.py); not part of the file format
     memory_headroom_bytes: int = 0
+    # host memory each device may fill with offloaded activations, and its device<->host copy bandwidth (GB/s, one
+    # direction); None: the `gpu`'s figures of gpus.py (H100-SXM's where no gpu is said): `host_memory`, `host_link`
+    host_memory_bytes: int | None = None
+    host_link_gb_per_s: float | None = None
+
+    @property
+    def host_memory(self) -> int:
+        """Host bytes one device may hold offloaded (the field, else the GPU table's: docs/formats.md)."""
+        return self.host_memory_bytes if self.host_memory_bytes is not None else self._gpu_spec().host_memory_bytes
+
+    @property
+    def host_link(self) -> float:
+        """Device<->host copy bandwidth of each device in GB/s (the field, else the GPU table's)."""
+        return self.host_link_gb_per_s if self.host_link_gb_per_s is not None else self._gpu_spec().host_link_gb_per_s
+
+    def host_copy_ms(self, nbytes: float) -> float:
+        """Time to copy `nbytes` between a device and its host memory, either way (ms)."""
+        return nbytes / (self.host_link * 1e9) * 1000.0
+
+    def _gpu_spec(self):
+        return GPUS[self.gpu or "H100-SXM"]
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -88,6 +109,9 @@ def cluster_from_dict(data: dict, src: str = "<dict>") -> Cluster:
         inter_node=_read_link(data, "inter_node", src) if "inter_node" in data else intra,
         name=check_value(data.get("name", "cluster"), src, "$.name", str),
         gpu=_read_gpu(data, src),
+        host_memory_bytes=field(data, "host_memory_bytes", src, "$", int, minimum=0, maximum=L.MAX_BYTES, default=None),
+        host_link_gb_per_s=field(data, "host_link_gb_per_s", src, "$", float, positive=True,
+                                 maximum=L.MAX_BANDWIDTH_GB_PER_S, default=None),
     )
 
 
@@ -118,6 +142,8 @@ def cluster_to_dict(cluster: Cluster) -> dict:
         "intra_node": link(cluster.intra_node),
         "inter_node": link(cluster.inter_node),
         **({"gpu": cluster.gpu} if cluster.gpu else {}),
+        **({"host_memory_bytes": cluster.host_memory_bytes} if cluster.host_memory_bytes is not None else {}),
+        **({"host_link_gb_per_s": cluster.host_link_gb_per_s} if cluster.host_link_gb_per_s is not None else {}),
     }
 
 

@@ -8,6 +8,7 @@ from .fields import check_format, check_value, field, load_json, objects, write_
 from .. import limits as L
 from ..errors import FormatError, PlanError
 from ..actions import PAIR_SEP, RULES, Action, Kind, format_schedule, forms, pair_problem, parse_entry, shard_kinds
+from .memory import MemoryChoice, memory_from_dict, memory_problem, memory_to_dict
 from .ranges import stage_range_problem
 from .splits import (
     FORWARD_SHARD_KINDS, SplitLayer, owner_stage, side_of, split_problem, splits_from_list, splits_to_list,
@@ -46,6 +47,9 @@ class Plan:
     # Overlapped pairs (first, second), sorted: the second half right after the first in their device's list, both
     # run as one overlapped unit (docs/formats.md, "Overlapped pairs"); empty: every action runs alone.
     pairs: tuple[tuple[Action, Action], ...] = ()
+    # Per-layer memory choices (layer index, choice), sorted (formats/memory.py; docs/formats.md "Memory choices");
+    # empty: every layer keeps its activation on the device until its backward frees it.
+    memory: tuple[tuple[int, MemoryChoice], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -89,6 +93,7 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
         stages.append(Stage(start=start, end=end, device=dev))
     _check_coverage(stages, src, num_layers)
     schedule, pairs = _read_schedule(data, src, num_devices)
+    memory = memory_from_dict(data["memory"], src, num_layers) if data.get("memory") else ()
     raw_splits = data.get("splits") or []
     splits = splits_from_list(raw_splits, src) if raw_splits else ()
     problem = split_problem(splits, stages, num_devices)
@@ -104,6 +109,7 @@ def plan_from_dict(data: dict, src: str = "<dict>", num_layers: int | None = Non
         meta=field(data, "meta", src, "$", dict, default={}),
         splits=splits,
         pairs=pairs,
+        memory=memory,
     )
     try:
         validate_plan(plan)
@@ -150,6 +156,11 @@ def validate_plan(plan: Plan, num_layers: int | None = None, *, forward_only: bo
     problem = stage_range_problem([(st.start, st.end) for st in plan.stages], num_layers)
     if problem is not None:
         raise PlanError(problem.message)
+    memory = getattr(plan, "memory", ())
+    if memory:
+        problem = memory_problem(memory, num_layers if num_layers is not None else plan.stages[-1].end)
+        if problem is not None:
+            raise PlanError(problem)
     if len(plan.schedule) != plan.num_devices:
         raise PlanError(f"schedule has {len(plan.schedule)} device lists, plan has {plan.num_devices} devices")
     ns, m = plan.num_stages, plan.num_microbatches
@@ -293,6 +304,8 @@ def plan_to_dict(plan: Plan) -> dict:
         doc["meta"] = plan.meta
     if plan.splits:
         doc["splits"] = splits_to_list(plan.splits)
+    if plan.memory:
+        doc["memory"] = memory_to_dict(plan.memory)
     return doc
 
 

@@ -135,8 +135,27 @@ def measure_ranks(rank: int, world: int, per_node: int, sizes, repeats: int,
     return [s for part in gathered for s in part]
 
 
+def measure_host_link(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
+    """Device<->host copy bandwidth in GB/s (the slower direction's median, pinned host memory), what an offloaded
+    activation's copies cost (docs/formats.md, "Memory choices"); None off CUDA (a CPU rank has no such link)."""
+    if device.type != "cuda":
+        return None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = {"out": [], "in": []}
+    for _ in range(repeats + 1):
+        for way, (dst, src) in (("out", (host, dev)), ("in", (dev, host))):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            rates[way].append(nbytes / (start.elapsed_time(end) / 1000.0) / 1e9)
+    return min(statistics.median(r[1:]) for r in rates.values())  # the first round warms up
+
+
 def build_cluster(samples: list[LinkSample], world: int, per_node: int, sizes, memory_bytes: int,
-                  gpu: str | None, name: str) -> Cluster:
+                  gpu: str | None, name: str, host_link_gb_per_s: float | None = None) -> Cluster:
     """The Cluster of the measured samples: per class, the median time per size over its pairs, fitted."""
 
     def fitted(cls: str, pairs) -> Link | None:
@@ -154,7 +173,8 @@ def build_cluster(samples: list[LinkSample], world: int, per_node: int, sizes, m
     if not (isinstance(memory_bytes, int) and memory_bytes >= 1 << 20):
         raise OctoPipeError(f"device memory {memory_bytes} bytes: expected at least 1 MiB")
     return Cluster(num_devices=world, devices_per_node=per_node, memory_bytes=memory_bytes,
-                   intra_node=intra or inter, inter_node=inter or intra, name=name, gpu=gpu)
+                   intra_node=intra or inter, inter_node=inter or intra, name=name, gpu=gpu,
+                   host_link_gb_per_s=host_link_gb_per_s)
 
 
 def _device_figures(device: torch.device, ranks_on_host: int) -> tuple[int, str | None]:
@@ -220,11 +240,15 @@ def measure_launched(*, sizes=DEFAULT_SIZES, repeats: int = 5, timeout_s: float 
         dist.all_gather_object(hosts, socket.gethostname())
         per_node = node_groups(hosts, local_world)
         samples = measure_ranks(rank, world, per_node, tuple(sizes), repeats, device)
+        host = measure_host_link(device)  # every rank at once, as offloads copy during training; the slowest counts
+        hosts_link = [None] * world
+        dist.all_gather_object(hosts_link, host)
         if rank:
             return None
         memory, gpu = _device_figures(device, sum(h == hosts[0] for h in hosts))
         backend = "nccl" if cuda else "gloo"
+        link = min(hosts_link) if all(x is not None for x in hosts_link) else None
         return build_cluster(samples, world, per_node, tuple(sizes), memory, gpu,
-                             name or f"{hosts[0]}-{backend}-x{world}")
+                             name or f"{hosts[0]}-{backend}-x{world}", link)
     finally:
         dist.destroy_process_group()

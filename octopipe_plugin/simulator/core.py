@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError
-from ..actions import CODE, KINDS, RULES, Action, Flow, pair_positions, senders
-from .costs import StageCosts, hop_times, kind_durations, stage_costs
-from .memory import activation_changes, peak_live
+from ..actions import CODE, KINDS, RULES, Action, Flow, Kind, pair_positions, senders
+from .costs import MemoryCosts, StageCosts, hop_times, kind_durations, memory_costs, stage_costs
+from .memory import activation_changes, choice_events, peak_live, timed_peak
 from .pairs import hidden_ms, stage_phases
 from .overheads import delivery_of, overhead_ms
 from ..formats.overheads import Overheads
@@ -138,11 +138,22 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     `detail=False` skips the timeline, transfers and critical path (for search loops).
     """
     opts = options or SimOptions()
+    # memory choices need the model's layers; a costs-only run (the deadlock check: no model) runs without them
+    memory = getattr(plan, "memory", ()) if model is not None else ()
+    if memory and getattr(plan, "splits", ()):
+        from ..errors import PlanError
+
+        raise PlanError("plan $.memory: memory choices on a plan with split layers (`splits`) are not simulated; "
+                        "fix: drop `memory` or `splits`")
     if getattr(plan, "splits", ()):
         from .split import simulate_split  # split layers: their own (slower) loop; plans without keep this one
 
         return simulate_split(model, cluster, plan, opts, costs=costs, detail=detail)
     sc = costs if costs is not None else stage_costs(model, plan.stages)
+    mc = None
+    if memory:  # memory choices (docs/formats.md "Memory choices"): their own loop, plans without keep this one
+        mc = memory_costs(model, plan, cluster)
+        sc = mc.apply(sc)
     nm, nd = plan.num_microbatches, plan.num_devices
     dev_of = [st.device for st in plan.stages]
     hop = hop_times(cluster, dev_of, sc.output, opts.launch_ms, delivery_of(opts.overheads))
@@ -150,7 +161,8 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     pairs = getattr(plan, "pairs", ())
     phases = stage_phases(model, plan.stages) if pairs else None
     idxs, rules, deltas = _compile(plan.schedule, nm, sc, dev_of, hop, extra, pairs, phases)
-    run = _Run(nd, len(dev_of) * nm, nm, opts, detail)
+    run = _Run(nd, len(dev_of) * nm, nm, opts, detail) if mc is None else _MemRun(nd, len(dev_of) * nm, nm, opts,
+                                                                                    detail, plan, mc)
     # the action objects are read only to record transfers (detail); an encoded schedule stays encoded
     encoded = getattr(plan.schedule, "encoded", None) is not None
     run.execute(idxs, rules, plan.schedule if detail or not encoded else idxs)
@@ -161,6 +173,8 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
             for p in starts:
                 a, start, end = run.timeline[d][p]
                 run.timeline[d][p + 1] = (row[p + 1], start, end)
+    if mc is not None:
+        return _finish(plan, sc, run, run.peaks(), run.host_peaks(), run.copies_detail() if detail else [])
     return _finish(plan, sc, run, [peak_live(dl) for dl in deltas])
 
 
@@ -297,7 +311,172 @@ class _Run:
             pos[d] = p
 
 
-def _finish(plan, sc: StageCosts, run: _Run, peak_act: list[int]) -> SimResult:
+class _MemRun(_Run):
+    """A plan with memory choices: `_Run`'s loop plus each device's host link (docs/formats.md, "Memory choices").
+
+    An F of a stage with offloaded layers issues its copy-out when it ends; a B or I of one issues its copy-in
+    when the action before it in its device's list (before the pair it is in) starts, not before its copy-out has
+    ended, and starts no earlier than the copy-in's end. Each device's host link serves its copies one at a time in
+    issue order (a copy-out first on a tie); they overlap compute. Every action's times are kept for the memory
+    events (memory.choice_events).
+    """
+
+    def __init__(self, nd, n, nm, opts, detail, plan, mc: MemoryCosts):
+        super().__init__(nd, n, nm, opts, detail)
+        self.plan, self.mc = plan, mc
+        self.host_free = [0.0] * nd
+        self.out_end = [-1.0] * n
+        self.times = [[None] * len(row) for row in plan.schedule]
+        self.copies = [[None] * len(row) for row in plan.schedule]  # per position (start, end) of its host copy
+        # per position: copy-out ms (F of an offloading stage), copy-in ms (its B or I); 0 where none
+        self.cout = [[mc.copy_ms[a.stage] if a.kind is Kind.F else 0.0 for a in row] for row in plan.schedule]
+        self.cin = [[mc.copy_ms[a.stage] if a.kind in (Kind.B, Kind.I) else 0.0 for a in row]
+                    for row in plan.schedule]
+        self.in_end = [[0.0] * len(row) for row in plan.schedule]
+
+    def _copy(self, d: int, issue: float, ms: float) -> tuple[float, float]:
+        st = max(issue, self.host_free[d])
+        self.host_free[d] = st + ms
+        return st, st + ms
+
+    def _issue(self, d: int, p: int, rules, ids, start: float, end: float) -> None:
+        """After action p of device d ran in [start, end]: its copy-out, and the copy-ins of the next unit."""
+        row = rules[d]
+        outs = []
+        if self.cout[d][p]:
+            outs.append((end, 0, p, ids[p]))
+        if p > 0 and row[p - 1][9] is not None:  # a pair's second half: the pair's start issued the next unit's
+            nxt = []
+        else:
+            first = p + 2 if row[p][9] is not None else p + 1  # after a pair: the unit after its second half
+            nxt = [first] if first < len(row) else []
+            if nxt and row[first][9] is not None:  # the next unit is a pair: both halves' copy-ins
+                nxt.append(first + 1)
+        ins = [q for q in nxt if self.cin[d][q]]
+        # a copy-in of the micro-batch this F copies out waits for that copy-out; the others go in issue order
+        after_out = [q for q in ins if outs and ids[q] == ids[p]]
+        queue = outs + [(max(start, self.out_end[ids[q]]), 1, q, ids[q]) for q in ins if q not in after_out]
+        queue = sorted(queue) + [(0.0, 1, q, ids[q]) for q in after_out]
+        for issue, way, q, idx in queue:
+            if way == 0:
+                self.copies[d][q] = self._copy(d, issue, self.cout[d][q])
+                self.out_end[idx] = self.copies[d][q][1]
+            else:
+                self.copies[d][q] = self._copy(d, max(issue, self.out_end[idx]), self.cin[d][q])
+                self.in_end[d][q] = self.copies[d][q][1]
+
+    def execute(self, idxs, rules, schedule) -> None:
+        """`_Run.execute` with the copy-ins awaited and every copy issued (see the class)."""
+        nm, n = self.nm, self.n
+        act_arr = [0.0] * nm + [-1.0] * (n - nm)
+        grad_arr = [-1.0] * (n - nm) + [0.0] * nm
+        arrival = [None] * _NK + [act_arr, grad_arr]
+        done = [[-1.0] * n if track else None for track in _TRACK]
+        recv = None if self.opts.overlap else [0.0] * (2 * n)
+        free, busy, pos, waiting, timeline = self.free, self.busy, self.pos, self.waiting, self.timeline
+        self._rules_partner = [[r[9] is not None for r in row] for row in rules]
+        ready = list(range(len(idxs)))
+        while ready:
+            d = ready.pop()
+            ids, row, acts, p, t_free = idxs[d], rules[d], schedule[d], pos[d], free[d]
+            in_end = self.in_end[d]
+            end_p = len(row)
+            while p < end_p:
+                idx = ids[p]
+                code, dur, after, rin, track, dst, step, h, key, partner = row[p]
+                slot = -1
+                dep = rc = 0.0
+                if partner is not None:
+                    other = ids[p + 1]
+                    o_after, o_rin = partner[1], partner[2]
+                    if o_after >= 0 and done[o_after][other] < 0:
+                        waiting[other * _SLOTS + o_after] = d
+                        break
+                    if o_rin >= 0 and arrival[o_rin][other] < 0:
+                        waiting[other * _SLOTS + o_rin] = d
+                        break
+                    o_dep = max(done[o_after][other] if o_after >= 0 else 0.0,
+                                arrival[o_rin][other] if o_rin >= 0 else 0.0)
+                    if o_dep > 0.0:
+                        dep, slot = o_dep, _SLOTS + (o_rin if o_rin >= 0 else o_after)
+                if after >= 0:
+                    t_after = done[after][idx]
+                    if t_after < 0:
+                        waiting[idx * _SLOTS + after] = d
+                        break
+                    if slot < 0 or t_after > dep:
+                        dep, slot = t_after, after
+                if rin >= 0:
+                    t_in = arrival[rin][idx]
+                    if t_in < 0:
+                        waiting[idx * _SLOTS + rin] = d
+                        break
+                    if slot < 0 or t_in > dep:
+                        dep, slot = t_in, rin
+                    if recv is not None:
+                        rc = recv[idx if rin == _ACT else n + idx]
+                ready_at = t_free + rc
+                # a copy-in still running holds the backward (and the pair it is in) back: the device's own wait
+                copy_in = max(in_end[p], in_end[p + 1] if partner is not None else 0.0)
+                if copy_in > ready_at:
+                    ready_at = copy_in
+                start = ready_at if ready_at >= dep else dep
+                end = start + dur
+                busy[d] += dur
+                if timeline is not None:
+                    self.record(d, p, acts[p], start, end, -1 if ready_at >= dep and p > 0 else slot)
+                self.times[d][p] = (start, end)
+                self._issue(d, p, rules, ids, start, end)
+                t_free = free[d] = end
+                if track:
+                    done[code][idx] = end
+                    w = waiting.pop(idx * _SLOTS + code, None)
+                    if w is not None:
+                        ready.append(w)
+                if dst >= 0:
+                    nxt = idx + step
+                    if h is None:
+                        arrival[key][nxt] = end
+                    else:
+                        arrival[key][nxt] = self.send(end, d, dst, h, acts[p])
+                        if recv is not None:
+                            recv[nxt if key == _ACT else n + nxt] = h
+                        t_free = free[d]
+                    w = waiting.pop(nxt * _SLOTS + key, None)
+                    if w is not None:
+                        ready.append(w)
+                p += 1
+            pos[d] = p
+
+    def _unit_times(self, d: int) -> list:
+        """Each action's (start, end), a pair's second half over the whole pair (as it shows and holds memory)."""
+        times = list(self.times[d])
+        for p, r in enumerate(self._rules_partner[d]):
+            if r:
+                times[p + 1] = times[p]
+        return times
+
+    def peaks(self) -> list[int]:
+        """Per device, the peak live activation of its timed memory events."""
+        return [timed_peak(choice_events(row, self._unit_times(d), self.mc, self.copies[d])[0])
+                for d, row in enumerate(self.plan.schedule)]
+
+    def host_peaks(self) -> list[int]:
+        """Per device, the peak of the host memory its offloaded activations hold."""
+        return [timed_peak(choice_events(row, self._unit_times(d), self.mc, self.copies[d])[1])
+                for d, row in enumerate(self.plan.schedule)]
+
+    def copies_detail(self) -> list:
+        """(device, 'out' / 'in', action, start, end) of every host copy."""
+        out = []
+        for d, row in enumerate(self.plan.schedule):
+            for a, cp in zip(row, self.copies[d]):
+                if cp is not None:
+                    out.append((d, "out" if a.kind is Kind.F else "in", a, cp[0], cp[1]))
+        return out
+
+
+def _finish(plan, sc: StageCosts, run: _Run, peak_act: list[int], host_peak=None, host_copies=()) -> SimResult:
     nd = plan.num_devices
     step = max(run.free) if run.free else 0.0
     total = sum(run.busy)
@@ -314,6 +493,8 @@ def _finish(plan, sc: StageCosts, run: _Run, peak_act: list[int]) -> SimResult:
         transfers=run.transfers if run.detail else [],
         critical_path=_critical_path(plan, run) if run.detail else [],
         stage_activation=sc.activation,
+        host_peak_bytes=host_peak,
+        host_copies=list(host_copies),
     )
 
 

@@ -125,3 +125,163 @@ def _cut_bytes(model) -> list[int] | None:
     from ..graph import boundary_bytes  # networkx is imported only for branched models
 
     return boundary_bytes(model)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCosts:
+    """Per stage, what a plan's memory choices (Plan.memory; docs/formats.md "Memory choices") change.
+
+    `kept`: bytes F makes live (the stage's activation less what recompute frees; offloaded bytes included, they
+    leave when their copy-out ends); `extra_ms`: the recomputed forwards, added to the stage's I and B;
+    `remat_b` / `remat_i`: bytes recompute brings back when a B / an I starts (B one layer at a time: the largest;
+    I every recomputed layer, which W still reads: the sum), freed with the rest; `offload`: bytes copied to the
+    host after F and back before the backward, each way `copy_ms` on the device's host link.
+    """
+
+    kept: tuple[int, ...]
+    extra_ms: tuple[float, ...]
+    remat_b: tuple[int, ...]
+    remat_i: tuple[int, ...]
+    offload: tuple[int, ...]
+    copy_ms: tuple[float, ...]
+
+    def apply(self, sc: StageCosts) -> StageCosts:
+        """The stage costs the simulator's loop runs: F keeps `kept`, I and B also run the recomputed forwards."""
+        fused = None if sc.fused is None else tuple(f + x for f, x in zip(sc.fused, self.extra_ms))
+        return StageCosts(sc.fwd, tuple(b + x for b, x in zip(sc.bwd, self.extra_ms)), sc.wgrad, self.kept,
+                          sc.output, sc.state, fused=fused)
+
+
+def layer_memory(model, layer: int, choice, where: str = "plan") -> tuple[int, float, int, int]:
+    """(bytes F keeps, recomputed-forward ms, bytes recompute brings back in the backward, bytes offloaded) of one
+    layer under `choice` (formats/memory.py); PlanError in one line where the choice does not fit the layer."""
+    from ..errors import PlanError
+    from ..formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
+
+    lay = model.layers[layer]
+    act = lay.activation_bytes
+    path = f"{where} $.memory.{layer}"
+    if choice.kind == OFFLOAD:
+        return act, 0.0, 0, act
+    arch = _analytic_arch(model)
+    if arch is not None and arch.recompute:
+        from ..costs.analytic import RECOMPUTED_KINDS
+
+        if lay.kind in RECOMPUTED_KINDS:
+            raise PlanError(f"{path}: {choice.text} on layer {layer} ({lay.kind}), which the model already costs "
+                            f"fully recomputed (its arch has recompute: true); fix: cost the model without "
+                            f"recompute, or drop the entry")
+    if choice.kind == RECOMPUTE:
+        rec = lay.recompute_activation_bytes
+        if rec is None:  # the layer's input: what the previous layer sends on (layer 0 keeps what it saves)
+            rec = model.layers[layer - 1].output_bytes if layer > 0 else act
+        rec = min(rec, act)
+        return rec, lay.fwd_ms, act - rec, 0
+    assert choice.kind == SELECTIVE
+    shares = _selective_shares(model, layer, path, choice)
+    freed = min(act, int(round(sum(shares[m].freed for m in choice.modules) * act)))
+    rerun = sum(shares[m].rerun for m in choice.modules) * lay.fwd_ms
+    return act - freed, rerun, freed, 0
+
+
+def _analytic_arch(model):
+    """The architecture of an analytic model (its meta), None for a profiled or hand-written one."""
+    meta = model.meta if isinstance(model.meta, dict) else {}
+    if meta.get("cost_model") != "analytic":
+        return None
+    from ..costs.recompute import arch_of
+
+    return arch_of(meta)
+
+
+def _selective_shares(model, layer: int, path: str, choice):
+    from ..errors import PlanError
+
+    lay = model.layers[layer]
+    arch = _analytic_arch(model)
+    if arch is None or lay.source == "measured":
+        raise PlanError(f"{path}: {choice.text} on layer {layer} ({lay.kind}): what a sub-module frees and re-runs "
+                        f"is known for analytic layers only (this layer is "
+                        f"{'measured' if lay.source == 'measured' else 'not from the analytic model'}); "
+                        f"fix: use recompute or offload")
+    from ..costs.recompute import module_shares
+    from ..gpus import get_gpu
+
+    shares = module_shares(arch, lay.kind, get_gpu(model.meta.get("gpu", "H100")))
+    missing = [m for m in choice.modules if m not in shares]
+    if missing:
+        has = ", ".join(sorted(shares)) if shares else "none (use recompute or offload)"
+        raise PlanError(f"{path}: selective:{','.join(missing)} on layer {layer}, whose kind {lay.kind!r} has no "
+                        f"{', '.join(missing)}; expected modules of {lay.kind!r}: {has}; fix: name those")
+    return shares
+
+
+def memory_costs(model, plan, cluster=None, where: str = "plan") -> MemoryCosts:
+    """Per-stage MemoryCosts of `plan.memory` (refusing, in one line, a choice the model's layer cannot take, and an
+    offload the cluster's host memory cannot hold: counted in each device's list order, from F to the backward)."""
+    from ..errors import PlanError
+    from ..formats.memory import memory_problem
+
+    problem = memory_problem(plan.memory, model.num_layers)
+    if problem is not None:
+        raise PlanError(problem)
+    per_layer = {layer: layer_memory(model, layer, choice, where) for layer, choice in plan.memory}
+    kept, extra, remat_b, remat_i, off, copy = [], [], [], [], [], []
+    for st in plan.stages:
+        k = x = rb = ri = o = 0
+        for i in range(st.start, st.end):
+            lay = model.layers[i]
+            got = per_layer.get(i)
+            if got is None:
+                k += lay.activation_bytes
+                continue
+            k += got[0]
+            x += got[1]
+            rb = max(rb, got[2])
+            ri += got[2]
+            o += got[3]
+        kept.append(k)
+        extra.append(float(x))
+        remat_b.append(rb)
+        remat_i.append(ri)
+        off.append(o)
+        copy.append(cluster.host_copy_ms(o) if cluster is not None and o else 0.0)
+    mc = MemoryCosts(tuple(kept), tuple(extra), tuple(remat_b), tuple(remat_i), tuple(off), tuple(copy))
+    if cluster is not None and any(off):
+        _check_host_memory(plan, mc, cluster, where)
+    return mc
+
+
+def host_bytes_bound(plan, offload) -> list[int]:
+    """Per device, the most offloaded bytes its list order can hold at once: a micro-batch's from its F to its B
+    or I (the host holds them within that span: copy-out after F, copy-in done before the backward)."""
+    from ..actions import Kind
+
+    out = []
+    for row in plan.schedule:
+        cur = peak = 0
+        for a in row:
+            if a.kind is Kind.F:
+                cur += offload[a.stage]
+                peak = max(peak, cur)
+            elif a.kind in (Kind.B, Kind.I):
+                cur -= offload[a.stage]
+        out.append(peak)
+    return out
+
+
+def _check_host_memory(plan, mc: MemoryCosts, cluster, where: str) -> None:
+    from ..errors import PlanError
+
+    gib = float(1 << 30)
+    for d, got in enumerate(host_bytes_bound(plan, mc.offload)):
+        if got > cluster.host_memory:
+            layers = [layer for layer, c in plan.memory if c.kind == "offload"
+                      and plan.stages[_stage_of(plan, layer)].device == d]
+            raise PlanError(f"{where} $.memory: device {d} holds up to {got / gib:.3g} GiB offloaded (layers "
+                            f"{', '.join(map(str, layers))}), over its host memory of {cluster.host_memory / gib:.3g} "
+                            f"GiB (cluster host_memory_bytes); fix: offload fewer layers or raise host_memory_bytes")
+
+
+def _stage_of(plan, layer: int) -> int:
+    return next(s for s, st in enumerate(plan.stages) if st.start <= layer < st.end)

@@ -65,3 +65,45 @@ def least_live(devices, activation: tuple[int, ...], num_devices: int) -> list[i
     for s, b in enumerate(per_microbatch(activation)):
         need[devices[s]] += b
     return need
+
+
+def choice_events(row, times, mc, copies) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """One device's (time, change) events of its live activation and of its host memory under memory choices.
+
+    `row` its actions, `times` their (start, end), `mc` the plan's simulator.costs.MemoryCosts, `copies` per
+    position the (start, end) of the host copy it has (a copy-out after an F, a copy-in before a B or I) or None.
+    F makes `kept` live at its start; an offloaded stage's bytes leave when its copy-out ends and come back when its
+    copy-in starts (the host holds them from copy-out start to copy-in end); B brings back `remat_b` at its start
+    and frees everything at its end; I brings back `remat_i` (kept), W frees everything at its end.
+    """
+    dev, host = [], []
+    for a, (start, end), cp in zip(row, times, copies):
+        s = a.stage
+        if a.kind is Kind.F:
+            dev.append((start, mc.kept[s]))
+            if cp is not None:
+                dev.append((cp[1], -mc.offload[s]))
+                host.append((cp[0], mc.offload[s]))
+        elif a.kind in (Kind.B, Kind.I):
+            if cp is not None:
+                dev.append((cp[0], mc.offload[s]))
+                host.append((cp[1], -mc.offload[s]))
+            if a.kind is Kind.B:
+                dev.append((start, mc.remat_b[s]))
+                dev.append((end, -(mc.kept[s] + mc.remat_b[s])))
+            else:
+                dev.append((start, mc.remat_i[s]))
+        elif a.kind is Kind.W:
+            dev.append((end, -(mc.kept[a.stage] + mc.remat_i[a.stage])))
+    return dev, host
+
+
+def timed_peak(events) -> int:
+    """Peak of the running sum of (time, change) events in time order; at one instant frees count first (an action
+    ending as the next starts, as the list order has it)."""
+    cur = peak = 0
+    for _, c in sorted(events, key=lambda e: (e[0], e[1] > 0)):
+        cur += c
+        if cur > peak:
+            peak = cur
+    return peak

@@ -50,6 +50,10 @@ class SimResult:
     stage_activation: tuple[int, ...] = ()
     # split plans: per device, the live-bytes change of each timeline entry (shard actions hold shares)
     live_changes: list[list[int]] | None = None
+    # plans with memory choices (Plan.memory): per device the peak bytes its offloaded activations hold on the host,
+    # and every host copy (device, "out" / "in", action, start, end) (detail); None / empty without
+    host_peak_bytes: list[int] | None = None
+    host_copies: list = field(default_factory=list)
 
     @property
     def idle_ms(self) -> list[float]:
