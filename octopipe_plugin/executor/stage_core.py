@@ -119,8 +119,11 @@ class StageCore:
     """The stage life cycle over autograd: F keeps `Forwarded`, B runs `_fused`, I and W split it."""
 
     def __init__(self, *, num_stages: int, num_microbatches: int,
-                 grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None, shards=None):
+                 grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None, shards=None, memory=None):
         self.num_stages = num_stages
+        # the plan's memory choices (executor/memory_choices.py `apply_memory`): F's offload scope, the backwards'
+        # copy-ins; None: no layer recomputes or offloads
+        self.memory = memory
         self.num_microbatches = num_microbatches
         self.grad_scale = grad_scale
         self.state = StageStates()
@@ -166,7 +169,8 @@ class StageCore:
             x = self._stage_input(stage, mb, inputs, keep)
             # a stage whose input takes no gradient: find where its gradient chain starts (grad_starts)
             recording = recorded_starts() if keep and not input_targets(x) else contextlib.nullcontext([])
-            with recording as starts:
+            scope = self.memory.forward_scope(stage, mb, keep) if self.memory is not None else contextlib.nullcontext()
+            with recording as starts, scope:
                 value, fwd = self._forward(stage, mb, x, batch, keep)
             if fwd is not None and starts:
                 fwd = dataclasses.replace(fwd, starts=tuple(starts))
@@ -177,8 +181,13 @@ class StageCore:
     def backward(self, stage: int, mb: int, grad_output, *, last_backward: bool = False):
         """B: input and parameter gradients in one pass; frees the micro-batch's graph."""
         fwd = self.state.take(stage, mb, Forwarded)
+        if self.memory is not None:
+            self.memory.before_backward(stage, mb)
         with self._grad_action(stage, Kind.B, last_backward):
-            return self._fused(stage, fwd, grad_output, want_dx=True)
+            out = self._fused(stage, fwd, grad_output, want_dx=True)
+        if self.memory is not None:
+            self.memory.after_backward(stage, mb)
+        return out
 
     def backward_input(self, stage: int, mb: int, grad_output, *, last_backward: bool = False):
         """I: the input gradient only; keeps the captured gradients (not the activations above them) for W."""
@@ -186,6 +195,8 @@ class StageCore:
         ins = input_targets(fwd.input)
         # no input gradient to give (first stage on token ids): I stops where the stage's gradient chain starts
         targets = ins or list(fwd.starts)
+        if self.memory is not None:
+            self.memory.before_backward(stage, mb)
         with self._grad_action(stage, Kind.I, last_backward):
             if not targets:
                 # nor a start found in F (no module computes from data and weights alone): all is W's work
@@ -211,6 +222,8 @@ class StageCore:
                 self._fused(stage, done.forwarded, done.grad_output, want_dx=False)
             elif done.work is not None:
                 self._split_weight(stage, done.work)
+        if self.memory is not None:
+            self.memory.after_backward(stage, mb)
 
     def pending(self) -> int:
         """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""

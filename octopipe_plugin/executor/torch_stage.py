@@ -53,6 +53,8 @@ class TorchStages(StageCore):
       DeepSpeed ZeRO's, and post-accumulate-grad hooks, fire once per parameter and
       micro-batch, B or I+W alike) or 'direct' (computed, then added into `p.grad` without
       running hooks; measured no faster, kept for runners that must bypass the hooks).
+    - `memory`: the plan's memory choices, from `memory_choices.apply_memory(modules, plan)` (which wraps the
+      layers it names in `modules` first): recompute, selective recompute and offload per layer.
     - Split layers: `shards` runs this rank's shard actions (`vocab_shard.VocabShards`); with a
       split head the last stage's module gives the head's input and `head_loss(mb, batch)` ->
       (targets, rule) its loss terms (`StageCore.head_input`: `rule(per_token_losses)` is the
@@ -75,11 +77,12 @@ class TorchStages(StageCore):
         grad_sink: str = "autograd",
         shards=None,
         head_loss: Callable | None = None,
+        memory=None,
     ):
         if grad_sink not in GRAD_SINKS:
             raise ValueError(f"grad_sink {grad_sink!r}: expected one of {', '.join(GRAD_SINKS)}")
         super().__init__(num_stages=num_stages, num_microbatches=num_microbatches, grad_scale=grad_scale,
-                         shards=shards)
+                         shards=shards, memory=memory)
         self.head_loss = head_loss
         self.modules = dict(modules)
         self.metas = tuple(metas) if metas is not None else None

@@ -13,6 +13,7 @@ from ..formats import plan_from_dict
 from ..executor.engine import ExecutorOptions, PipelineExecutor
 from ..executor.launch import init_gloo
 from ..executor.forward_step import ForwardStepStages
+from ..executor.memory_choices import apply_memory
 from ..executor.torch_stage import TorchStages
 from .toy import (
     MegatronStyleChunk, ToySpec, boundary_metas, build_layers, loss_fn, megatron_style_forward_step, microbatch,
@@ -24,9 +25,11 @@ def toy_runner(spec: ToySpec, layers, plan, rank: int) -> TorchStages:
     """TorchStages of `rank`'s stages of `plan` over the toy model's `layers`."""
     ns = plan.num_stages
     bounds = [(s.start, s.end) for s in plan.stages]
-    return TorchStages(modules=stage_modules(layers, bounds, plan.stages_of(rank)), num_stages=ns,
+    modules = stage_modules(layers, bounds, plan.stages_of(rank))
+    memory = apply_memory(modules, plan)  # the plan's recompute / offload choices (None without)
+    return TorchStages(modules=modules, num_stages=ns,
                        num_microbatches=plan.num_microbatches, metas=boundary_metas(spec, ns),
-                       load_input=lambda mb: microbatch(spec, mb)[0], loss_fn=loss_fn(spec))
+                       load_input=lambda mb: microbatch(spec, mb)[0], loss_fn=loss_fn(spec), memory=memory)
 
 
 def forward_step_runner(spec: ToySpec, layers, plan, rank: int) -> ForwardStepStages:

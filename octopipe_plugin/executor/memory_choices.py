@@ -1,0 +1,232 @@
+"""A plan's memory choices in the executor (docs/formats.md, "Memory choices"): recompute and offload per layer.
+
+- `recompute`: the layer runs under `torch.utils.checkpoint` (non-reentrant): its forward keeps only its inputs and
+  re-runs inside the backward that first needs what it saved (I, or B), exactly at the layers the plan names.
+- `selective:<modules>`: the named sub-modules run checkpointed (`SUBMODULES`: the attribute names Megatron-core's
+  TransformerLayer uses for them, plus the toy models'; a layer without such a sub-module is refused by name).
+- `offload`: the layer's forward runs under `torch.autograd.graph.saved_tensors_hooks`: every tensor it saves for
+  its backward (not its parameters) is copied to host memory as it is saved and back when the backward asks for it.
+  On CUDA the copies run on a copy stream (pinned host buffers, events; the device tensor is handed to the caching
+  allocator once its copy-out has run: `record_stream`), and `LayerMemory.prefetch` starts every copy-in of a
+  (stage, micro-batch) when its backward (I or B) begins; on a CPU they are plain copies.
+
+`apply_memory(modules, plan)` wraps the layers of a rank's stage modules (`nn.Sequential` over each stage's layer
+range, as `testing.toy.stage_modules` builds them) and returns the `LayerMemory` a `StageCore` runner takes
+(`memory=`): it opens F's offload scope and starts B's and I's copy-ins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import PlanError
+from ..formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
+
+# Sub-module attribute names each selective module checkpoints (Megatron-core 0.19 TransformerLayer / MoELayer names
+# first, then the toy models' of octopipe_plugin/testing).
+SUBMODULES = {
+    "core_attn": ("core_attention", "attn"),
+    "layernorm": ("input_layernorm", "pre_mlp_layernorm", "norm"),
+    "mlp": ("mlp",),
+    "moe": ("mlp",),
+    "moe_act": ("activation_func",),
+    "shared_experts": ("shared_experts",),
+    "mla_up_proj": ("linear_q_up_proj", "linear_kv_up_proj"),
+}
+
+
+class _Packed:
+    """One saved tensor on the host: its copy, where it came from, and the copy events (CUDA)."""
+
+    __slots__ = ("host", "device", "out_done", "back", "in_done")
+
+    def __init__(self, host, device, out_done=None):
+        self.host, self.device, self.out_done = host, device, out_done
+        self.back = self.in_done = None
+
+
+class Offloader:
+    """Saved-tensor hooks that move a layer's saved tensors to host memory and back (see the module docstring)."""
+
+    def __init__(self):
+        self.groups: dict[tuple[int, int], list[_Packed]] = {}
+        self.current: tuple[int, int] | None = None
+        self.skip: set[int] = set()  # storages of parameters: never copied
+        self._stream = None
+
+    def stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def scope(self, params):
+        """The saved-tensor hooks for one layer's forward (`params`: its parameters, kept where they are)."""
+        for p in params:
+            self.skip.add(p.untyped_storage().data_ptr())
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.skip or t.numel() == 0:
+            return t
+        if t.device.type == "cuda":
+            handle = self._pack_cuda(t)
+        else:
+            handle = _Packed(t.detach().clone(), t.device)
+        if self.current is not None:
+            self.groups.setdefault(self.current, []).append(handle)
+        return handle
+
+    def _pack_cuda(self, t: torch.Tensor) -> _Packed:
+        stream, compute = self.stream(), torch.cuda.current_stream(t.device)
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+        stream.wait_stream(compute)  # the copy sees the tensor as the forward wrote it
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # its memory returns to the allocator once the copy-out has run
+        return _Packed(host, t.device, stream.record_event())
+
+    def _unpack(self, handle):
+        if not isinstance(handle, _Packed):
+            return handle
+        if handle.device.type != "cuda":
+            return handle.host
+        compute = torch.cuda.current_stream(handle.device)
+        if handle.back is None:  # not prefetched: copy in now
+            self._copy_in(handle)
+        compute.wait_event(handle.in_done)
+        back, handle.back = handle.back, None
+        return back
+
+    def _copy_in(self, handle: _Packed) -> None:
+        stream = self.stream()
+        with torch.cuda.stream(stream):
+            stream.wait_event(handle.out_done)
+            handle.back = handle.host.to(handle.device, non_blocking=True)
+            handle.in_done = stream.record_event()
+        handle.back.record_stream(torch.cuda.current_stream(handle.device))
+
+    def prefetch(self, stage: int, mb: int) -> None:
+        """Start the copy-ins of (stage, mb)'s saved tensors (CUDA; on a CPU the host copy is the tensor)."""
+        for handle in self.groups.get((stage, mb), ()):
+            if handle.device.type == "cuda" and handle.back is None:
+                self._copy_in(handle)
+
+    def release(self, stage: int, mb: int) -> None:
+        """Forget (stage, mb)'s handles (its backward is done; autograd drops the tensors themselves)."""
+        self.groups.pop((stage, mb), None)
+
+
+class _Offloaded(nn.Module):
+    """A layer whose saved tensors its forward hands to the Offloader."""
+
+    def __init__(self, layer: nn.Module, offloader: Offloader):
+        super().__init__()
+        self.layer, self.offloader = layer, offloader
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.layer(*args, **kwargs)
+        with self.offloader.scope(self.layer.parameters()):
+            return self.layer(*args, **kwargs)
+
+
+class _Recomputed(nn.Module):
+    """A layer run under a non-reentrant checkpoint."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.layer(*args, **kwargs)
+        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _checkpoint_submodules(layer: nn.Module, index: int, modules) -> None:
+    """Checkpoint the sub-modules of `layer` the selective modules name (refused where it has none)."""
+    for module in modules:
+        names = SUBMODULES[module]
+        found = [m for path, m in layer.named_modules() if path and path.rsplit(".", 1)[-1] in names]
+        if not found:
+            raise PlanError(f"plan $.memory.{index}: selective:{module} on layer {index} "
+                            f"({type(layer).__name__}), which has no sub-module named {' or '.join(names)}; fix: "
+                            f"use recompute or offload for this layer")
+        for m in found:
+            m.forward = _checkpointed(m.forward)
+
+
+class LayerMemory:
+    """What a StageCore runner does for the plan's memory choices around its actions."""
+
+    def __init__(self, offloader: Offloader | None):
+        self.offloader = offloader
+
+    def forward_scope(self, stage: int, mb: int, keep: bool):
+        """Around F: the saved tensors of its offloaded layers are (stage, mb)'s."""
+        if self.offloader is None or not keep:
+            return contextlib.nullcontext()
+        return _current(self.offloader, (stage, mb))
+
+    def before_backward(self, stage: int, mb: int) -> None:
+        """At the start of I or B: the copy-ins of (stage, mb)."""
+        if self.offloader is not None:
+            self.offloader.prefetch(stage, mb)
+
+    def after_backward(self, stage: int, mb: int) -> None:
+        """After B or W: (stage, mb)'s handles are done with."""
+        if self.offloader is not None:
+            self.offloader.release(stage, mb)
+
+
+@contextlib.contextmanager
+def _current(offloader: Offloader, key):
+    before, offloader.current = offloader.current, key
+    try:
+        yield
+    finally:
+        offloader.current = before
+
+
+def apply_memory(modules: dict[int, nn.Module], plan) -> LayerMemory | None:
+    """Wrap the layers of `modules` (stage -> nn.Sequential of the stage's layers) that `plan.memory` names.
+
+    Returns the LayerMemory for the runner (None when the plan has no memory choices: nothing is wrapped)."""
+    memory = dict(getattr(plan, "memory", ()))
+    if not memory:
+        return None
+    offloader = Offloader() if any(c.kind == OFFLOAD for c in memory.values()) else None
+    for s, seq in modules.items():
+        st = plan.stages[s]
+        mine = [i for i in range(st.start, st.end) if i in memory]
+        if not mine:
+            continue
+        if not isinstance(seq, nn.Sequential) or len(seq) != st.num_layers:
+            raise PlanError(f"plan $.memory: stage {s}'s module is a {type(seq).__name__}, not an nn.Sequential of "
+                            f"its {st.num_layers} layers; fix: build stage modules as nn.Sequential over the plan's "
+                            f"layer ranges (testing.toy.stage_modules) or drop the memory choices")
+        for i in mine:
+            choice, j = memory[i], i - st.start
+            if choice.kind == RECOMPUTE:
+                seq[j] = _Recomputed(seq[j])
+            elif choice.kind == OFFLOAD:
+                seq[j] = _Offloaded(seq[j], offloader)
+            else:
+                assert choice.kind == SELECTIVE
+                _checkpoint_submodules(seq[j], i, choice.modules)
+    return LayerMemory(offloader)
