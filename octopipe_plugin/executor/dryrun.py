@@ -116,6 +116,9 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     for name, value in (("time_scale", time_scale), ("target_ms", target_ms), ("timeout_s", timeout_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OctoPipeError(f"dry run: {name} must be a finite number > 0, got {value}")
+    if getattr(plan, "memory", ()):
+        raise OctoPipeError("dry run: plan $.memory: the stand-ins do not run memory choices yet (no recompute slept, "
+                            "no host-link copies, no activation bytes held); fix: dry-run the plan without `memory`")
     links = links if clock == "wall" else None
     priced = cluster is not None or links is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)

@@ -97,3 +97,16 @@ def test_recompute_reruns_exactly_the_named_layers():
     runner.backward(0, 0, None)
     assert calls == {i: 2 if i == 1 else 1 for i in range(8)}
     assert not runner.memory.offloader.groups and runner.pending() == 0
+
+
+def test_dry_run_refuses_memory_choices_by_name():
+    from octopipe_plugin.errors import OctoPipeError
+    from octopipe_plugin.executor.dryrun import dry_run
+    from octopipe_plugin.formats import Layer, Model
+
+    model = Model(name="m", layers=tuple(Layer(name=f"l{i}", kind="dense", fwd_ms=1, bwd_ms=1, wgrad_ms=1,
+                                               state_bytes=0, activation_bytes=1, output_bytes=1) for i in range(4)))
+    plan = make_plan(stage_devices=[0, 1], bounds=[(0, 2), (2, 4)], num_devices=2, num_microbatches=2,
+                     schedule=SCHEDULES["1f1b"].generate([0, 1], 2, 2))
+    with pytest.raises(OctoPipeError, match=r"dry run: plan \$\.memory: .*fix"):
+        dry_run(model, replace(plan, memory=((1, parse_choice("offload")),)))
