@@ -32,6 +32,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dp", type=integer(1, L.MAX_DP),
                    help="data-parallel size sharding the optimizer (distributed optimizer)")
     p.add_argument("--recompute", action="store_true", default=None, help="full activation recomputation")
+    p.add_argument("--ep", type=integer(1, L.MAX_ARCH_INT),
+                   help="expert-parallel size: a MoE layer's dispatch and combine all-to-alls become phases of their own")
+    p.add_argument("--ep-nodes", type=integer(1, L.MAX_ARCH_INT),
+                   help="nodes the expert-parallel group spans (its all-to-alls cross the inter-node link when > 1)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the cost-annotated octopipe-model/1 JSON here")
     p.add_argument("--json", action="store_true", help="print the octopipe-model/1 JSON instead of the table")
     p.set_defaults(run=run)
@@ -51,7 +55,7 @@ def run(args) -> int:
     gpu = gpu_option(args.gpu or DEFAULT_GPU)
     try:
         model = resolve_model(args.name, gpu, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                              tp=args.tp, dp=args.dp, recompute=args.recompute)
+                              tp=args.tp, dp=args.dp, recompute=args.recompute, ep=args.ep, ep_nodes=args.ep_nodes)
     except FormatError:
         raise
     except OctoPipeError as exc:
@@ -97,6 +101,12 @@ def format_table(model: Model) -> str:
     t = graph.totals()
     lines.append(f"{'total':<12}{model.num_layers:>6}{t['fwd_ms']:>9.2f}{t['bwd_ms']:>9.2f}{t['wgrad_ms']:>9.2f}"
                  f"{human_bytes(t['state_bytes']):>11}{human_bytes(t['activation_bytes']):>12}")
+    comm = [(layer.kind, layer.comm_ms) for layer in model.layers if layer.phases]
+    if comm:
+        total = sum(f + i for _, (f, i) in comm)
+        kinds = ", ".join(dict.fromkeys(k for k, _ in comm))
+        lines.append(f"communication phases ({kinds}): {total:.2f} ms of F + I per micro-batch, "
+                     f"{total / (t['fwd_ms'] + t['bwd_ms'] + t['wgrad_ms']):.1%} of F + I + W; an overlapped pair can hide it")
     h = graph.heaviest()
     lines.append(f"heaviest layer: {h.layer.name} ({h.layer.kind}, index {h.index}), F+I+W {h.layer.total_ms:.2f} ms "
                  f"= {h.ratio_to_median:.2f}x the median layer")

@@ -15,6 +15,8 @@ from .. import limits as L
 from ..errors import OctoPipeError
 from ..formats import plan_to_dict
 from ..formats.fingerprint import describe_devices, idle_devices
+from ..simulator.pairs import hidden_ms, stage_phases
+from ..simulator.split import without_split_layers
 from ..tuner import tune
 from ..tuner.compare import baseline_ms, per_device
 from ..tuner.native import WHAT, native_best
@@ -108,11 +110,21 @@ def summary(result, model, cluster, costs: str = "", natives: dict | None = None
         *([f"  constraints    {cons.describe()}"] if cons is not None and cons.active else []),
         f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stage_listing(plan, cluster)}",
         *([f"  idle devices   {len(idle)} hold no layers: {describe_devices(idle)}"] if idle else []),
+        *([f"  pairs          {pairs_line(plan, model)}"] if plan.pairs else []),
         f"  peak memory    {peaks} GiB",
         f"  memory         {memory_line(result.peak, cluster)}",
         f"  search         {result.iterations} steps, {result.evaluations} evaluations, "
         f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",
     ])
+
+
+def pairs_line(plan, model) -> str:
+    """How many overlapped F&B pairs the plan runs and the communication they hide (simulator/pairs.py)."""
+    phases = stage_phases(without_split_layers(model, plan.splits), plan.stages)
+    hidden = sum(hidden_ms(phases, a, b) for a, b in plan.pairs)
+    per_device = len(plan.pairs) / plan.num_devices
+    return (f"{len(plan.pairs)} overlapped F&B pairs ({per_device:.1f} per device, e.g. {plan.pairs[0][0]}+"
+            f"{plan.pairs[0][1]}) hide {hidden:.1f} ms of all-to-all in all")
 
 
 def native_gains(result, natives: dict | None = None) -> list[str]:

@@ -65,8 +65,11 @@ class Evaluator:
         self._jobs: dict[Layout, tuple] = {}
         # judged candidates; outcomes are kept without their plans, so long runs hold no schedules here
         self._seen: dict[tuple, Outcome | None] = {}
-        # pairs can hide a layer's communication (tuner/pairing.py): every candidate is judged paired too
+        # pairs can hide a layer's communication (tuner/pairing.py)
         self.pairing = communicates(model)
+        # explicit orders judged with their adjacent F and B paired too: set by the search once it has run as it
+        # does without pairs (tuner/search.py `_pair_elite`)
+        self.pair_orders = False
 
     @property
     def work(self) -> float:
@@ -86,7 +89,9 @@ class Evaluator:
         """An evaluator of the same problem at another micro-batch count, sharing the work meter."""
         if num_microbatches == self.m:
             return self
-        return Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter, options=self.options)
+        out = Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter, options=self.options)
+        out.pair_orders = self.pair_orders
+        return out
 
     def job(self, layout: Layout):
         """(Job, StageCosts, static bytes) of a layout, cached."""
@@ -155,6 +160,7 @@ class Evaluator:
     def ordered(self, layout: Layout, schedule) -> Outcome | None:
         """Simulate a layout with an explicit per-device order; None when it deadlocks."""
         key = (layout, schedule)
+        key = key + (self.pair_orders,)
         if key in self._seen:
             return self._seen[key]
         _, sc, _ = self.job(layout)
@@ -177,11 +183,12 @@ class Evaluator:
         return self.ordered(layout, spec)
 
     def simulated(self, plan: Plan, costs=None, *, pair: bool = True) -> Outcome | None:
-        """Simulate an explicit plan; None when it deadlocks. Where pairs can pay (`pairing`) and `pair`, a plan
-        without pairs is also judged with its adjacent F and B paired (tuner/pairing.py), and the better kept."""
+        """Simulate an explicit plan; None when it deadlocks. Where pairs can pay (`pairing`, `pair_orders`) and
+        `pair`, a plan without pairs is also judged with its adjacent F and B paired (tuner/pairing.py), and the
+        better kept."""
         sc = costs if costs is not None else stage_costs(self.model, plan.stages)
         out = self._simulated(plan, sc)
-        if not (self.pairing and pair) or plan.pairs:
+        if not (self.pairing and self.pair_orders and pair) or plan.pairs:
             return out
         paired = with_adjacent_pairs(plan)
         if paired is plan:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .layout import Layout
-from .listsched import Order, Pairing, Policy, Split, WFill
+from .listsched import Order, Policy, Split, WFill
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,16 +23,14 @@ class Context:
     num_devices: int
     num_microbatches: int
     prefix: tuple[float, ...]  # prefix[i] = F+I+W time of layers [0, i)
-    pairing: bool = False  # the model communicates, so pairs can pay (tuner/pairing.py): the pairing move is drawn
 
     @staticmethod
-    def of(model, num_devices: int, num_microbatches: int, pairing: bool = False) -> "Context":
+    def of(model, num_devices: int, num_microbatches: int) -> "Context":
         """Context of a model on a cluster size."""
         acc = [0.0]
         for layer in model.layers:
             acc.append(acc[-1] + layer.total_ms)
-        return Context(num_devices=num_devices, num_microbatches=num_microbatches, prefix=tuple(acc),
-                       pairing=pairing)
+        return Context(num_devices=num_devices, num_microbatches=num_microbatches, prefix=tuple(acc))
 
     def loads(self, layout: Layout) -> list[float]:
         """Per-device F+I+W time of one micro-batch."""
@@ -221,13 +219,6 @@ def change_flags(rng, ctx: Context, layout: Layout, policy):
     return layout, replace(policy, b_order=Order.SHALLOW if policy.b_order is Order.DEEP else Order.DEEP)
 
 
-def change_pair(rng, ctx: Context, layout: Layout, policy):
-    """Change how the list scheduler pairs a forward with the backward it runs (off, ready, wait: tuner/pairing.py)."""
-    if not isinstance(policy, Policy):
-        return None
-    return layout, replace(policy, pair=rng.choice([p for p in Pairing if p is not policy.pair]))
-
-
 def reorder(rng, ctx: Context, layout: Layout, schedule):
     """Pull one action of an explicit order one to three places earlier (the simulator rejects deadlocks)."""
     if isinstance(schedule, Policy):
@@ -256,17 +247,12 @@ MOVES = (
 )
 
 
-# drawn too where pairs can pay; elsewhere the draws stay as they were (same plans for a seed)
-PAIR_MOVES = MOVES + ((change_pair, 1),)
-
-
-def pick_move(rng, pairing: bool = False):
-    """A move drawn by weight (the pairing move too when `pairing`)."""
-    moves = PAIR_MOVES if pairing else MOVES
-    total = sum(w for _, w in moves)
+def pick_move(rng):
+    """A move drawn by weight."""
+    total = sum(w for _, w in MOVES)
     x = rng.random() * total
-    for move, w in moves:
+    for move, w in MOVES:
         x -= w
         if x < 0:
             return move
-    return moves[-1][0]
+    return MOVES[-1][0]

@@ -79,11 +79,3 @@ def _pulled(plan, rng):
     schedule = tuple(tuple(row) if k == d else r for k, r in enumerate(plan.schedule))
     return replace(plan, schedule=schedule, pairs=tuple(sorted(plan.pairs + ((row[i], row[i + 1]),))))
 
-
-def still_adjacent(plan):
-    """The plan keeping only the pairs whose halves are still adjacent (after a move that inserted actions)."""
-    if not plan.pairs:
-        return plan
-    adjacent = {(row[i], row[i + 1]) for row in plan.schedule for i in range(len(row) - 1)}
-    kept = tuple(p for p in plan.pairs if p in adjacent)
-    return plan if kept == plan.pairs else replace(plan, pairs=kept)

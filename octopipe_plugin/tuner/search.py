@@ -34,7 +34,8 @@ from .layout import Layout
 from .listsched import Policy
 from .moves import Context, pick_move
 from .periodic import extend_schedule, scale_policy
-from .pairing import pair_step
+from .listsched import Pairing
+from .pairing import pair_step, with_adjacent_pairs
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
@@ -220,7 +221,9 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         fitting = [b.search for b in allowed if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed))
-        _search(evs, rng, budget, Context.of(model, nd, evs.m, pairing=evs.pairing), hand)
+        _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
+        if evs.pairing:
+            _pair_elite(ev, evs, hand)
     except KeyboardInterrupt:
         _interrupted(budget, hand, baselines)
     try:
@@ -263,8 +266,7 @@ def _first_plan(ev, evs, layouts, hand) -> list[Candidate]:
         return []
     lay, nd = layouts[0], ev.cluster.num_devices
     found = []
-    for pol in seed_policies(lay, nd, evs.m, split_backward=hand.constraints.split_backward,
-                             pairs=evs.pairing)[:2]:
+    for pol in seed_policies(lay, nd, evs.m, split_backward=hand.constraints.split_backward)[:2]:
         out = evs.scheduled(lay, pol)
         if out is not None and out.fits and out.plan is not None:
             found.append(Candidate(step_ms=out.step_ms, layout=lay, spec=pol, outcome=out))
@@ -281,7 +283,7 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[Candidate]:
     for i, lay in enumerate(layouts):
         if i > 0 and (ev.work_floor(lay) >= best or not budget.left(0.5)):
             continue
-        for pol in seed_policies(lay, nd, ev.m, split_backward=hand.constraints.split_backward, pairs=ev.pairing):
+        for pol in seed_policies(lay, nd, ev.m, split_backward=hand.constraints.split_backward):
             if (found or floor is not None) and time.monotonic() >= budget.setup_deadline():
                 break  # the time budget holds during setup: keep what is in hand
             out = ev.scheduled(lay, pol)
@@ -353,11 +355,33 @@ def _neighbour(rng, ctx, layout, spec):
     kicks = 1 if rng.random() < 0.7 else rng.randint(2, 5)
     cand = None
     for _ in range(kicks):
-        nxt = pick_move(rng, ctx.pairing)(rng, ctx, layout, spec)
+        nxt = pick_move(rng)(rng, ctx, layout, spec)
         if nxt is not None:
             cand = nxt
             layout, spec = nxt
     return cand
+
+
+def _pair_elite(ev, evs, hand) -> None:
+    """The pairing move on the search's pool (tuner/pairing.py): each elite candidate also with its list scheduler
+    pairing (ready, or also due forwards) or, an explicit order, with its adjacent F and B paired; the pool keeps
+    the faster. The search itself ran as without pairs, so the plan returned is never slower than that one's."""
+    found = []
+    for cand in hand.elite:
+        if isinstance(cand.spec, Policy):
+            for mode in (Pairing.READY, Pairing.WAIT):
+                spec = replace(cand.spec, pair=mode)
+                out = evs.scheduled(cand.layout, spec)
+                if out is not None and out.fits and out.plan is not None:
+                    found.append(Candidate(step_ms=out.step_ms, layout=cand.layout, spec=spec, outcome=out))
+        elif cand.outcome.plan is not None:
+            out = evs.simulated(with_adjacent_pairs(cand.outcome.plan), pair=False)
+            if out is not None and out.fits:
+                found.append(Candidate(step_ms=out.step_ms, layout=cand.layout, spec=out.plan.schedule, outcome=out))
+    hand.elite = _elite(hand.elite + found)
+    evs.pair_orders = ev.pair_orders = True  # from here on explicit orders are judged paired too
+    if evs is ev and hand.elite:
+        hand.offer(hand.elite[0].outcome, "octopipe", "pairs")
 
 
 def _promote(ev, evs, budget, hand) -> None:
@@ -377,7 +401,9 @@ def _full_of(ev, evs, cand: Candidate, table) -> Outcome | None:
     """A search-count candidate at the full count: its order grown periodically, else its policy rescheduled."""
     full = None
     out = cand.outcome
-    grown = extend_schedule(out.plan.schedule, evs.m, ev.m, table)
+    # a paired order's growth would repeat its actions, not its pairs: a pairing policy schedules afresh
+    grown = None if out.plan.pairs and isinstance(cand.spec, Policy) else \
+        extend_schedule(out.plan.schedule, evs.m, ev.m, table)
     if grown is not None:
         full = ev.simulated(ev.plan_of(cand.layout, grown, dict(out.plan.meta)))
     if full is None and isinstance(cand.spec, Policy):

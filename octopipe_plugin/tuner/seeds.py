@@ -11,7 +11,7 @@ from ..schedules.placement import Placement, place
 from ..schedules.registry import SCHEDULES, build_plan
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
-from .listsched import Order, Pairing, Policy, Split, WFill, build_schedule
+from .listsched import Order, Policy, Split, WFill, build_schedule
 from .moves import rebalance
 from .encoded import ActionTable
 from .periodic import extend_schedule
@@ -205,13 +205,9 @@ def seed_layouts(model, num_devices: int) -> list[tuple[str, Layout]]:
 
 
 def seed_policies(layout: Layout, num_devices: int, num_microbatches: int, *,
-                  split_backward: bool = True, pairs: bool = False) -> list[Policy]:
-    """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout (all fused without split backward);
-    with `pairs` (the model communicates: tuner/pairing.py) each pairing a ready forward with the backward it runs
-    (what wins on the zoo's MoE models, benchmarks/moe_overlap.py; the pairing move tries the others)."""
+                  split_backward: bool = True) -> list[Policy]:
+    """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout (all fused without split backward)."""
     pols = _seed_policies(layout, num_devices, num_microbatches)
-    if pairs:
-        pols = [replace(p, pair=Pairing.READY) for p in pols]
     if split_backward:
         return pols
     fused = (Split.FUSED,) * num_devices

@@ -26,8 +26,7 @@ from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
 from ..simulator.costs import stage_costs
 from ..simulator.overheads import delivery_of
-from ..simulator.pairs import communicates
-from .pairing import still_adjacent, unpaired, with_adjacent_pairs
+from .pairing import unpaired
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
 
@@ -214,27 +213,17 @@ def _with_layer_scaled(model, index: int, factor: float):
 
 
 def _judged(model, cluster, cand, opts):
-    """(plan, SimResult) of an insertion: without pairs, with its pairs that stayed adjacent, or where pairs pay
-    with its order paired anew (tuner/pairing.py), whichever is fastest and does not deadlock (a pair waits for
-    both halves' inputs, so one the shards' hand-overs feed can); (None, None) for no candidate."""
+    """(plan, SimResult) of an insertion: with its pairs (the inserter keeps them as units), or without them where
+    they deadlock (a pair waits for both halves' inputs, so one the shards' hand-overs feed can); (None, None) for
+    no candidate."""
     if cand is None:
         return None, None
-    cands = [still_adjacent(cand)]
-    if cand.pairs:
-        cands.append(unpaired(cand))  # the inserter's own order without pairs always runs
-    if communicates(model):
-        cands.append(with_adjacent_pairs(unpaired(cand)))
-    best = (None, None)
-    for i, c in enumerate(cands):
-        if any(c is o for o in cands[:i]):
-            continue
+    for c in (cand, unpaired(cand)) if cand.pairs else (cand,):
         try:
-            res = simulate(model, cluster, c, opts, detail=False)
+            return c, simulate(model, cluster, c, opts, detail=False)
         except DeadlockError:
             continue
-        if best[1] is None or res.step_time_ms < best[1].step_time_ms:
-            best = (c, res)
-    return best
+    return None, None
 
 
 def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf"), owner_shard=False):
@@ -271,8 +260,13 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         spent += cost
         splits = extra + (_split_of(head, shares, stats, stages[-1].device if owner_shard else None),)
         base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
-        cand = insert_shards(model, cluster, base, pol, opts.launch_ms, delivery_of(opts.overheads))
-        cand, res = _judged(model, cluster, cand, opts)
+        cand, res = None, None
+        # a base with pairs is also inserted into without them: keeping a pair as a unit can cost the shards a gap
+        for b in (base, unpaired(base)) if base.pairs else (base,):
+            c, r = _judged(model, cluster, insert_shards(model, cluster, b, pol, opts.launch_ms,
+                                                         delivery_of(opts.overheads)), opts)
+            if r is not None and (res is None or r.step_time_ms < res.step_time_ms):
+                cand, res = c, r
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 best is None or res.step_time_ms < best[0]):
             best = (res.step_time_ms, list(shares), pol, res, stages)
