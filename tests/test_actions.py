@@ -54,7 +54,9 @@ def _package_modules_after(statement: str) -> set[str]:
     import sys
     from pathlib import Path
 
-    code = f"import sys\n{statement}\nprint(' '.join(m for m in sys.modules if m.startswith('octopipe_plugin')))"
+    # what the interpreter loaded before the statement (the venv's .pth loads octopipe_plugin.compat) is not its
+    code = ("import sys\nbefore = {m for m in sys.modules if m.startswith('octopipe_plugin.')}\n"
+            f"{statement}\nprint(' '.join(m for m in sys.modules if m.startswith('octopipe_plugin') and m not in before))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     return set(out.stdout.split())

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / PKG
 # model graph -> plan -> executor -> adapter. `testing` is above everything (it may import all).
 TIERS = {
     "actions": 0, "errors": 0, "limits": 0, "gpus": 0,  # leaves: vocabulary, errors, bounds, GPU table
+    "compat": 0,  # Python 3.11's typing.override, loaded by the venv's .pth into every interpreter
     "formats": 1, "headroom": 1,  # the file formats (model, cluster, plan); usable memory = memory - headroom
     "graph": 2, "partition": 2, "costs": 2,  # model graph, partitions, cost models
     "simulator": 3, "schedules": 3,  # timing a plan; schedule generators and the plan's messages
