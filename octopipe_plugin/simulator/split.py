@@ -238,7 +238,9 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
     if plan.pairs:
-        _fold_pairs(rows, plan, stage_phases(without_split_layers(model, plan.splits), plan.stages))
+        # without a model (the deadlock check's unit costs) a pair hides nothing
+        _fold_pairs(rows, plan, None if model is None else
+                    stage_phases(without_split_layers(model, plan.splits), plan.stages))
     done: dict = {}
     waiting: dict = {}
     free, busy, pos = [0.0] * nd, [0.0] * nd, [0] * nd

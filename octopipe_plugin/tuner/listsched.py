@@ -69,7 +69,8 @@ class Policy:
     b_order: Order = Order.DEEP
     # a device about to run a backward while a forward of another micro-batch is ready runs both as an overlapped
     # pair, where the pair hides communication (Job.hidden; tuner/pairing.py); WAIT: also with a forward whose
-    # input is due within less than the pair hides (the pair starts once both are in)
+    # input is due within less than the pair hides, and a ready forward with such a backward (the pair starts
+    # once both are in)
     pair: Pairing = Pairing.OFF
 
     def describe(self) -> str:
@@ -311,7 +312,14 @@ class _Scheduler:
                     f = f_pick(due)
                     return (max(t, due[f]), _PAIR, (f, s))
             return (t, Kind.B, s)
-        return (t, Kind.F, f_pick(ready_f))
+        f = f_pick(ready_f)
+        if self.hidden is not None and self.pol.pair is Pairing.WAIT:
+            # the forward also waits for a backward due within less than the pair hides
+            due = [(r, b) for r, b in bw if r - t < self.hidden.get((self._backward_kind(d, b), f, b), 0.0)]
+            if due:
+                r, b = min(due)
+                return (max(t, r), _PAIR, (f, b))
+        return (t, Kind.F, f)
 
     def _backward_kind(self, d, s):
         mode = self.pol.split[d]

@@ -152,6 +152,23 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
         if best_f >= 0:
             return (t if t > best_a else best_a), PAIR, best_b, best_f
         return t, B, best_b, -1
+    if pair_on == 2 and best_f >= 0:  # the forward also waits for a backward due within less than the pair hides
+        due_b = -1
+        due_r = INF
+        for j in range(dev_ptr[d], dev_ptr[d + 1]):
+            s = dev_stages[j]
+            mb = next_b[s]
+            if mb < m:
+                idx = s * m + mb
+                fe, g = f_end[idx], grad_arr[idx]
+                if fe >= 0 and g >= 0:
+                    r = fe if fe > g else g
+                    kb = 0 if split[d] == FUSED or (split[d] == AUTO and s == 0) else 1
+                    if r - t < hid[kb, best_f, s] and r < due_r:
+                        due_r = r
+                        due_b = s
+        if due_b >= 0:
+            return (t if t > due_r else due_r), PAIR, due_b, best_f
     return t, F, best_f, -1
 
 

@@ -167,3 +167,20 @@ def test_model_phases_read_write_and_refuse_a_wrong_sum():
     with pytest.raises(FormatError, match="'compute' or 'comm'"):
         model_from_dict(doc)
     assert moe_layer().scaled(2.0).phases[1].fwd_ms == 2.0
+
+
+
+def test_split_plan_with_pairs_checks_without_a_model():
+    """check_runnable simulates with unit costs and no model: a split plan with pairs is checked too."""
+    from octopipe_plugin.executor.validate import check_runnable
+    from octopipe_plugin.testing.split_plans import head_split_plan
+
+    layers = (Layer(name="e", kind="embedding", fwd_ms=0.1, bwd_ms=0.0, wgrad_ms=0.1, state_bytes=0,
+                    activation_bytes=0, output_bytes=8),) + tuple(moe_layer() for _ in range(3)) + (
+        Layer(name="h", kind="lm_head", fwd_ms=6, bwd_ms=3, wgrad_ms=3, state_bytes=0, activation_bytes=0,
+              output_bytes=4),)
+    model = Model(name="m", layers=layers)
+    plan = head_split_plan(model, free_cluster(2), 4, schedule="dualpipev")
+    assert plan.pairs and plan.splits
+    check_runnable(plan)
+    assert simulate(model, free_cluster(2), plan).step_time_ms > 0
