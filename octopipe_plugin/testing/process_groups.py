@@ -10,6 +10,7 @@ DeepSpeed's module-level ones (deepspeed.utils.groups, when DeepSpeed is loaded)
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch.distributed as dist
@@ -36,6 +37,10 @@ def _reused() -> set:
 
 
 def destroy_groups_since(before: set) -> None:
-    """Destroy the process groups made since the snapshot `before` (live_groups()), but those made to be reused."""
+    """Destroy the process groups made since the snapshot `before` (live_groups()), but those made to be reused.
+
+    Destroying a group only unregisters it: its gloo threads end when the last reference to it goes, the
+    scenario's models and optimizers (their modules' reference cycles: freed by a collection, run here)."""
     for group in live_groups() - before - _reused():
         dist.destroy_process_group(group)
+    gc.collect()

@@ -126,6 +126,7 @@ def run_case(case: dict) -> dict:
         ok, _, _ = opt.step()
         assert ok, "optimizer step skipped"
         scheduler.step(increment=m * spec.mbs * dp_size)
+    H.release_optimizer(config)
     return {"losses": torch.stack(losses), "grads": grads, "weights": H.gathered_weights(chunks),
             "pattern": pattern, "layers": S._gathered(layers),
             "device_problems": S._gathered(device_problems) if case.get("device_check") else None}

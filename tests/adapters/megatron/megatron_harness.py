@@ -89,15 +89,22 @@ shim_device_arch = cpu_shims.shim_device_arch  # validate_args' GPU-architecture
 shim_sequence_parallel_norm = cpu_shims.shim_sequence_parallel_norm  # --sequence-parallel's norms on CPU
 
 
-def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
-    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP (the previous state's groups destroyed)."""
+def release_parallel() -> None:
+    """Megatron's parallel state destroyed, with its process groups (a case's end, or before the next state)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
     # Megatron's destroy only drops its references: each re-initialisation would add its ~25 gloo groups to the live
     # ones until the spawn ends (process_groups.py); every group but the default one and those made to be reused
     destroy_groups_since({dist.group.WORLD} if dist.is_initialized() else set())
+
+
+def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP (the previous state's groups destroyed)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    release_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
                                  get_embedding_ranks=embedding_ranks)
@@ -280,6 +287,16 @@ def wrap_ddp(chunks, config, overlap_grad_reduce: bool = False):
                                                use_distributed_optimizer=True, bucket_size=None)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                     disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+
+
+def release_optimizer(config) -> None:
+    """At a case's end: drop its model config's reference to its optimizer (`grad_scale_func = opt.scale_loss`).
+
+    That reference closes a cycle gc cannot collect: the distributed optimizer's parameter shards hold autograd
+    nodes of the parameters (C++), whose AccumulateGrad hooks (Megatron DDP's) hold the DDP wrapper, its model
+    and config. Left in place, every case's model, optimizer and process groups live until the spawn ends (each
+    gloo group 3 threads: a 4-rank split spawn grew by ~60 threads a rank per case, to ~730)."""
+    config.grad_scale_func = None
 
 
 def make_optimizer(chunks):

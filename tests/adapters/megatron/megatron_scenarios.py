@@ -202,6 +202,7 @@ def run_case(case: dict) -> dict:
                 evals.append(_global_loss(out))
                 for c in chunks:
                     c.train()
+    H.release_optimizer(config)
     weights = H.gathered_weights(chunks)
     counts = torch.tensor([gemms.forward_calls, gemms.input_gemms, gemms.weight_gemms], dtype=torch.int64)
     dist.all_reduce(counts)
@@ -252,6 +253,7 @@ def run_train_step_case(case: dict) -> dict:
         dist.all_reduce(got)
         assert got[1] == 1, f"train_step reported the loss on {int(got[1])} ranks, expected exactly one"
         losses.append(got[0])
+    H.release_optimizer(config)
     return {"losses": torch.stack(losses), "evals": None, "weights": H.gathered_weights(chunks)}
 
 
@@ -265,6 +267,16 @@ def _runner(case: dict):
     return run_train_step_case if case.get("train_step") else run_case
 
 
+def _threads() -> int | None:
+    """This process's thread count (Linux), None elsewhere."""
+    import os
+
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
 def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -> None:
     """Spawn target: run every case in turn; rank 0 saves {case name: result} (or the first error)."""
     H.init_process(rank, world, port)
@@ -273,6 +285,8 @@ def worker(rank: int, world: int, port: int, cases: list[dict], out_path: str) -
     for case in cases:
         try:
             results[case["name"]] = _runner(case)(case)
+            H.release_parallel()  # the case's groups freed now, not at the next case's start
+            results[case["name"]]["threads"] = _threads()  # rank 0's, the case done (test_megatron_split.py)
         except Exception:  # record and stop: later cases would only hang on a broken group
             results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
             torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
