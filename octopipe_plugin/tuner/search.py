@@ -31,10 +31,9 @@ from .constraints import Constraints
 from .encoded import ActionTable
 from .evaluate import Evaluator, Outcome
 from .layout import Layout
-from .listsched import Policy
+from .listsched import Pairing, Policy
 from .moves import Context, pick_move
 from .periodic import extend_schedule, scale_policy
-from .listsched import Pairing
 from .pairing import pair_step, with_adjacent_pairs
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
