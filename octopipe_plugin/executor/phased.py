@@ -20,7 +20,7 @@ backward I and its weight pass W split each compute phase as the executor's spli
 
 The pair rule is the simulator's (simulator/pairs.overlap_ms): each half runs its phases in order,
 compute phases share the device, communication phases the link, the phase that can start first
-goes first, the first half on a tie. `pair_order` replays that list schedule on the phases' nominal
+goes first, the first half on a tie. `simulator.pairs.overlap_order` replays that list schedule on the phases' nominal
 durations (`ms`) and gives the order in which the host starts them: a communication phase is
 started and left in flight while the other half computes, and waited on only when its own half's
 next phase needs its result. The order is a pure function of the two phase lists, so every rank of
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..actions import Action, Kind
+from ..simulator.pairs import overlap_order
 from .interface import LossOutput
 from .split_backward import backward_input, backward_weight
 
@@ -50,7 +51,7 @@ class Compute:
 
     fn: Callable
     params: tuple = ()
-    ms: float = 1.0  # nominal duration: the weight of `pair_order` (the same on every rank)
+    ms: float = 1.0  # nominal duration: the weight of `simulator.pairs.overlap_order` (the same on every rank)
     name: str = "compute"
     comm = False
 
@@ -134,29 +135,6 @@ class PhasedModule(Protocol):
 
     def parameters(self):
         """Every weight of the stage (those that get a gradient)."""
-
-
-def pair_order(first: Sequence[tuple[bool, float]], second: Sequence[tuple[bool, float]]) -> tuple[list[int], float]:
-    """(the half, 0 or 1, of every phase in the order the pair starts them; the pair's makespan) for two phase
-    sequences of (on the link, ms): simulator/pairs.overlap_ms's list schedule (the makespan is its value)."""
-    seqs = (first, second)
-    pos, ready = [0, 0], [0.0, 0.0]
-    free = {False: 0.0, True: 0.0}
-    order: list[int] = []
-    while True:
-        best = None
-        for k in (0, 1):
-            if pos[k] < len(seqs[k]):
-                comm, ms = seqs[k][pos[k]]
-                start = max(ready[k], free[comm])
-                if best is None or start < best[0]:  # strict: the first half wins a tie
-                    best = (start, k, comm, ms)
-        if best is None:
-            return order, max(ready)
-        start, k, comm, ms = best
-        free[comm] = ready[k] = start + ms
-        pos[k] += 1
-        order.append(k)
 
 
 def hidden_exchanges(trace: list) -> int:
@@ -262,8 +240,8 @@ class _Task:
 
 
 def run_pair(first: _Half, second: _Half) -> tuple[Value, Value]:
-    """Run two halves interleaved in `pair_order`'s order; both values once both halves are done."""
-    order, _ = pair_order(first.seq(), second.seq())
+    """Run two halves interleaved in `simulator.pairs.overlap_order`'s order; both values once both halves are done."""
+    order, _ = overlap_order(first.seq(), second.seq())
     halves = (first, second)
     for k in order:
         halves[k].step()
@@ -431,7 +409,7 @@ class PhasedStages:
 
     def pair(self, first: Action, first_input, second: Action, second_input, *, batch=None,
              last_backward: bool = False):
-        """An overlapped pair: `first`'s F and `second`'s B or I interleaved phase by phase (`pair_order`)."""
+        """An overlapped pair: `first`'s F and `second`'s B or I interleaved phase by phase (pairs.overlap_order)."""
         if first.kind is not Kind.F or second.kind not in (Kind.B, Kind.I):
             raise ValueError(f"pair {first}+{second}: PhasedStages pairs an F with a B or I")
         fh, fdone = self._forward_half(first.stage, first.microbatch, first_input, False)

@@ -42,7 +42,7 @@ from ..schedules.split_messages import WHATS
 from .clock import DeviceClock, wall_numel
 from .errors import ExecutorError
 from .interface import LossOutput, TensorMeta
-from .phased import pair_order
+from ..simulator.pairs import overlap_order
 
 _HEADER = 5  # [micro-batch, producing stage, direction, send time, producing layer]
 _PAYLOAD = TensorMeta(shape=(_HEADER,), dtype=torch.float64)
@@ -261,7 +261,7 @@ class SleepStages:
     An overlapped pair (`pair`) starts once both halves' inputs have landed and sleeps each
     half's phases (`costs.phases`) on their resource: compute phases on the calling thread,
     communication phases on the rank's one link thread, each half's in order, in the order
-    simulator/pairs.overlap_ms starts them (phased.pair_order); its real span is what the device
+    simulator/pairs.overlap_ms starts them (overlap_order); its real span is what the device
     clock charges, so the hiding is measured. Both halves' outputs carry the pair's end.
     Unpaired actions sleep their whole cost, as before.
     """
@@ -418,7 +418,7 @@ class SleepStages:
 
     def _sleep_pair(self, seq_f, seq_b, rest_ms: float) -> None:
         """Sleep two phase sequences overlapped: compute on this thread, communication on the link's, each
-        sequence in order; compute phases run, and exchanges queue on the link, in the order `pair_order` starts
+        sequence in order; compute phases run, and exchanges queue on the link, in the order `overlap_order` starts
         them, and an exchange is handed to the link as soon as its half's phase before it has finished (before
         this thread sleeps its next compute phase); then `rest_ms` of compute."""
         if self._link is None:
@@ -426,7 +426,7 @@ class SleepStages:
             self._link_sleep = _Sleeper()
         self._host_sleep.owed = self._link_sleep.owed = 0.0  # the last pair's oversleep is in its measured span
         seqs = (seq_f, seq_b)
-        order, _ = pair_order(seq_f, seq_b)
+        order, _ = overlap_order(seq_f, seq_b)
         seen = [0, 0]
         steps = []
         for k in order:

@@ -116,25 +116,36 @@ def interleaved_1f1b(stage_devices: Sequence[int], num_devices: int, num_microba
     _require_map("interleaved-1f1b", stage_devices, looped(p, v))
     if p == 1:
         raise PlanError("interleaved-1f1b: Megatron runs no pipeline schedule with one device; use 1 stage")
-    g = group_size if group_size is not None else megatron_group_size(p, m)
-    if not p <= g <= m or 0 < m % g < p:
-        raise PlanError(f"interleaved-1f1b: group size {g} must be in [p={p}, m={m}] with m % g == 0 or >= p")
+    g = _megatron_group("interleaved-1f1b", p, m, group_size)
     table = megatron_table(m, v, g)
     total = m * v
     out = []
     for r in range(p):
         warm = min(2 * (p - r - 1) + (v - 1) * g, total)
-
-        def fwd(k: int) -> Action:
-            mb, c = table[k]
-            return F(c * p + r, mb)
-
-        def bwd(k: int) -> Action:
-            mb, c = table[k]
-            return B((v - 1 - c) * p + r, mb)
-
-        out.append(tuple(_warm_steady_drain(warm, total, fwd, bwd)))
+        out.append(tuple(_warm_steady_drain(warm, total, *_megatron_rank(table, p, v, r))))
     return tuple(out)
+
+
+def _megatron_group(name: str, p: int, m: int, group_size: int | None) -> int:
+    """Megatron's micro-batch group size (given, else `megatron_group_size`), refused where Megatron refuses it."""
+    g = group_size if group_size is not None else megatron_group_size(p, m)
+    if not p <= g <= m or 0 < m % g < p:
+        raise PlanError(f"{name}: group size {g} must be in [p={p}, m={m}] with m % g == 0 or >= p")
+    return g
+
+
+def _megatron_rank(table, p: int, v: int, r: int):
+    """(fwd, bwd) of rank r in Megatron's interleaved schedule: the action of virtual micro-batch k (`table`),
+    forwards walking the chunks up, backwards down."""
+    def fwd(k: int) -> Action:
+        mb, c = table[k]
+        return F(c * p + r, mb)
+
+    def bwd(k: int) -> Action:
+        mb, c = table[k]
+        return B((v - 1 - c) * p + r, mb)
+
+    return fwd, bwd
 
 
 def combined_1f1b(stage_devices: Sequence[int], num_devices: int, num_microbatches: int,
@@ -185,30 +196,15 @@ def combined_1f1b(stage_devices: Sequence[int], num_devices: int, num_microbatch
     else:
         if m < p:
             raise PlanError(f"{name}: Megatron needs at least {p} micro-batches (one per device), got {m}")
-        g = group_size if group_size is not None else megatron_group_size(p, m)
-        if not p <= g <= m or 0 < m % g < p:
-            raise PlanError(f"{name}: group size {g} must be in [p={p}, m={m}] with m % g == 0 or >= p")
+        g = _megatron_group(name, p, m, group_size)
     table = megatron_table(m, v, g)
     total = m * v
     rows, pairs = [], []
     for r in range(p):
         warm = min(2 * (p - r - 1) + (v - 1) * g + 1, total)
-
-        def fwd(k: int) -> Action:
-            mb, c = table[k]
-            return F(c * p + r, mb)
-
-        def bwd(k: int) -> Action:
-            mb, c = table[k]
-            return B((v - 1 - c) * p + r, mb)
-
-        row = [fwd(k) for k in range(warm)]
-        for k in range(total - warm):  # the steady state: each F merged with a B, one pair
-            pair = (fwd(k + warm), bwd(k))
-            row += pair
-            pairs.append(pair)
-        row += [bwd(k) for k in range(total - warm, total)]
-        rows.append(tuple(row))
+        fwd, bwd = _megatron_rank(table, p, v, r)
+        rows.append(tuple(_warm_steady_drain(warm, total, fwd, bwd)))
+        pairs += [(fwd(k + warm), bwd(k)) for k in range(total - warm)]  # each steady step's F merged with its B
     return PairedSchedule(rows, pairs)
 
 

@@ -26,7 +26,7 @@ from ..errors import DeadlockError
 from ..actions import CODE, KINDS, RULES, Action, Flow, Kind, pair_positions, senders
 from .costs import MemoryCosts, StageCosts, hop_times, kind_durations, memory_costs, stage_costs
 from .memory import activation_changes, choice_events, peak_live, timed_peak
-from .pairs import hidden_ms, stage_phases
+from .pairs import pair_ms, stage_phases
 from .overheads import delivery_of, overhead_ms
 from ..formats.overheads import Overheads
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
@@ -113,8 +113,7 @@ def _fold_pairs(schedule, pairs, rules, dur, phases) -> None:
     for d, (row, starts) in enumerate(zip(schedule, pair_positions(schedule, pairs))):
         for p in starts:
             first, second = row[p], row[p + 1]
-            both = dur[first.kind][first.stage] + dur[second.kind][second.stage]
-            ms = both - hidden_ms(phases, first, second)
+            ms = pair_ms(phases, first, second, dur[first.kind][first.stage], dur[second.kind][second.stage])
             a, b = rules[d][p], rules[d][p + 1]
             rules[d][p] = (a[0], ms) + a[2:9] + ((second.stage, b[2], b[3]),)
             rules[d][p + 1] = (b[0], 0.0) + b[2:]
@@ -188,6 +187,8 @@ def detailed(model, cluster, plan, options: SimOptions | None = None, result: Si
 class _Run:
     """Mutable state of one simulation; `execute` is the hot loop."""
 
+    mem = False  # _MemRun: the loop calls its hooks `_prepare`, `_held` and `_ran`
+
     def __init__(self, nd: int, n: int, nm: int, opts: SimOptions, detail: bool):
         self.nm, self.opts = nm, opts
         self.free = [0.0] * nd
@@ -244,6 +245,9 @@ class _Run:
         done = [[-1.0] * n if track else None for track in _TRACK]  # end time of each tracked action
         recv = None if self.opts.overlap else [0.0] * (2 * n)
         free, busy, pos, waiting, timeline = self.free, self.busy, self.pos, self.waiting, self.timeline
+        mem = self.mem  # memory choices: the host link's copies (_MemRun's hooks), else nothing more per action
+        if mem:
+            self._prepare(rules)
         ready = list(range(len(idxs)))
         while ready:
             d = ready.pop()
@@ -284,11 +288,15 @@ class _Run:
                     if recv is not None:
                         rc = recv[idx if rin == _ACT else n + idx]
                 ready_at = t_free + rc
+                if mem:
+                    ready_at = self._held(d, p, ready_at, partner is not None)
                 start = ready_at if ready_at >= dep else dep
                 end = start + dur
                 busy[d] += dur
                 if timeline is not None:
                     self.record(d, p, acts[p], start, end, -1 if ready_at >= dep and p > 0 else slot)
+                if mem:
+                    self._ran(d, p, rules, ids, start, end)
                 t_free = free[d] = end
                 if track:
                     done[code][idx] = end
@@ -312,7 +320,8 @@ class _Run:
 
 
 class _MemRun(_Run):
-    """A plan with memory choices: `_Run`'s loop plus each device's host link (docs/formats.md, "Memory choices").
+    """A plan with memory choices: `_Run`'s loop with the hooks of each device's host link (docs/formats.md,
+    "Memory choices").
 
     An F of a stage with offloaded layers issues its copy-out when it ends; a B or I of one issues its copy-in
     when the action before it in its device's list (before the pair it is in) starts, not before its copy-out has
@@ -320,6 +329,8 @@ class _MemRun(_Run):
     issue order (a copy-out first on a tie); they overlap compute. Every action's times are kept for the memory
     events (memory.choice_events).
     """
+
+    mem = True
 
     def __init__(self, nd, n, nm, opts, detail, plan, mc: MemoryCosts):
         super().__init__(nd, n, nm, opts, detail)
@@ -365,88 +376,18 @@ class _MemRun(_Run):
                 self.copies[d][q] = self._copy(d, max(issue, self.out_end[idx]), self.cin[d][q])
                 self.in_end[d][q] = self.copies[d][q][1]
 
-    def execute(self, idxs, rules, schedule) -> None:
-        """`_Run.execute` with the copy-ins awaited and every copy issued (see the class)."""
-        nm, n = self.nm, self.n
-        act_arr = [0.0] * nm + [-1.0] * (n - nm)
-        grad_arr = [-1.0] * (n - nm) + [0.0] * nm
-        arrival = [None] * _NK + [act_arr, grad_arr]
-        done = [[-1.0] * n if track else None for track in _TRACK]
-        recv = None if self.opts.overlap else [0.0] * (2 * n)
-        free, busy, pos, waiting, timeline = self.free, self.busy, self.pos, self.waiting, self.timeline
+    def _prepare(self, rules) -> None:
         self._rules_partner = [[r[9] is not None for r in row] for row in rules]
-        ready = list(range(len(idxs)))
-        while ready:
-            d = ready.pop()
-            ids, row, acts, p, t_free = idxs[d], rules[d], schedule[d], pos[d], free[d]
-            in_end = self.in_end[d]
-            end_p = len(row)
-            while p < end_p:
-                idx = ids[p]
-                code, dur, after, rin, track, dst, step, h, key, partner = row[p]
-                slot = -1
-                dep = rc = 0.0
-                if partner is not None:
-                    other = ids[p + 1]
-                    o_after, o_rin = partner[1], partner[2]
-                    if o_after >= 0 and done[o_after][other] < 0:
-                        waiting[other * _SLOTS + o_after] = d
-                        break
-                    if o_rin >= 0 and arrival[o_rin][other] < 0:
-                        waiting[other * _SLOTS + o_rin] = d
-                        break
-                    o_dep = max(done[o_after][other] if o_after >= 0 else 0.0,
-                                arrival[o_rin][other] if o_rin >= 0 else 0.0)
-                    if o_dep > 0.0:
-                        dep, slot = o_dep, _SLOTS + (o_rin if o_rin >= 0 else o_after)
-                if after >= 0:
-                    t_after = done[after][idx]
-                    if t_after < 0:
-                        waiting[idx * _SLOTS + after] = d
-                        break
-                    if slot < 0 or t_after > dep:
-                        dep, slot = t_after, after
-                if rin >= 0:
-                    t_in = arrival[rin][idx]
-                    if t_in < 0:
-                        waiting[idx * _SLOTS + rin] = d
-                        break
-                    if slot < 0 or t_in > dep:
-                        dep, slot = t_in, rin
-                    if recv is not None:
-                        rc = recv[idx if rin == _ACT else n + idx]
-                ready_at = t_free + rc
-                # a copy-in still running holds the backward (and the pair it is in) back: the device's own wait
-                copy_in = max(in_end[p], in_end[p + 1] if partner is not None else 0.0)
-                if copy_in > ready_at:
-                    ready_at = copy_in
-                start = ready_at if ready_at >= dep else dep
-                end = start + dur
-                busy[d] += dur
-                if timeline is not None:
-                    self.record(d, p, acts[p], start, end, -1 if ready_at >= dep and p > 0 else slot)
-                self.times[d][p] = (start, end)
-                self._issue(d, p, rules, ids, start, end)
-                t_free = free[d] = end
-                if track:
-                    done[code][idx] = end
-                    w = waiting.pop(idx * _SLOTS + code, None)
-                    if w is not None:
-                        ready.append(w)
-                if dst >= 0:
-                    nxt = idx + step
-                    if h is None:
-                        arrival[key][nxt] = end
-                    else:
-                        arrival[key][nxt] = self.send(end, d, dst, h, acts[p])
-                        if recv is not None:
-                            recv[nxt if key == _ACT else n + nxt] = h
-                        t_free = free[d]
-                    w = waiting.pop(nxt * _SLOTS + key, None)
-                    if w is not None:
-                        ready.append(w)
-                p += 1
-            pos[d] = p
+
+    def _held(self, d: int, p: int, ready_at: float, paired: bool) -> float:
+        """A copy-in still running holds the backward (and the pair it is in) back: the device's own wait."""
+        in_end = self.in_end[d]
+        copy_in = max(in_end[p], in_end[p + 1] if paired else 0.0)
+        return copy_in if copy_in > ready_at else ready_at
+
+    def _ran(self, d: int, p: int, rules, ids, start: float, end: float) -> None:
+        self.times[d][p] = (start, end)
+        self._issue(d, p, rules, ids, start, end)
 
     def _unit_times(self, d: int) -> list:
         """Each action's (start, end), a pair's second half over the whole pair (as it shows and holds memory)."""

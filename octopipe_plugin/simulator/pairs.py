@@ -71,10 +71,17 @@ def stage_phases(model, stages) -> StagePhases | None:
 
 def overlap_ms(first: PhaseSeq, second: PhaseSeq) -> float:
     """The reference time of two phase sequences overlapped (module docstring): a list schedule on two resources."""
+    return overlap_order(first, second)[1]
+
+
+def overlap_order(first: PhaseSeq, second: PhaseSeq) -> tuple[list[int], float]:
+    """(the half, 0 or 1, of every phase in the order the overlap rule starts them; the pair's time): the one list
+    schedule `overlap_ms` prices and the executor's phased runtime and stand-ins follow."""
     seqs = (first, second)
     pos = [0, 0]
     ready = [0.0, 0.0]
     free = {False: 0.0, True: 0.0}
+    order: list[int] = []
     while True:
         best = None
         for k in (0, 1):
@@ -84,10 +91,11 @@ def overlap_ms(first: PhaseSeq, second: PhaseSeq) -> float:
                 if best is None or start < best[0]:  # strict: the first half wins a tie
                     best = (start, k, comm, ms)
         if best is None:
-            return max(ready)
+            return order, max(ready)
         start, k, comm, ms = best
         free[comm] = ready[k] = start + ms
         pos[k] += 1
+        order.append(k)
 
 
 def hidden_ms(phases: StagePhases | None, first, second) -> float:
@@ -98,11 +106,10 @@ def hidden_ms(phases: StagePhases | None, first, second) -> float:
     return max(0.0, sum(ms for _, ms in a) + sum(ms for _, ms in b) - overlap_ms(a, b))
 
 
-def comm_share(phases: StagePhases | None, kind: Kind, stage: int) -> float:
-    """Milliseconds of `kind` on `stage` spent on the link (what a pair can hide; 0 without phases)."""
-    if phases is None:
-        return 0.0
-    return sum(ms for comm, ms in phases.of(kind, stage) if comm)
+def pair_ms(phases: StagePhases | None, first, second, first_ms: float, second_ms: float) -> float:
+    """The time of the pair `first+second` whose halves alone take `first_ms` and `second_ms` (host overheads and
+    all): their sum less what overlapping them hides. The one rule the simulators and the shard inserter charge."""
+    return first_ms + second_ms - hidden_ms(phases, first, second)
 
 
 def communicates(model) -> bool:

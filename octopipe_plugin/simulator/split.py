@@ -22,7 +22,7 @@ from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, lo
 from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, stage_costs
 from .overheads import delivery_of, overhead_ms
 from .memory import activation_changes
-from .pairs import hidden_ms, stage_phases
+from .pairs import pair_ms, stage_phases
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
 GRAD = "grad"  # key prefix of a stage's input gradient, made by its B or its I (whichever the plan runs)
@@ -311,7 +311,7 @@ def _fold_pairs(rows, plan, phases) -> None:
     for d, (row, starts) in enumerate(zip(plan.schedule, pair_positions(plan.schedule, plan.pairs))):
         for p in starts:
             (a, ka, da, ta), (b, kb, db, tb) = rows[d][p], rows[d][p + 1]
-            rows[d][p] = (a, ka, da + db, ta + tb - hidden_ms(phases, a, b))
+            rows[d][p] = (a, ka, da + db, pair_ms(phases, a, b, ta, tb))
             rows[d][p + 1] = (b, kb, [], 0.0)
 
 

@@ -70,6 +70,25 @@ def _pop(ht, hd, hv, size):
 
 
 @_jit
+def _back_kind(split_d, s):
+    """The kind code a backward of stage s runs as under a device's split mode (listsched._backward_kind)."""
+    return B if split_d == FUSED or (split_d == AUTO and s == 0) else I
+
+
+@_jit
+def _b_ready(s, m, next_b, f_end, grad_arr):
+    """When stage s's next backward can start (its F ended, its gradient in), or -1 while either is unknown."""
+    mb = next_b[s]
+    if mb >= m:
+        return -1.0
+    idx = s * m + mb
+    fe, g = f_end[idx], grad_arr[idx]
+    if fe < 0 or g < 0:
+        return -1.0
+    return fe if fe > g else g
+
+
+@_jit
 def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, next_f, next_b, free, live,
             inflight, wq_s, wq_head, wq_tail, depth, w_limit, w_fill_always, f_deep, b_deep, dur, change, cap,
             split, pair_on, hid):
@@ -79,14 +98,9 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
     blocked = False
     for j in range(dev_ptr[d], dev_ptr[d + 1]):
         s = dev_stages[j]
-        mb = next_b[s]
-        if mb < m:
-            idx = s * m + mb
-            fe, g = f_end[idx], grad_arr[idx]
-            if fe >= 0 and g >= 0:
-                r = fe if fe > g else g
-                if r < nxt:
-                    nxt = r
+        r = _b_ready(s, m, next_b, f_end, grad_arr)
+        if r >= 0 and r < nxt:
+            nxt = r
         mb = next_f[s]
         if mb < m:
             a = act_arr[s * m + mb]
@@ -114,20 +128,17 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
     best_b = -1
     for j in range(dev_ptr[d], dev_ptr[d + 1]):
         s = dev_stages[j]
-        mb = next_b[s]
-        if mb < m:
-            idx = s * m + mb
-            fe, g = f_end[idx], grad_arr[idx]
-            if fe >= 0 and g >= 0 and (fe if fe > g else g) <= t:
-                if best_b < 0 or (b_deep and s > best_b) or (
-                        not b_deep and (next_b[s] < next_b[best_b] or (next_b[s] == next_b[best_b] and s > best_b))):
-                    best_b = s
+        r = _b_ready(s, m, next_b, f_end, grad_arr)
+        if r >= 0 and r <= t:
+            if best_b < 0 or (b_deep and s > best_b) or (
+                    not b_deep and (next_b[s] < next_b[best_b] or (next_b[s] == next_b[best_b] and s > best_b))):
+                best_b = s
     # with a ready backward, only a forward that hides some of the pair's communication is a candidate
     bk = -1
     if best_b >= 0:
         if not pair_on:
             return t, B, best_b, -1
-        bk = 0 if split[d] == FUSED or (split[d] == AUTO and best_b == 0) else 1
+        bk = 0 if _back_kind(split[d], best_b) == B else 1
     # (with a pair: among forwards whose input is in or due within less than the pair hides; it starts once both are)
     best_f = -1
     best_a = 0.0
@@ -157,16 +168,10 @@ def _decide(d, m, dev_ptr, dev_stages, low, headroom, f_end, act_arr, grad_arr, 
         due_r = INF
         for j in range(dev_ptr[d], dev_ptr[d + 1]):
             s = dev_stages[j]
-            mb = next_b[s]
-            if mb < m:
-                idx = s * m + mb
-                fe, g = f_end[idx], grad_arr[idx]
-                if fe >= 0 and g >= 0:
-                    r = fe if fe > g else g
-                    kb = 0 if split[d] == FUSED or (split[d] == AUTO and s == 0) else 1
-                    if r - t < hid[kb, best_f, s] and r < due_r:
-                        due_r = r
-                        due_b = s
+            r = _b_ready(s, m, next_b, f_end, grad_arr)
+            if r >= 0 and r - t < hid[0 if _back_kind(split[d], s) == B else 1, best_f, s] and r < due_r:
+                due_r = r
+                due_b = s
         if due_b >= 0:
             return (t if t > due_r else due_r), PAIR, due_b, best_f
     return t, F, best_f, -1
@@ -257,7 +262,7 @@ def schedule_kernel(m, devices, dur, change, held, send, hop, cap, depth, split,
         halves = 2 if kind0 == PAIR else 1
         pair_end = -1.0
         if kind0 == PAIR:  # F then B (I), both ending after the pair's time (simulator/pairs.py)
-            bk = B if split[d] == FUSED or (split[d] == AUTO and s0 == 0) else I
+            bk = _back_kind(split[d], s0)
             pair_end = t + dur[F, sf0] + dur[bk, s0] - hid[0 if bk == B else 1, sf0, s0]
             paired[d, out_len[d]] = True
         for half in range(halves):
@@ -280,7 +285,7 @@ def schedule_kernel(m, devices, dur, change, held, send, hop, cap, depth, split,
             else:
                 mb = next_b[s]
                 next_b[s] += 1
-                kind = B if split[d] == FUSED or (split[d] == AUTO and s == 0) else I
+                kind = _back_kind(split[d], s)
                 if kind == I:
                     wq_s[d, wq_tail[d]] = s  # its W (which runs after it) is placed later on this device
                     wq_mb[d, wq_tail[d]] = mb

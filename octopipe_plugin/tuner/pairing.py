@@ -26,6 +26,7 @@ def adjacent_pairs(schedule) -> tuple:
         i, n = 0, len(row)
         while i < n - 1:
             a, b = row[i], row[i + 1]
+            # the kind test first: it is what fails almost always, and pair_problem writes its refusal
             if b.kind in RULES[a.kind].pairs_with and pair_problem(a, b) is None:
                 out.append((a, b))
                 i += 2

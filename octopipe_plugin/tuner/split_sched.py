@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ..actions import RULES, Action, Kind, pair_positions, shard_kinds
 from ..formats import Plan
 from ..simulator.costs import stage_costs
-from ..simulator.pairs import hidden_ms, stage_phases
+from ..simulator.pairs import pair_ms, stage_phases
 from ..simulator.split import GRAD, SplitGraph, shard_state, split_costs, without_split_layers  # the judge's own rules
 
 BASE = "base"  # the next stage action of the device's own order
@@ -60,9 +60,9 @@ class _Inserter:
         self.g, self.plan, self.pol = g, plan, policy
         # the base order's overlapped pairs, kept as units (simulator/pairs.py): position of the first half -> the
         # pair's time; the second half is placed with its first, never on its own
-        self.pair_at = [{i: g.duration(row[i], d) + g.duration(row[i + 1], d) - hidden_ms(phases, row[i], row[i + 1])
-                         for i in starts} for d, (row, starts) in enumerate(zip(plan.schedule,
-                                                                                 pair_positions(plan.schedule, plan.pairs)))]
+        starts = pair_positions(plan.schedule, plan.pairs)
+        self.pair_at = [{i: pair_ms(phases, row[i], row[i + 1], g.duration(row[i], d), g.duration(row[i + 1], d))
+                         for i in starts[d]} for d, row in enumerate(plan.schedule)]
         self.room = room  # per device, the bytes live activations may take
         self.live = [0] * plan.num_devices
         nd, m = plan.num_devices, plan.num_microbatches

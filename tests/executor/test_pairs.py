@@ -22,11 +22,10 @@ from octopipe_plugin.executor import build_program, check_runnable
 from octopipe_plugin.executor.interface import RunnerInterfaceError, check_runner
 from octopipe_plugin.executor.launch import spawn
 from octopipe_plugin.executor.nccl_rules import check_nccl_rules, replay
-from octopipe_plugin.executor.phased import pair_order
 from octopipe_plugin.executor.posting import OpKind, format_ops, rank_ops
 from octopipe_plugin.formats import plan_to_dict
 from octopipe_plugin.schedules import generators
-from octopipe_plugin.simulator.pairs import overlap_ms
+from octopipe_plugin.simulator.pairs import overlap_order, overlap_ms
 from octopipe_plugin.testing.checks import check_plans_worker
 from octopipe_plugin.testing.pair_plans import greedy_pairs, random_pairs
 from octopipe_plugin.testing.plans import make_plan, sample_schedule
@@ -69,10 +68,18 @@ def two_stage_plan(ahead: bool = False):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.floats(0, 5)), max_size=8),
        st.lists(st.tuples(st.booleans(), st.floats(0, 5)), max_size=8))
-def test_pair_order_is_the_simulators_overlap_rule(first, second):
-    order, makespan = pair_order(first, second)
-    assert makespan == pytest.approx(overlap_ms(tuple(first), tuple(second)), abs=1e-12)
+def test_the_order_the_runtime_follows_gives_the_priced_time(first, second):
+    """Replaying overlap_order's start order (each phase at max(its half's previous end, its resource free)) ends
+    at the time overlap_ms prices: the phased runtime and the stand-ins interleave as the plan was priced."""
+    order, makespan = overlap_order(first, second)
     assert sorted(order) == [0] * len(first) + [1] * len(second)
+    seqs, pos, ready, free = (first, second), [0, 0], [0.0, 0.0], {False: 0.0, True: 0.0}
+    for k in order:
+        comm, ms = seqs[k][pos[k]]
+        free[comm] = ready[k] = max(ready[k], free[comm]) + ms
+        pos[k] += 1
+    assert max(ready, default=0.0) == pytest.approx(overlap_ms(tuple(first), tuple(second)), abs=1e-9)
+    assert makespan == overlap_ms(tuple(first), tuple(second))
 
 
 def test_a_pair_posts_both_receives_before_it_starts():

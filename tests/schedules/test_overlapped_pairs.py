@@ -17,11 +17,11 @@ order unpaired even though each pair costs F + B; see test_without_phases_a_pair
 
 from __future__ import annotations
 
-import types
 from dataclasses import replace
 
 import pytest
 
+from megatron_oracle import communicator, megatron_order
 from octopipe_plugin.actions import Action, Kind, PairedSchedule, format_schedule, parse_paired
 from octopipe_plugin.errors import PlanError
 from octopipe_plugin.executor.validate import check_runnable
@@ -201,51 +201,6 @@ def mcore():
     return pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
 
-class _Group:
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
-def megatron_combined(mcore, p: int, r: int, v: int, m: int, g: int):
-    """(order, pairs) of rank r as forward_backward_pipelining_with_interleaving runs it with the flag on.
-
-    Warm-up count from megatron's own get_pp_rank_microbatches(overlap_moe_expert_parallel_comm=True), the
-    table from its get_schedule_table; each steady step (forward k + warm-up, backward k) is one merged
-    combined_forward_backward_step; each backward pops the oldest forward of its chunk (input_tensors[c].pop(0)).
-    """
-    comm = types.SimpleNamespace(pp_group=_Group(p, r), virtual_pipeline_model_parallel_size=v)
-    total, _, warm, remaining = mcore.get_pp_rank_microbatches(m, v, g, overlap_moe_expert_parallel_comm=True,
-                                                               p2p_communicator=comm)
-    table = mcore.get_schedule_table(m, v, g)
-    pending = {c: [] for c in range(v)}
-    order, pairs = [], []
-
-    def fwd(k):
-        mb, c = table[k]
-        pending[c].append(mb)
-        order.append(f"{c * p + r}F{mb}")
-
-    def bwd(k):
-        c = v - 1 - table[k % total][1]
-        order.append(f"{c * p + r}B{pending[c].pop(0)}")
-
-    for k in range(warm):
-        fwd(k)
-    for k in range(remaining):
-        fwd(k + warm)
-        bwd(k)
-        pairs.append("+".join(order[-2:]))
-    for k in range(remaining, total):
-        bwd(k)
-    return order, pairs
-
-
 @pytest.mark.framework
 @pytest.mark.parametrize("p, v, m", [(2, 1, 2), (2, 1, 5), (4, 1, 8), (2, 2, 2), (2, 2, 5), (4, 2, 8), (4, 2, 16),
                                      (4, 3, 12), (4, 4, 4), (3, 2, 7), (4, 2, 10), (4, 2, 6), (8, 2, 8), (2, 5, 9)])
@@ -254,9 +209,9 @@ def test_combined_1f1b_is_megatrons_order_with_its_merged_steps_as_pairs(mcore, 
     ours = combined_1f1b(looped(p, v), p, m)
     entries = format_schedule(ours, ours.pairs)
     for r in range(p):
-        order, pairs = megatron_combined(mcore, p, r, v, m, g)
-        assert [str(a) for a in ours[r]] == order, f"rank {r}"
-        assert [e for e in entries[r] if "+" in e] == pairs, f"rank {r}"
+        order, pairs = megatron_order(mcore, p, r, v, m, g, overlap=True)
+        assert list(ours[r]) == order, f"rank {r}"
+        assert [e for e in entries[r] if "+" in e] == [f"{a}+{b}" for a, b in pairs], f"rank {r}"
 
 
 @pytest.mark.framework
@@ -264,7 +219,7 @@ def test_megatron_adds_one_warm_up_forward_with_the_flag(mcore):
     """The claim the generator rests on: the same schedule, one more warm-up forward (capped at v*m)."""
     for p, v, m in ((4, 2, 8), (4, 1, 4), (2, 3, 6), (4, 2, 4)):
         for r in range(p):
-            comm = types.SimpleNamespace(pp_group=_Group(p, r), virtual_pipeline_model_parallel_size=v)
+            comm = communicator(p, r, v)
             g = megatron_group_size(p, m)
             plain = mcore.get_pp_rank_microbatches(m, v, g, p2p_communicator=comm)[2]
             flag = mcore.get_pp_rank_microbatches(m, v, g, overlap_moe_expert_parallel_comm=True,
