@@ -33,3 +33,13 @@ class DeadlockError(PlanError):
 
 class OutOfMemoryError(PlanError):
     """A plan whose peak memory exceeds a device's memory."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception as one line: OctoPipe's own messages as they are, anything else with its type."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, OctoPipeError):
+        return text
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        return f"{exc.filename}: no such file ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

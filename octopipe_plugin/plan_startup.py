@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import FormatError, OctoPipeError
+from .errors import FormatError, OctoPipeError, one_line
 from .formats import Plan, plan_from_dict, plan_to_dict, read_plan, write_plan
 
 log = logging.getLogger("octopipe.startup")
@@ -89,12 +89,3 @@ def plan_at_startup(steps: PlanSteps, *, group=None) -> tuple[Plan, str]:
         raise StartupError(msg["error"]) from failure
     return plan_from_dict(msg["plan"], f"<plan broadcast from rank {src}: {msg['source']}>"), msg["source"]
 
-
-def one_line(exc: BaseException) -> str:
-    """The exception as one line: OctoPipe's own messages as they are, anything else with its type."""
-    text = " ".join(str(exc).split())
-    if isinstance(exc, OctoPipeError):
-        return text
-    if isinstance(exc, FileNotFoundError) and exc.filename:
-        return f"{exc.filename}: no such file ({type(exc).__name__})"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

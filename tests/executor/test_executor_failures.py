@@ -98,3 +98,46 @@ def test_silent_peer_times_out_with_the_awaited_message(tmp_path):
     assert "rank 0:" in text and "timeout 2 s" in text and "from rank 1" in text, text
     # the peer was alive: it is the bounded wait that ended it (gloo's timeout, not a closed connection)
     assert "Timed out waiting 2000ms for recv" in text and "by peer" not in text, text
+
+
+def _token_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Two token exchanges of a split embedding over devices (0, 1), stage 0 on rank 0, rank 2 off the shard set:
+    one of the step's shape, then one whose micro-batches are [mbs, seq] = (3, 2) where the step's are (2, 3)."""
+    import torch
+
+    from octopipe_plugin.executor.token_exchange import exchange_tokens
+    from octopipe_plugin.formats.splits import SplitLayer
+
+    init_gloo(rank, world, port, timeout_s=600)  # a rank left waiting in recv would outlive the test's timeout
+    split = SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5))
+    good = torch.arange(2 * 3 * 2).view(2, 3, 2)  # [m, seq, mbs]
+    lines = []
+    for tokens in (good, good.transpose(1, 2)):
+        try:
+            got = exchange_tokens(split, owner=0, rank=rank, group=torch.distributed.group.WORLD,
+                                  read=lambda: tokens, shape=(3, 2), num_microbatches=2, device=torch.device("cpu"))
+            lines.append("none" if got is None else str(torch.equal(got, good)))
+        except Exception as exc:  # noqa: BLE001 - the report is what the test reads
+            lines.append(f"{type(exc).__name__}: {exc}")
+    with open(os.path.join(out_dir, f"tokens{rank}.txt"), "w") as fh:
+        fh.write("\n".join(lines))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)  # without the shared refusal ranks 1 and 2 wait for the group's 600 s timeout
+def test_a_token_shape_stage0_refuses_ends_every_rank_in_one_line(tmp_path):
+    """A split embedding's token exchange (executor/token_exchange.py): stage 0's rank refuses the ids of a wrong
+    micro-batch shape, and the refusal reaches the shard rank waiting for them and the rank off the shard set, each
+    ending with one line naming stage 0's rank and the shapes, after an exchange of the right shape went through."""
+    from octopipe_plugin.executor.launch import spawn
+
+    spawn(_token_worker, 3, str(tmp_path))
+    reports = [(tmp_path / f"tokens{r}.txt").read_text().split("\n") for r in range(3)]
+    assert [r[0] for r in reports] == ["True", "True", "none"], reports
+    why = "stage 0's token ids have shape (3, 2) ([mbs, seq]) over 2 micro-batches, the step's boundary (2, 3)"
+    assert reports[0][1].startswith("OctoPipeError: plan splits the embedding") and why in reports[0][1], reports
+    for r in (1, 2):
+        assert reports[r][1].startswith(f"ExecutorError: pipeline rank {r}: stage 0's rank (pipeline rank 0) refused "
+                                        "the step: plan splits the embedding"), reports
+        assert why in reports[r][1], reports
+    assert all(len(r) == 2 for r in reports), reports  # each ends with its one line

@@ -137,11 +137,13 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
                                 shards=step_shards, tp=(dist.get_rank(tp_group), tp_size))
         made.append(runner)
         if emb_split is not None:  # stage 0's forward steps read ahead; their token ids to the embedding's shards
-            from .split_embedding import exchange_tokens
+            from ...executor.token_exchange import exchange_tokens
+            from .split_embedding import stacked_tokens
 
             step_tokens.append(exchange_tokens(emb_split, owner=plan.stages[0].device, rank=rank, group=pp_group,
-                                               calls=runner.read_stage0_calls(), shape=(seq, micro_batch_size),
-                                               num_microbatches=num_microbatches, device=runner.device))
+                                               read=lambda: stacked_tokens(runner.read_stage0_calls()),
+                                               shape=(seq, micro_batch_size), num_microbatches=num_microbatches,
+                                               device=runner.device))
         ex = executors.get(runner, rank, pp_group)
         try:
             if forward_only:

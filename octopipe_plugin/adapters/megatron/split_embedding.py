@@ -15,8 +15,9 @@ data, then `model(tokens, position_ids, ...)`), at stage 0's F, and the shards' 
 start stage 0's rank runs the forward step once per micro-batch with a `_Recorder` standing in for its
 chunk: the model call's arguments and the `loss_func` are kept (`ModelCall`), a sentinel is returned; the
 token ids (the call's `input_ids`) travel to every other shard rank in one int64 message per step
-(`exchange_tokens`, [m, seq, mbs], before the executor's step); each real F of stage 0 runs Megatron's
-`schedules.forward_step` on `replay(call)`, which calls the chunk with the kept arguments. The forward
+([m, seq, mbs], before the executor's step: executor/token_exchange.py, where a refusal of stage 0's rank ends
+every rank); each real F of stage 0 runs Megatron's `schedules.forward_step` on `replay(call)`, which calls the
+chunk with the kept arguments. The forward
 step therefore runs once per micro-batch, as under Megatron's schedule; one that changes the model's
 output after the call (the replay would not) is refused by name.
 """
@@ -208,26 +209,11 @@ def replay(call: ModelCall):
     return step
 
 
-def exchange_tokens(split, *, owner: int, rank: int, group, calls: list[ModelCall] | None, shape: tuple[int, int],
-                    num_microbatches: int, device) -> torch.Tensor | None:
-    """The step's token ids [m, seq, mbs] on every rank of the split (stage 0's rank sends them to each other shard
-    rank, before the executor's step); None on the other ranks."""
-    import torch.distributed as dist
-
-    if rank != owner and rank not in split.devices:
-        return None
-    ranks = dist.get_process_group_ranks(group)
-    if rank == owner:
-        want = tuple(shape)
-        bad = next((c.tokens.shape for c in calls if tuple(c.tokens.shape) != want), None)
-        if bad is not None:
-            raise OctoPipeError(f"plan splits the embedding: stage 0's token ids have shape {tuple(bad)[::-1]}, the "
-                                f"step's boundary {want[::-1]} ([mbs, seq])")
-        tokens = torch.stack([c.tokens for c in calls])
-        for d in split.devices:
-            if d != owner:
-                dist.send(tokens, dst=ranks[d], group=group)
-        return tokens if rank in split.devices else None
-    tokens = torch.empty((num_microbatches, *shape), dtype=torch.int64, device=device)
-    dist.recv(tokens, src=ranks[owner], group=group)
-    return tokens
+def stacked_tokens(calls: list[ModelCall]) -> torch.Tensor:
+    """The step's token ids [m, seq, mbs] of stage 0's read-ahead calls (executor/token_exchange.py sends them to the
+    shards, or stage 0's refusal to every rank)."""
+    shapes = {tuple(c.tokens.shape) for c in calls}
+    if len(shapes) > 1:
+        raise OctoPipeError(f"plan splits the embedding: stage 0's token ids change shape within the step "
+                            f"({sorted(sh[::-1] for sh in shapes)}, [mbs, seq]): feed one micro-batch shape")
+    return torch.stack([c.tokens for c in calls])
