@@ -126,13 +126,25 @@ class _Offloaded(nn.Module):
 
     def __init__(self, layer: nn.Module, offloader: Offloader):
         super().__init__()
-        self.layer, self.offloader = layer, offloader
+        self.layer = layer
+        self.run = offloaded(layer.__call__, offloader, layer.parameters)
 
     def forward(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+
+
+def offloaded(forward, offloader: Offloader, params):
+    """`forward` with the tensors it saves for its backward handed to `offloader` (`params()`: the parameters,
+    kept where they are); as it is without grad. A framework adapter wraps its own layers' forwards with it."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.layer(*args, **kwargs)
-        with self.offloader.scope(self.layer.parameters()):
-            return self.layer(*args, **kwargs)
+            return forward(*args, **kwargs)
+        with offloader.scope(params()):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 class _Recomputed(nn.Module):
@@ -141,19 +153,22 @@ class _Recomputed(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
+        self.run = checkpointed(layer.__call__)
 
     def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            return self.layer(*args, **kwargs)
-        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+        return self.run(*args, **kwargs)
 
 
-def _checkpointed(forward):
+def checkpointed(forward, context_fn=None):
+    """`forward` under a non-reentrant checkpoint (as it is without grad); `context_fn`: torch's checkpoint's
+    (forward context, recompute context), e.g. a framework's own RNG states restored for the recompute."""
+    more = {} if context_fn is None else {"context_fn": context_fn}
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **more, **kwargs)
 
     return run
 
@@ -168,7 +183,7 @@ def _checkpoint_submodules(layer: nn.Module, index: int, modules) -> None:
                             f"({type(layer).__name__}), which has no sub-module named {' or '.join(names)}; fix: "
                             f"use recompute or offload for this layer")
         for m in found:
-            m.forward = _checkpointed(m.forward)
+            m.forward = checkpointed(m.forward)
 
 
 class LayerMemory:
