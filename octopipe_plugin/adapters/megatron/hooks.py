@@ -30,6 +30,9 @@ The replaced names (megatron-core 0.19.x):
   (`replace_sharded_state_dict`: its entry saved on the uneven grid of the shards' rows).
 - `_forward_impl` of the Column/RowParallelLinear instances of a chunk run with split I/W
   (`replace_linear_impl`, handed `wgrad`'s split-capable implementation).
+- `forward` of the decoder layers a plan recomputes or offloads, and the selective-recompute flags
+  Megatron's constructors set from `--recompute-modules` (`recompute_mlp`, `checkpoint_core_attention`, ...)
+  on the layers a plan recomputes selectively (`set_flags`, from `adapters/megatron/memory.py`).
 """
 
 from __future__ import annotations
@@ -190,3 +193,9 @@ def replace_linear_impl(linear, impl: Callable, why: str) -> bool:
         return False
     PATCHES.replace(linear, "_forward_impl", lambda _megatron: impl, why)
     return True
+
+
+def set_flags(module, flags: dict, why: str) -> None:
+    """Set instance attributes of one Megatron module (each once; `uninstall` puts Megatron's values back)."""
+    for name, value in flags.items():
+        PATCHES.replace(module, name, lambda _megatron, v=value: v, why)
