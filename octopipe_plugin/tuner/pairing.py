@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..actions import RULES, pair_problem
+from ..actions import RULES, Kind, pair_problem
 
 
 def adjacent_pairs(schedule) -> tuple:
@@ -33,6 +33,16 @@ def adjacent_pairs(schedule) -> tuple:
             else:
                 i += 1
     return tuple(sorted(out))
+
+
+def insertion_bases(plan, pairing: bool) -> tuple:
+    """(base, pair) of each way the shard inserter (tuner/split_sched.py) is run on `plan`: where pairs pay
+    (`pairing`), without its pairs and pairing as it places, with the timing the shards give (a pair made on the
+    plan without the shards waits on the head's latency: the owner's F(k+1)+B(k) holds the next micro-batch's
+    head behind this one's), and without pairs at all; else as it is and, with pairs, without them."""
+    if pairing:  # pairs kept as units lost to both on the zoo's MoE models (deepseek-v3-mini: 481 vs 388 / 376 ms)
+        return (unpaired(plan), True), (unpaired(plan), False)
+    return ((plan, False), (unpaired(plan), False)) if plan.pairs else ((plan, False),)
 
 
 def unpaired(plan):
@@ -82,3 +92,22 @@ def _pulled(plan, rng):
     schedule = tuple(tuple(row) if k == d else r for k, r in enumerate(plan.schedule))
     return replace(plan, schedule=schedule, pairs=tuple(sorted(plan.pairs + ((row[i], row[i + 1]),))))
 
+
+def pair_with(hidden: dict, chosen, start: float, options):
+    """The pair a device about to run stage action `chosen` (F, B or I) at `start` makes with one of `options`
+    ((ready time, action, key) of the other actions it could run, inputs known): the partner of the other side
+    whose wait past `start` is shorter than what the pair hides (`hidden`: layout.pair_savings), the most saved
+    net of the wait first; (pair start, first half, second half, partner key) or None.
+
+    The rule the list scheduler's Pairing.WAIT follows, for a scheduler that places work around a fixed order
+    (the shard inserter, tuner/split_sched.py): pairs are chosen with the timing the order really runs at."""
+    best = None
+    for ready, other, key in options:
+        first, second = (chosen, other) if chosen.kind is Kind.F else (other, chosen)
+        # the kind test first: it is what fails almost always, and pair_problem writes its refusal
+        if second.kind not in RULES[first.kind].pairs_with or pair_problem(first, second) is not None:
+            continue
+        gain = hidden.get((second.kind, first.stage, second.stage), 0.0) - max(0.0, ready - start)
+        if gain > 0.0 and (best is None or gain > best[0]):
+            best = (gain, max(start, ready), first, second, key)
+    return None if best is None else best[1:]

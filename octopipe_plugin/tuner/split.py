@@ -26,7 +26,8 @@ from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
 from ..simulator.costs import stage_costs
 from ..simulator.overheads import delivery_of
-from .pairing import unpaired
+from ..simulator.pairs import communicates
+from .pairing import insertion_bases, unpaired
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
 
@@ -249,6 +250,7 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
     balanced = _balance(work, head_ms)
     equal = [1.0 / nd] * nd
     best = None  # (step, shares, policy, SimResult, stages) of the fastest fitting insertion so far
+    pairing = communicates(model)
     cost = attempt_units(plan, nd)
     spent = 0.0
 
@@ -262,9 +264,9 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
         cand, res = None, None
         # a base with pairs is also inserted into without them: keeping a pair as a unit can cost the shards a gap
-        for b in (base, unpaired(base)) if base.pairs else (base,):
+        for b, pair in insertion_bases(base, pairing):
             c, r = _judged(model, cluster, insert_shards(model, cluster, b, pol, opts.launch_ms,
-                                                         delivery_of(opts.overheads)), opts)
+                                                         delivery_of(opts.overheads), pair=pair), opts)
             if r is not None and (res is None or r.step_time_ms < res.step_time_ms):
                 cand, res = c, r
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (

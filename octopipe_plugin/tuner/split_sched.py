@@ -19,6 +19,8 @@ from ..formats import Plan
 from ..simulator.costs import stage_costs
 from ..simulator.pairs import pair_ms, stage_phases
 from ..simulator.split import GRAD, SplitGraph, shard_state, split_costs, without_split_layers  # the judge's own rules
+from .layout import pair_savings
+from .pairing import pair_with
 
 BASE = "base"  # the next stage action of the device's own order
 
@@ -39,25 +41,32 @@ class ShardPolicy:
 
 
 def insert_shards(model, cluster, plan: Plan, policy: ShardPolicy, launch_ms: float = 0.0,
-                  delivery=None) -> Plan | None:
+                  delivery=None, pair: bool = False) -> Plan | None:
     """`plan` (with its `splits` set, its schedule holding stage actions only) with every shard action placed.
 
-    `launch_ms` and `delivery` (the busy sender's delay, simulator/overheads.py `delivery_of`) price hand-overs."""
+    `launch_ms` and `delivery` (the busy sender's delay, simulator/overheads.py `delivery_of`) price hand-overs.
+    `pair`: a stage action also takes a partner of the other side as an overlapped pair where the pair hides
+    more than the wait for it (tuner/pairing.py `pair_with`), chosen with the shards' timing; only where the
+    model communicates."""
     sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
     splits = split_costs(model, plan)
     g = SplitGraph(cluster, plan, sc, splits, launch_ms, delivery=delivery)
     static = [a + b for a, b in zip(sc.device_state(plan.stages, plan.num_devices),
                                     shard_state(model, splits, plan.num_devices))]
     room = [cluster.usable_memory_bytes - b for b in static]
-    phases = stage_phases(without_split_layers(model, plan.splits), plan.stages) if plan.pairs else None
-    return _Inserter(g, plan, policy, room, phases).run()
+    rest = without_split_layers(model, plan.splits)
+    phases = stage_phases(rest, plan.stages) if plan.pairs or pair else None
+    hidden = pair_savings(rest, plan.stages) if pair and phases is not None else None
+    return _Inserter(g, plan, policy, room, phases, hidden).run()
 
 
 class _Inserter:
     """State of one insertion run."""
 
-    def __init__(self, g: SplitGraph, plan: Plan, policy: ShardPolicy, room: list[int], phases=None):
+    def __init__(self, g: SplitGraph, plan: Plan, policy: ShardPolicy, room: list[int], phases=None, hidden=None):
         self.g, self.plan, self.pol = g, plan, policy
+        self.phases, self.hidden = phases, hidden  # hidden: pairs chosen here (`insert_shards` pair)
+        self.pairs = list(plan.pairs)
         # the base order's overlapped pairs, kept as units (simulator/pairs.py): position of the first half -> the
         # pair's time; the second half is placed with its first, never on its own
         starts = pair_positions(plan.schedule, plan.pairs)
@@ -111,7 +120,7 @@ class _Inserter:
         total = sum(len(r) for r in self.base) + sum(len(k) * self.m for k in self.kinds)
         if sum(len(r) for r in self.out) != total:
             return None
-        return replace(self.plan, schedule=tuple(tuple(r) for r in self.out))
+        return replace(self.plan, schedule=tuple(tuple(r) for r in self.out), pairs=tuple(sorted(self.pairs)))
 
     def _fits(self, a: Action, d: int) -> bool:
         """Whether running `a` keeps device d within its memory (actions that free or keep always do)."""
@@ -177,12 +186,22 @@ class _Inserter:
         else:
             rank, r, a = min(cands, key=lambda c: (c[1], c[0]))
             start = r
+        if self.hidden is not None and a[1] >= 0 and a[1] not in self.pair_at[d]:
+            got = pair_with(self.hidden, a[0], start, [(r, c[0], c) for _, r, c in cands
+                                                        if c[1] >= 0 and c[1] != a[1] and c[1] not in self.pair_at[d]])
+            if got is not None:
+                start, a = got[0], (a[0], a[1], got[3])
         self.decision[d] = (start, a)
         heapq.heappush(self.heap, (start, d, self.version[d]))
 
     def _commit(self, d: int, t: float, choice) -> None:
-        a, i = choice
-        if RULES[a.kind].side is None and i in self.pair_at[d]:  # a pair: both halves end after its time
+        a, i = choice[:2]
+        if len(choice) == 3:  # a pair chosen here: its forward first, both ending after the pair's time
+            (first, fi), (second, si) = sorted((choice[:2], choice[2]), key=lambda c: c[0].kind is not Kind.F)
+            end = t + pair_ms(self.phases, first, second, self.g.duration(first, d), self.g.duration(second, d))
+            woken = self._place(d, first, fi, end) | self._place(d, second, si, end)
+            self.pairs.append((first, second))
+        elif RULES[a.kind].side is None and i in self.pair_at[d]:  # a pair: both halves end after its time
             end = t + self.pair_at[d][i]
             woken = self._place(d, a, i, end) | self._place(d, self.base[d][i + 1], i + 1, end)
         else:
