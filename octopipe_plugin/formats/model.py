@@ -118,6 +118,12 @@ def head_inputs(model: Model) -> int:
     return 1 + depth
 
 
+def microbatch_tokens(model: Model) -> int:
+    """Tokens of one micro-batch, from the model's `meta.arch` (`seq_len` x `micro_batch_size`); 0 when unknown."""
+    arch = (model.meta or {}).get("arch") or {}
+    return int(arch.get("seq_len", 0)) * int(arch.get("micro_batch_size", 1))
+
+
 def model_from_dict(data: dict, src: str = "<dict>") -> Model:
     """Build a Model from a parsed `octopipe-model/1` document, refusing bad input."""
     check_format(data, src, "octopipe-model")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..actions import RULES, Action, Kind, pair_positions
 from ..errors import DeadlockError, PlanError
+from ..formats.model import microbatch_tokens
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
 from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, stage_costs
 from .overheads import delivery_of, overhead_ms
@@ -26,6 +27,9 @@ from .pairs import pair_ms, stage_phases
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
 GRAD = "grad"  # key prefix of a stage's input gradient, made by its B or its I (whichever the plan runs)
+TOKENS = "tokens"  # key of a split embedding's token ids on a shard device, (TOKENS, device): sent before the step
+TOKEN_BYTES_PER_TOKEN = 8  # the token ids travel as int64 (executor/token_exchange.py)
+VERDICT_BYTES = 8  # stage 0's refusal length (0: none), broadcast to every rank before the token ids
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +45,7 @@ class SplitCosts:
     state: int
     activation: int
     link_bytes: int  # owner <-> shard messages: the head's input and its gradient / the embedding's output and its gradient
+    token_bytes: int = 0  # the embedding: one micro-batch's token ids (int64), sent before the step; 0 for the head
 
     def duration(self, kind: Kind, device: int) -> float:
         """The shard action's time on `device`: the table's cost fields of the layer times the device's share."""
@@ -96,9 +101,10 @@ def split_costs(model, plan) -> list[SplitCosts]:
                                   activation=0, link_bytes=0))
             continue
         lay = model.layers[sp.layer]
+        tokens = TOKEN_BYTES_PER_TOKEN * microbatch_tokens(model) if side == "input" else 0
         out.append(SplitCosts(split=sp, side=side, owner=owner, fwd=lay.fwd_ms, bwd=lay.bwd_ms, wgrad=lay.wgrad_ms,
                               state=lay.state_bytes, activation=lay.activation_bytes,
-                              link_bytes=link_bytes(model, sp.layer)))
+                              link_bytes=link_bytes(model, sp.layer), token_bytes=tokens))
     return out
 
 
@@ -157,6 +163,28 @@ class SplitGraph:
         self.dur = kind_durations(sc, extra)  # extra: the stage actions' host overheads (simulator/overheads.py)
         self.change = activation_changes(sc.activation)
         self.by_side = {c.side: c for c in splits}
+        self.ready, self.preset = self._before_step()
+
+    def _before_step(self) -> tuple[list[float], dict]:
+        """When each device starts its list, and the token ids' arrival on each embedding shard ((TOKENS, d) -> ms).
+
+        Under a split embedding stage 0's rank reads the step's batches ahead (the read costs nothing here, as
+        each F's read does in every plan), broadcasts whether it refused them (VERDICT_BYTES; every rank starts
+        its step on that), then sends the m micro-batches' token ids to each other shard device, one blocking
+        message after another in `devices` order; its own list starts after the last."""
+        nd = self.plan.num_devices
+        c = self.by_side.get("input")
+        if c is None:
+            return [0.0] * nd, {}
+        own = self.dev_of[0]
+        ready = [self.move(own, d, VERDICT_BYTES) for d in range(nd)]
+        nbytes, t, preset = self.plan.num_microbatches * c.token_bytes, 0.0, {}
+        for d in c.split.devices:
+            if d != own:
+                t += self.move(own, d, nbytes)
+            preset[(TOKENS, d)] = t if d != own else 0.0
+        ready[own] = t
+        return ready, preset
 
     def move(self, src: int, dst: int, nbytes: int) -> float:
         """A hand-over's delay: nothing on one device, else the link time of its bytes plus the in-flight costs."""
@@ -200,6 +228,8 @@ class SplitGraph:
         m, out = a.microbatch, []
         if rule.after is not None:
             out.append(((rule.after, c.owner, m, d), 0.0))
+        elif rule.side == "input":  # E: the micro-batch's token ids, sent by stage 0's rank before the step
+            out.append(((TOKENS, d), 0.0))
         own = self.dev_of[c.owner]
         if rule.takes == "owner":
             key = (Kind.F, c.owner, m) if rule.side == "output" else (GRAD, c.owner, m)
@@ -241,9 +271,9 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         # without a model (the deadlock check's unit costs) a pair hides nothing
         _fold_pairs(rows, plan, None if model is None else
                     stage_phases(without_split_layers(model, plan.splits), plan.stages))
-    done: dict = {}
+    done: dict = dict(g.preset)
     waiting: dict = {}
-    free, busy, pos = [0.0] * nd, [0.0] * nd, [0] * nd
+    free, busy, pos = list(g.ready), [0.0] * nd, [0] * nd
     timeline = [[] for _ in range(nd)] if detail else None
     bound = [[None] * len(row) for row in rows] if detail else None  # the input that set each start (None: the device)
     transfers = [] if detail else None
@@ -326,6 +356,8 @@ def _critical_path(rows, timeline, bound) -> list[tuple[int, Action]]:
     while True:
         path.append((d, rows[d][p][0]))
         by = bound[d][p]
+        if by is not None and by[0] == TOKENS:  # the token ids sent at step start
+            break
         if by is None:  # the device's own previous action (or t = 0) set the start
             if p == 0 or timeline[d][p][1] <= 0.0:
                 break

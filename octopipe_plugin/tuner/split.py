@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from ..errors import DeadlockError, OctoPipeError
-from ..formats.model import head_inputs
+from ..formats.model import head_inputs, microbatch_tokens
 from ..formats.splits import SplitLayer
 from ..simulator import SimOptions, simulate
 from ..simulator.split import link_bytes, without_split_layers
@@ -97,8 +97,7 @@ class SplitTuneResult:
 def stats_bytes(model) -> int:
     """Bytes of the softmax statistics one head shard sends each other per micro-batch (tokens from the arch):
     per token and per hidden state the head takes (1 + the MTP depths, `formats.model.head_inputs`)."""
-    arch = (model.meta or {}).get("arch") or {}
-    tokens = int(arch.get("seq_len", 0)) * int(arch.get("micro_batch_size", 1))
+    tokens = microbatch_tokens(model)
     if tokens > 0:
         return STATS_BYTES_PER_TOKEN * tokens * head_inputs(model)
     return max(1, link_bytes(model, model.num_layers - 1) // 64)  # unknown width: a generous guess from the input

@@ -84,8 +84,8 @@ class _Inserter:
                       for d in range(nd)]
         self.owner = {k: c.owner for c in g.by_side.values() for k in shard_kinds(c.side)}
         self.spos = [{k: 0 for k in self.kinds[d]} for d in range(nd)]
-        self.done: dict = {}
-        self.free = [0.0] * nd
+        self.done: dict = dict(g.preset)  # the token ids of a split embedding, sent before the step
+        self.free = list(g.ready)
         self.out = [[] for _ in range(nd)]
         self.version = [0] * nd
         self.decision = [None] * nd

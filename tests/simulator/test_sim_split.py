@@ -68,14 +68,40 @@ def test_split_embedding_partials_and_gradient():
                 schedule=parse_schedule([["0E0", "0F0", "0B0", "0G0"], ["0E0", "1F0", "1B0", "0G0"]]),
                 splits=(SplitLayer(layer=0, devices=(0, 1), shares=(0.5, 0.5)),))
     res = simulate(model, cluster(), plan)
-    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    # rounded: stage 0's verdict (8 bytes at 1 GB/s) reaches device 1 after 8e-6 ms (the token ids, of no known
+    # size without the model's arch, after 0)
+    times = {(d, str(a)): (round(s, 4), round(e, 4)) for d, row in enumerate(res.timeline) for a, s, e in row}
     assert times[(0, "0E0")] == (0, 1) == times[(1, "0E0")]
     assert times[(0, "0F0")] == (1, 2)  # it sums both partials
     assert times[(1, "1F0")] == (2, 3) and times[(1, "1B0")] == (3, 5) and times[(0, "0B0")] == (5, 7)
     assert times[(0, "0G0")] == (7, 8) == times[(1, "0G0")]  # both wait for stage 0's input gradient
-    assert res.step_time_ms == 8.0
+    assert res.step_time_ms == pytest.approx(8.0, abs=1e-4)
     assert res.static_bytes == [400, 400]
     assert res.peak_activation_bytes == [20, 20]
+
+
+def test_split_embedding_token_ids_and_stage0_verdict_are_sent_before_the_step():
+    # stage 0's rank (device 0) broadcasts whether it refused the step (8 bytes, every device) and sends the step's
+    # token ids, int64 x seq 1000 x mbs 2 = 16000 bytes, to shard device 1; 1 GB/s, 10 us: 0.026 ms, the verdict
+    # 0.010008 ms. Device 1's E waits for the ids, device 0 starts after its send, device 2 (no shard) after the
+    # verdict; stage 0's F sums the partials (0 bytes: the latency) as before
+    from octopipe_plugin.simulator.split import SplitGraph, split_costs, without_split_layers
+    from octopipe_plugin.simulator.costs import stage_costs
+
+    model = Model(name="emb", layers=(layer("embedding", 2, 0, 2), layer("dense", 1, 1, 1), layer("dense", 1, 1, 1),
+                                      layer("lm_head", 1, 1, 1)), meta={"arch": {"seq_len": 1000, "micro_batch_size": 2}})
+    plan = Plan(model="emb", num_devices=3, num_microbatches=1,
+                stages=(Stage(start=0, end=2, device=0), Stage(start=2, end=3, device=1), Stage(start=3, end=4, device=2)),
+                schedule=parse_schedule([["0E0", "0F0", "0B0", "0G0"], ["0E0", "1F0", "1B0", "0G0"], ["2F0", "2B0"]]),
+                splits=(SplitLayer(layer=0, devices=(1, 0), shares=(0.5, 0.5)),))
+    res = simulate(model, cluster(3, latency_us=10.0), plan)
+    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    assert times[(1, "0E0")] == pytest.approx((0.026, 1.026), rel=1e-9)
+    assert times[(0, "0E0")] == pytest.approx((0.026, 1.026), rel=1e-9)
+    assert times[(0, "0F0")] == pytest.approx((1.036, 2.036), rel=1e-9)
+    sc = stage_costs(without_split_layers(model, plan.splits), plan.stages)
+    g = SplitGraph(cluster(3, latency_us=10.0), plan, sc, split_costs(model, plan), 0.0)
+    assert g.ready == pytest.approx([0.026, 0.010008, 0.010008], rel=1e-9)
 
 
 def test_statistics_exchange_and_partials_cost_their_transfer():
