@@ -21,8 +21,6 @@ import sys
 import pytest
 import torch
 
-from octopipe_plugin.executor.launch import spawn
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "megatron"))
 sys.path.insert(0, HERE)
@@ -89,7 +87,7 @@ DP_CASES = [
 
 def _run(tmp_path, cases, spec=SPEC, world=2):
     out = tmp_path / "results.pt"
-    spawn(HS.worker, world, spec, cases, str(tmp_path / "ckpt"), str(out))
+    H.spawn(HS.worker, world, spec, cases, str(tmp_path / "ckpt"), str(out))
     return torch.load(out, weights_only=False)
 
 
@@ -118,8 +116,9 @@ def _check_round_trip(r, name):
         torch.testing.assert_close(r["resumed"][key], w, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
 
 
-# Megatron's start (torch, megatron.core, gloo) is paid once per world size: the harness re-initialises Megatron's
-# parallel state for each case, and a case may bring its own model (spec), so the 2-rank cases (initial values,
+# The ranks fork from the harness's forkserver (megatron_harness.spawn: Megatron imported once a session). The
+# rest of Megatron's start (gloo) is paid once per world size: the harness re-initialises Megatron's parallel
+# state for each case, and a case may bring its own model (spec), so the 2-rank cases (initial values,
 # checkpoints untied and tied, bf16) share one spawn and the 4-rank ones (TP=2 x PP=2, DP=2 x PP=2) another.
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
@@ -195,7 +194,7 @@ def test_head_shards_that_overlap_or_leave_a_gap_are_refused_at_save(tmp_path):
     for name, rows in {"once": [(40, 64), (0, 40)], "overlap": [(0, 40), (30, 64)], "gap": [(0, 30), (40, 64)]}.items():
         out = tmp_path / f"{name}.pt"
         try:
-            spawn(HS.save_rows_worker, 2, SPEC, rows, str(tmp_path / name), str(out))
+            H.spawn(HS.save_rows_worker, 2, SPEC, rows, str(tmp_path / name), str(out))
         except Exception:  # noqa: BLE001 - a refused save ends the other rank's collectives too
             pass
         said[name] = torch.load(f"{out}.rank0", weights_only=False)
