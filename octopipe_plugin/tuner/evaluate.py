@@ -17,6 +17,7 @@ from ..simulator import SimOptions, simulate, stage_costs
 from ..simulator.memory import least_live
 from ..simulator.pairs import communicates
 from .pairing import with_adjacent_pairs
+from .memory_choices import NONE, MemoryLevers, full_job, full_recompute, repair as memory_repair
 from .layout import Layout, device_work, make_job
 from .listsched import Policy, build_schedule, schedule_units
 from .encoded import action_count
@@ -58,8 +59,9 @@ class Evaluator:
     """Simulates candidates of one tuning problem, with caches and a work counter."""
 
     def __init__(self, model, cluster, num_microbatches: int, meter: Meter | None = None,
-                 options: SimOptions | None = None):
+                 options: SimOptions | None = None, levers: MemoryLevers = NONE):
         self.model, self.cluster, self.m = model, cluster, num_microbatches
+        self.levers = levers  # the memory choices the tuner may make (tuner/memory_choices.py)
         self.meter = meter or Meter()
         self.options = options or SimOptions()  # the judge's switches; the list scheduler prices hops alike
         self._jobs: dict[Layout, tuple] = {}
@@ -89,7 +91,8 @@ class Evaluator:
         """An evaluator of the same problem at another micro-batch count, sharing the work meter."""
         if num_microbatches == self.m:
             return self
-        out = Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter, options=self.options)
+        out = Evaluator(self.model, self.cluster, num_microbatches, meter=self.meter, options=self.options,
+                        levers=self.levers)
         out.pair_orders = self.pair_orders
         return out
 
@@ -98,6 +101,8 @@ class Evaluator:
         got = self._jobs.get(layout)
         if got is None:
             got = make_job(self.model, self.cluster, self.m, layout, self.options.launch_ms, self.options.overheads)
+            if self.levers.full:  # the scheduler plans with what every layer recomputed keeps
+                got = (full_job(self.model, got[0], layout), *got[1:])
             self._jobs[layout] = got
         return got
 
@@ -110,6 +115,11 @@ class Evaluator:
         """Whether every device can hold its stages' state and one activation of each."""
         job, _, static = self.job(layout)
         nd = self.cluster.num_devices
+        if self.levers.recompute == "auto":  # one micro-batch of each stage with every layer recomputed
+            key = ("least", layout)
+            if key not in self._jobs:
+                self._jobs[key] = full_job(self.model, job, layout)
+            job = self._jobs[key]
         live = least_live(layout.devices, job.activation, nd)
         return max(static[d] + live[d] for d in range(nd)) <= self.cluster.usable_memory_bytes
 
@@ -137,7 +147,7 @@ class Evaluator:
         plan = self.plan_of(layout, schedule, {"schedule": "octopipe", "policy": policy.describe()})
         clock = getattr(schedule, "clock", None)
         # its clock is the reference one (pairs included: it pairs by the simulator's rule, tuner/listsched.py)
-        if clock is None or self.options.contention or not self.options.overlap:
+        if clock is None or self.options.contention or not self.options.overlap or self.levers.full:
             return self.simulated(plan, costs=sc, pair=False)  # the policy chose its pairs
         self.meter.evaluations += 1
         step, live = clock
@@ -182,25 +192,33 @@ class Evaluator:
             return self.scheduled(layout, spec)
         return self.ordered(layout, spec)
 
-    def simulated(self, plan: Plan, costs=None, *, pair: bool = True) -> Outcome | None:
+    def simulated(self, plan: Plan, costs=None, *, pair: bool = True, repair: bool = True) -> Outcome | None:
         """Simulate an explicit plan; None when it deadlocks. Where pairs can pay (`pairing`, `pair_orders`) and
         `pair`, a plan without pairs is also judged with its adjacent F and B paired (tuner/pairing.py), and the
-        better kept."""
+        better kept. A plan over memory is first repaired by memory choices where the levers allow (`repair`)."""
         sc = costs if costs is not None else stage_costs(self.model, plan.stages)
-        out = self._simulated(plan, sc)
+        if self.levers.full and not plan.memory and not getattr(plan, "splits", ()):
+            plan = full_recompute(self.model, plan)
+        out = self._simulated(plan, sc, repair)
         if not (self.pairing and self.pair_orders and pair) or plan.pairs:
             return out
         paired = with_adjacent_pairs(plan)
         if paired is plan:
             return out
-        other = self._simulated(paired, sc)
+        other = self._simulated(paired, sc, repair)
         if other is None:
             return out
         if out is None or (other.fits, -other.step_ms) > (out.fits, -out.step_ms):
             return other
         return out
 
-    def _simulated(self, plan: Plan, sc) -> Outcome | None:
+    def _simulated(self, plan: Plan, sc, repair: bool = False) -> Outcome | None:
+        out = self._judged(plan, sc)
+        if repair and self.levers.auto and out is not None and not out.fits:
+            return memory_repair(self, plan, sc, out, self._judged) or out
+        return out
+
+    def _judged(self, plan: Plan, sc) -> Outcome | None:
         self.work += action_count(plan.schedule)
         self.meter.evaluations += 1
         try:

@@ -35,6 +35,7 @@ from .listsched import Pairing, Policy
 from .moves import Context, pick_move
 from .periodic import extend_schedule, scale_policy
 from .pairing import pair_step, with_adjacent_pairs
+from .memory_choices import MemoryLevers, relaxed_candidates, repaired_builtins, trim_step
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
@@ -186,7 +187,7 @@ class _InHand:
 
 def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
          iterations: int | None = None, progress=None, options: SimOptions | None = None,
-         constraints: Constraints | None = None) -> TuneResult:
+         constraints: Constraints | None = None, memory: MemoryLevers | None = None) -> TuneResult:
     """Search partition, placement and per-device schedule for the fastest plan that fits memory.
 
     `options` are the simulator switches plans are judged by (the list scheduler plans with the same).
@@ -198,10 +199,12 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
     it when faster; Ctrl-C (KeyboardInterrupt) ends the search and returns the plan in hand.
     With more than SEARCH_FACTOR micro-batches per device the search runs at that many and its
     best candidates are taken to the full count at the end (tuner/periodic.py).
+    `memory` (tuner/memory_choices.py) lets the tuner buy a faster schedule with per-layer recompute or offload
+    where memory binds (default none: plans without memory choices).
     """
     t0 = time.monotonic()
     nd = cluster.num_devices
-    ev = Evaluator(model, cluster, num_microbatches, options=options)
+    ev = Evaluator(model, cluster, num_microbatches, options=options, levers=memory or MemoryLevers())
     evs = ev.at(search_count(num_microbatches, nd))
     budget = _Budget(ev=ev, units=max(1.0, time_budget_s * WORK_RATE), iterations=iterations,
                      deadline=t0 + time_budget_s, seconds=time_budget_s)
@@ -219,7 +222,8 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         allowed = [b for b in baselines if allowed_builtin(cons, b, nd)]
         fitting = [b.search for b in allowed if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
-        hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed))
+        hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed)
+                            + _memory_seeds(ev, evs, layouts, hand, allowed))
         _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
         if evs.pairing:
             _pair_elite(ev, evs, hand)
@@ -293,6 +297,20 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[Candidate]:
                     hand.offer(out, "octopipe", "seeds")
         hand.report("seeds")
     return found
+
+
+def _memory_seeds(ev, evs, layouts, hand, baselines) -> list[Candidate]:
+    """Built-ins over memory and seed layouts list-scheduled with more micro-batches in flight than memory holds,
+    repaired by memory choices (tuner/memory_choices.py), as explicit-order candidates; none where the levers allow
+    no choice."""
+    pols = lambda lay: seed_policies(lay, ev.cluster.num_devices, evs.m,  # noqa: E731
+                                     split_backward=hand.constraints.split_backward)
+    out = []
+    for lay, o in repaired_builtins(evs, ev.model, baselines) + relaxed_candidates(evs, layouts, pols):
+        out.append(Candidate(step_ms=o.step_ms, layout=lay, spec=o.plan.schedule, outcome=o))
+        if evs is ev:
+            hand.offer(o, "octopipe", "memory choices")
+    return out
 
 
 def _builtin_elite(baselines) -> list[Candidate]:
@@ -421,7 +439,9 @@ def _polish(ev, rng, hand, budget) -> None:
     while budget.left(1.0 - RESULT_SHARE) and misses < 200:
         budget.done += 1
         ev.work += STEP_UNITS
-        if ev.pairing and rng.random() < 0.5:
+        if best.plan.memory and rng.random() < 0.3:
+            better = trim_step(ev, rng, best)
+        elif ev.pairing and rng.random() < 0.5:
             better = pair_step(ev, rng, best)
         else:
             better = polish_step(ev, rng, best, slots)

@@ -178,11 +178,12 @@ def _lookup(seen: list, plan):
 
 
 def _judge(ev: Evaluator, seen: list, plan):
-    """Simulate a plan unless an identical one was."""
+    """Simulate a plan unless an identical one was (as the built-in runs: no memory choices added,
+    tuner/memory_choices.py `repaired_builtins` repairs those over memory)."""
     try:
         return _lookup(seen, plan)
     except KeyError:
-        out = ev.simulated(plan)
+        out = ev.simulated(plan, repair=False)
         seen.append((plan.stages, plan.schedule, out))
         return out
 
