@@ -39,6 +39,11 @@ def add_parser(subparsers) -> None:
     add_constraint_options(p)
     add_overheads_option(p)
     add_split_option(p)
+    p.add_argument("--recompute", choices=("none", "auto", "full"), default="auto",
+                   help="per-layer activation recompute (docs/formats.md \"Memory choices\"): auto (default) where a "
+                        "faster schedule fits only with it, full on every layer, none never")
+    p.add_argument("--offload", choices=("none", "auto"), default="auto",
+                   help="offload of saved activations to host memory: auto (default) where it pays, none never")
     g = p.add_argument_group("from your launch", "plan for the model and batch a Megatron launch would run")
     g.add_argument("--megatron-args", metavar="'ARGS'|@FILE",
                    help="the launch's Megatron arguments (pretrain_gpt.py ...), inline or @file: parsed and "
@@ -85,7 +90,7 @@ def run(args) -> int:
     check_size(model, cluster, args.microbatches, args.time_budget)
     result = tuned(args, model, cluster, args.microbatches)
     rows, split_line = None, None
-    if args.splits == "auto":
+    if args.splits == "auto" and not result.plan.memory:  # no split plan is priced with memory choices
         result, rows, split_line = with_splits(args, model, cluster, args.microbatches, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = []

@@ -61,7 +61,8 @@ def tuned(args, model, cluster, num_microbatches: int, constraints=None):
         with _progress_bar(not args.no_progress) as bar, guard:
             result = tune(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,
                           iterations=args.iterations, progress=bar, options=_sim_options(args),
-                          constraints=constraints if constraints is not None else constraints_of(args))
+                          constraints=constraints if constraints is not None else constraints_of(args),
+                          memory=memory_levers_of(args))
     except KeyboardInterrupt:  # the tuner re-raises when it has no plan in hand yet
         if not guard.fired:
             raise
@@ -71,6 +72,13 @@ def tuned(args, model, cluster, num_microbatches: int, constraints=None):
     if guard.fired:
         result = replace(result, stopped_by="the time budget (wall-clock guard)")
     return result
+
+
+def memory_levers_of(args):
+    """The memory choices `octopipe plan` lets the tuner make (--recompute, --offload; none where not asked)."""
+    from ..tuner.memory_choices import MemoryLevers
+
+    return MemoryLevers(getattr(args, "recompute", "none"), getattr(args, "offload", "none"))
 
 
 def _sim_options(args):
