@@ -2,12 +2,13 @@
 
 Pairs only pay where a layer communicates on its own link (`simulator.pairs.communicates`: an
 expert-parallel all-to-all); for every other model the tuner never pairs, so its plans stay as
-they were. Where they can pay, the search first runs exactly as without pairs; then its pool is
-judged again with the list scheduler pairing (tuner/listsched.py `Pairing`) or, an explicit order,
+they were. Where they can pay, the seeds' pool is judged again before the search and the search's
+pool after it, with the list scheduler pairing (tuner/listsched.py `Pairing`) or, an explicit order,
 with each F that its device runs right before a B or I of another micro-batch paired with it
 (`adjacent_pairs`), the faster kept (tuner/search.py `_pair_elite`); from then on explicit orders
 are judged both ways (the evaluator's `pair_orders`), and the polish takes single pairs out or
-pulls an F and a B together where the simulator says it is faster (`pair_step`). A pair waits for
+pulls an F and a B together where the simulator says it is faster (`pair_step`). A split head's shards
+are placed into the plan without its pairs, pairing as they go (`pair_with`, tuner/split_sched.py). A pair waits for
 both halves' inputs, so pairing is not free: a pair can hold back its F's output and with it the
 next stage; the simulator decides every time.
 """

@@ -224,6 +224,8 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed)
                             + _memory_seeds(ev, evs, layouts, hand, allowed))
+        if evs.pairing:  # the seeds' pool paired before the search too: its moves then start from the paired plans
+            _pair_elite(ev, evs, hand)
         _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
         if evs.pairing:
             _pair_elite(ev, evs, hand)
@@ -382,7 +384,8 @@ def _neighbour(rng, ctx, layout, spec):
 def _pair_elite(ev, evs, hand) -> None:
     """The pairing move on the search's pool (tuner/pairing.py): each elite candidate also with its list scheduler
     pairing (ready, or also due forwards) or, an explicit order, with its adjacent F and B paired; the pool keeps
-    the faster. The search itself ran as without pairs, so the plan returned is never slower than that one's."""
+    the faster (unpaired candidates stay in it while they are among the best). Run on the seeds' pool before the
+    search (the seeds' paired plans are where the layouts that pair well start from) and on its pool after."""
     found = []
     for cand in hand.elite:
         if isinstance(cand.spec, Policy):
