@@ -299,7 +299,7 @@ def trim_step(ev, rng, best):
     """Polish: drop one memory choice of the plan in hand, or swap recompute and offload on it; the better plan that
     still fits, or None."""
     memory = dict(best.plan.memory)
-    if not memory:
+    if not memory or ev.levers.full:  # --recompute full keeps every layer recomputed
         return None
     layer = rng.choice(sorted(memory))
     choice = memory[layer]

@@ -442,7 +442,7 @@ def _polish(ev, rng, hand, budget) -> None:
     while budget.left(1.0 - RESULT_SHARE) and misses < 200:
         budget.done += 1
         ev.work += STEP_UNITS
-        if best.plan.memory and rng.random() < 0.3:
+        if ev.levers.auto and best.plan.memory and rng.random() < 0.3:
             better = trim_step(ev, rng, best)
         elif ev.pairing and rng.random() < 0.5:
             better = pair_step(ev, rng, best)
