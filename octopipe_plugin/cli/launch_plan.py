@@ -47,11 +47,13 @@ def run_from_megatron(args) -> int:
     model, facts = view.model, view.facts
     check_size(model, cluster, facts.num_microbatches, args.time_budget)
     cons, added = run_constraints(view.args, constraints_of(args))
-    result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons)
+    from .plan_split import plain_budget, with_splits
+
+    result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons,
+                   time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
     split_rows, split_line = None, None
-    if args.splits == "auto":
+    if args.splits != "off":
         from ..adapters.megatron.startup import run_splits, split_refusal
-        from .plan_split import with_splits
 
         result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
                                                      constraints=replace(cons, **run_splits(view.args)),
@@ -98,8 +100,8 @@ def run_from_megatron(args) -> int:
 
 
 def _deepspeed_splits(args, job, cluster, result):
-    """--splits auto for a DeepSpeed job: the split-aware tune, kept only where OctoPipeEngine runs its splits
-    (adapters/deepspeed/head_split.py: an untied bias-free Linear head, or a head tied to the embedding whose
+    """The split search for a DeepSpeed job (cli/plan_split.py), its plan kept only where OctoPipeEngine runs its
+    splits (adapters/deepspeed/head_split.py: an untied bias-free Linear head, or a head tied to the embedding whose
     forward_fn is the projection x @ W^T, the owner among its shards, no split embedding); otherwise the plan
     without splits, with the reason."""
     from ..adapters.deepspeed.config import parse_block
@@ -130,9 +132,11 @@ def run_from_deepspeed(args) -> int:
                              f"{args.deepspeed_config}: $.octopipe.tune.memory_headroom")
     model, m = job.model, job.num_microbatches
     check_size(model, cluster, m, args.time_budget)
-    result = tuned(args, model, cluster, m)
+    from .plan_split import plain_budget
+
+    result = tuned(args, model, cluster, m, time_budget_s=plain_budget(args, model, cluster, m))
     split_rows, split_line = None, None
-    if args.splits == "auto":
+    if args.splits != "off":
         result, split_rows, split_line = _deepspeed_splits(args, job, cluster, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = keep_on_failure(lambda: write_plan(plan, output), output, plan)

@@ -11,7 +11,7 @@ from ..tuner.compare import comparison_rows, format_table
 from ._options import (add_constraint_options, add_headroom_option, add_overheads_option, apply_headroom, check_writable, integer,
                        keep_on_failure, load_cluster, load_model, number)
 from .plan_report import as_json, check_size, native_references, summary, tuned
-from .plan_split import add_split_option, with_splits
+from .plan_split import add_split_option, plain_budget, with_splits
 
 
 def add_parser(subparsers) -> None:
@@ -88,9 +88,10 @@ def run(args) -> int:
     cluster = apply_headroom(args, load_cluster(args.cluster))
     model, costs = load_model(args, cluster)
     check_size(model, cluster, args.microbatches, args.time_budget)
-    result = tuned(args, model, cluster, args.microbatches)
+    result = tuned(args, model, cluster, args.microbatches,
+                   time_budget_s=plain_budget(args, model, cluster, args.microbatches))
     rows, split_line = None, None
-    if args.splits == "auto" and not result.plan.memory:  # no split plan is priced with memory choices
+    if not result.plan.memory:  # no split plan is priced with memory choices
         result, rows, split_line = with_splits(args, model, cluster, args.microbatches, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = []

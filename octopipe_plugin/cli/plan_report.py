@@ -54,12 +54,14 @@ def check_size(model, cluster, num_microbatches: int, time_budget_s: float = L.M
                             f"{max(1, L.MAX_TUNE_DEVICE_MICROBATCHES // nd):,} micro-batches here")
 
 
-def tuned(args, model, cluster, num_microbatches: int, constraints=None):
-    """Run the tuner under the wall-clock guard with the options' budget, seed and constraints."""
-    guard = WallClockGuard(args.time_budget)
+def tuned(args, model, cluster, num_microbatches: int, constraints=None, time_budget_s: float | None = None):
+    """Run the tuner under the wall-clock guard with the options' budget (or `time_budget_s`, its share left to
+    the plan without splits: cli/plan_split.py), seed and constraints."""
+    budget = args.time_budget if time_budget_s is None else time_budget_s
+    guard = WallClockGuard(budget)
     try:
         with _progress_bar(not args.no_progress) as bar, guard:
-            result = tune(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,
+            result = tune(model, cluster, num_microbatches, time_budget_s=budget, seed=args.seed,
                           iterations=args.iterations, progress=bar, options=_sim_options(args),
                           constraints=constraints if constraints is not None else constraints_of(args),
                           memory=memory_levers_of(args))

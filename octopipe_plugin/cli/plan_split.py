@@ -1,13 +1,14 @@
-"""`octopipe plan --splits auto`: the split-aware tuner after the plain one, and what the report shows of it.
+"""`octopipe plan`'s split search (--splits, default on): the split-aware tuner beside the plain one, within the budget.
 
-The plain tune (with its full --time-budget and progress bar) stays the candidate without
-splits, so `auto` is never slower than `off`; the split variants (tuner/split.py `VARIANTS`)
-share one more --time-budget for their tunes and three for placing the shards (tuner/split.py
-`INSERT_SHARE`), under a wall-clock guard of that much. With `--megatron-args` the launch's
-run constraints apply and a split plan its Megatron run would refuse (a head tied to a split
-embedding, the owner without a shard, MTP: adapters/megatron/startup.split_refusal)
-leaves the plan without splits. Default `off`: `auto` takes up to about five times the
---time-budget.
+Where a split of the vocabulary layers lowers the whole-layer floor (tuner/split.py `splits_may_pay`),
+the plain tune (with its progress bar) takes PLAIN_SHARE of --time-budget and stays the candidate
+without splits, so the chosen plan is never slower than it; the split variants (tuner/split.py
+`VARIANTS`) and their shard insertions share the rest, each stopped at its deadline, under a
+wall-clock guard of the rest plus GUARD_SLACK of the budget. Elsewhere the plain tune takes the whole
+budget: the same plan as with `--splits off`. `--splits auto` tries splits wherever the model has an
+LM head; `off` never (runtimes that run whole layers only). With `--megatron-args` /
+`--deepspeed-config` the launch's run constraints apply (tuner/constraints.py FRAMEWORK_SPLITS) and a
+split plan its run would refuse leaves the plan without splits.
 """
 
 from __future__ import annotations
@@ -16,42 +17,63 @@ import logging
 from dataclasses import replace
 
 from ..tuner.bounds import lower_bound
-from ..tuner.split import INSERT_SHARE, VARIANTS, comparison_rows_with_splits, splittable_head, tune_split
+from ..tuner.split import PLAIN_SHARE, comparison_rows_with_splits, splits_may_pay, splittable_head, tune_split
 from ._guard import WallClockGuard
 from ._options import constraints_of
 
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "off")
+GUARD_SLACK = 0.08  # of --time-budget: the guard's margin over the split search's share (the promise is +10%)
 
 
 def add_split_option(p) -> None:
-    """Register --splits on a parser."""
-    p.add_argument("--splits", choices=CHOICES, default="off",
-                   help="auto: also tune plans whose LM head (and embedding) are split by vocabulary rows over "
-                        "several devices, and keep the faster (up to about five times the --time-budget); off (default): "
-                        "whole layers only, the plans Megatron and DeepSpeed run")
+    """Register --splits on a parser (default: splits where they can pay)."""
+    p.add_argument("--splits", choices=CHOICES, default=None,
+                   help="default: also tune plans whose LM head (and embedding) are split by vocabulary rows over "
+                        "several devices where that lowers the whole-layer floor, and keep the faster, within "
+                        "--time-budget; auto: wherever the model has an LM head; off: whole layers only")
+
+
+def split_share(args, model, cluster, num_microbatches: int) -> float:
+    """Share of --time-budget the split search takes (0: the plain tune takes it all, no split search)."""
+    if args.splits == "off" or splittable_head(model) is None or cluster.num_devices < 2:
+        return 0.0
+    if args.splits is None and not splits_may_pay(model, cluster.num_devices, num_microbatches):
+        return 0.0
+    return 1.0 - PLAIN_SHARE
+
+
+def plain_budget(args, model, cluster, num_microbatches: int) -> float:
+    """Seconds of --time-budget the plan without splits is tuned with."""
+    return args.time_budget * (1.0 - split_share(args, model, cluster, num_microbatches))
 
 
 def with_splits(args, model, cluster, num_microbatches: int, result, *, constraints=None, refusal=None):
-    """(result to report, comparison rows, one summary line) after the split-aware tune on top of `result`.
+    """(result to report, comparison rows, one summary line or None) after the split search on top of `result`.
 
+    `result`: the plain tune with `plain_budget`; the split search takes the rest of --time-budget (none where
+    `split_share` is 0: `result` stands, with a line only for an explicit `--splits auto`).
     `constraints`: the tune's (default the command line's); `refusal(plan) -> reason | None`: the runner's word
     on a split plan (a launch's framework): a refused split plan leaves the plan without splits, said in the line."""
     if constraints is None:
         constraints = constraints_of(args)
-    if splittable_head(model) is None:
-        return result, None, "split layers   none: the model's last layer is not an lm_head"
-    guard = WallClockGuard(args.time_budget * (1 + INSERT_SHARE))
+    share = split_share(args, model, cluster, num_microbatches)
+    if share == 0.0:
+        if args.splits != "auto":
+            return result, None, None
+        why = "the model's last layer is not an lm_head" if splittable_head(model) is None else "one device"
+        return result, None, f"split layers   none: {why}"
+    seconds = args.time_budget * share
+    guard = WallClockGuard(seconds + GUARD_SLACK * args.time_budget)
     try:
         with guard:
-            sres = tune_split(model, cluster, num_microbatches, time_budget_s=args.time_budget, seed=args.seed,
-                              iterations=args.iterations, unsplit=result, constraints=constraints,
-                              variant_budget_s=args.time_budget / len(VARIANTS))
-    except KeyboardInterrupt:  # the budget ran out between the variants' tunes: the plan without splits stands
+            sres = tune_split(model, cluster, num_microbatches, seed=args.seed, iterations=args.iterations,
+                              unsplit=result, constraints=constraints, split_budget_s=seconds)
+    except KeyboardInterrupt:  # the guard fired outside the split search's own stops: the plan without splits
         if not guard.fired:
             raise
-        log.warning("--splits auto: the time budget ran out while placing the shards; the plan without splits stands")
+        log.warning("split search: the time budget ran out; the plan without splits stands")
         return result, None, "split layers   not tried to the end (time budget); plan without splits"
     # a split layer is no longer a heaviest layer no plan can beat: the bound of the split plan leaves it out
     chosen = result if not sres.plan.splits else replace(

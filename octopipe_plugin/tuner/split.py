@@ -17,6 +17,7 @@ more than its split saves simply loses to the plan without splits, which is kept
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 from ..errors import DeadlockError, OctoPipeError
@@ -27,6 +28,7 @@ from ..simulator.split import link_bytes, without_split_layers
 from ..simulator.costs import stage_costs
 from ..simulator.overheads import delivery_of
 from ..simulator.pairs import communicates
+from .bounds import fill_bound, packing_bound
 from .pairing import insertion_bases, unpaired
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
@@ -48,6 +50,10 @@ POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=k, window=w, defer_w=dw)
 INSERT_UNITS_PER_ACTION_DEVICE = 12
 LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, on the best shares found
 INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
+# the default search (`octopipe plan`): the plan without splits takes this share of --time-budget, the split
+# variants the rest; splits are tried where they lower the whole-layer floor by more than FLOOR_GAIN
+PLAIN_SHARE = 0.4
+FLOOR_GAIN = 1.02
 REFINE_ROUNDS = 4  # share refinements from the simulated idle time, after the fixed share sets
 REBALANCE_ROUNDS = 3  # boundary re-balancings against the loads with the shards, each judged by the simulator
 MOVES_PER_ROUND = 2  # single-layer cut moves judged per round, the most uneven cuts first
@@ -103,6 +109,19 @@ def stats_bytes(model) -> int:
     return max(1, link_bytes(model, model.num_layers - 1) // 64)  # unknown width: a generous guess from the input
 
 
+def splits_may_pay(model, num_devices: int, num_microbatches: int) -> bool:
+    """Whether splitting the vocabulary layers lowers the whole-layer floor (tuner/bounds.py packing and fill
+    bounds) by more than FLOOR_GAIN: where it does not, no split can beat the best plan without one by much, and
+    the default search gives that plan its whole budget (the same plan as without the split search)."""
+    if splittable_head(model) is None or num_devices < 2:
+        return False
+    fluid = {i for i in (splittable_embedding(model), model.num_layers - 1) if i is not None}
+
+    def floor(fl):
+        return max(packing_bound(model, num_devices, num_microbatches, fl), fill_bound(model, num_microbatches, fl))
+    return floor(()) > FLOOR_GAIN * floor(fluid)
+
+
 def splittable_head(model) -> int | None:
     """Index of the model's LM head when it can be split (an `lm_head` last layer), else None."""
     if model.num_layers > 1 and model.layers[-1].kind == "lm_head":
@@ -112,25 +131,33 @@ def splittable_head(model) -> int | None:
 
 def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
                iterations: int | None = None, options: SimOptions | None = None, unsplit=None,
-               constraints=None, variant_budget_s: float | None = None) -> SplitTuneResult:
+               constraints=None, variant_budget_s: float | None = None,
+               split_budget_s: float | None = None) -> SplitTuneResult:
     """The fastest fitting plan with or without a split LM head; never slower than the best without.
 
     `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here
     with `time_budget_s`); each split variant's tune of the rest takes `variant_budget_s` (default the
-    same). Plans fit `cluster.usable_memory_bytes` and keep to `constraints` as `tune`'s do.
+    same), its insertions INSERT_SHARE times that. `split_budget_s` instead holds the whole split search
+    (every variant's tune and insertions) to that many seconds: the work units divided evenly, and the
+    wall clock as a guard (each variant until its share of what is left; Ctrl-C ends it with what it has).
+    Plans fit `cluster.usable_memory_bytes` and keep to `constraints` as `tune`'s do.
     """
     opts = options or SimOptions()
     if unsplit is None:
         unsplit = tune(model, cluster, num_microbatches, time_budget_s=time_budget_s, seed=seed,
                        iterations=iterations, options=opts, constraints=constraints)
     vbudget = time_budget_s if variant_budget_s is None else variant_budget_s
+    deadline = None
+    if split_budget_s is not None:
+        vbudget = split_budget_s / (len(VARIANTS) * (1 + INSERT_SHARE))
+        deadline = time.monotonic() + split_budget_s
     best = (unsplit.step_ms, unsplit.plan, unsplit.bubble, tuple(unsplit.peak))
     tried = [("no split", unsplit.step_ms, True)]
     head = splittable_head(model)
     split_best = None
     if head is not None and cluster.num_devices > 1 and not opts.contention and opts.overlap:
-        for out in _split_candidates(model, cluster, num_microbatches, head, vbudget, seed, iterations, opts,
-                                     constraints):
+        for out in _interruptible(_split_candidates(model, cluster, num_microbatches, head, vbudget, seed,
+                                                    iterations, opts, constraints, deadline)):
             label, res, plan = out
             fits = res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 constraints is None or constraints.allows_plan(plan))
@@ -154,13 +181,22 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
                            unsplit=unsplit, tried=tuple(tried))
 
 
-def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, constraints=None):
+def _interruptible(candidates):
+    """The candidates until the generator ends or Ctrl-C (or the CLI's wall-clock guard) stops it."""
+    try:
+        yield from candidates
+    except KeyboardInterrupt:
+        log.warning("split search stopped (interrupt or time budget): the candidates found so far stand")
+
+
+def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, constraints=None, deadline=None):
     """(label, SimResult or None, plan) of each split candidate, from tunes of the model without the head's work.
 
     Two stand-ins for the head while the rest is tuned: nothing at all, and one shard's pass on the
     owner stage (the latency H and J add between the owner's F and its backward); with the second,
     also the embedding split over stage 0's node (its state leaves stage 0's device, which is
     often the fullest: the room lets the rest run deeper schedules).
+    `deadline` (time.monotonic): each variant's insertions stop at its even share of the time left.
     """
     nd = cluster.num_devices
     lay = model.layers[head]
@@ -170,9 +206,12 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
         constraints = replace(constraints, owner_shard=False)
     if constraints is not None and not constraints.split_embedding:
         emb = None  # the runner splits the head only: no variant with the embedding split
-    for stand_in, with_emb in VARIANTS:
-        if with_emb and emb is None:
-            continue
+    variants = [(s, e) for s, e in VARIANTS if emb is not None or not e]
+    for k, (stand_in, with_emb) in enumerate(variants):
+        if deadline is not None and time.monotonic() >= deadline:
+            log.info("split search: the time budget is spent before variant %d of %d", k + 1, len(variants))
+            return
+        vdeadline = None if deadline is None else time.monotonic() + (deadline - time.monotonic()) / (len(variants) - k)
         # room the shards take on every device: their share of the state and a few micro-batches' logits
         reserve = (lay.state_bytes + 2 * lay.activation_bytes) // nd
         rest = _with_head_scaled(model, head, stand_in / nd)
@@ -189,7 +228,7 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
         label = f"stand-in {stand_in:g}/D" + (" +embedding" if with_emb else "")
         units = float("inf") if iterations is not None else budget * WORK_RATE * INSERT_SHARE
         yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units,
-                               owner_shard)
+                               owner_shard, vdeadline)
 
 
 def splittable_embedding(model) -> int | None:
@@ -226,11 +265,13 @@ def _judged(model, cluster, cand, opts):
     return None, None
 
 
-def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf"), owner_shard=False):
+def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = float("inf"), owner_shard=False,
+                deadline: float | None = None):
     """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated.
 
-    Attempts, most promising first, while their work (`attempt_units`) stays within `units`; the first
-    always runs. `owner_shard`: the owner's device keeps a shard (at least MIN_SHARE) in every attempt.
+    Attempts, most promising first, while their work (`attempt_units`) stays within `units` and the wall
+    clock before `deadline` (time.monotonic, none by default); the first always runs unless the deadline has
+    passed. `owner_shard`: the owner's device keeps a shard (at least MIN_SHARE) in every attempt.
     """
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
@@ -254,6 +295,8 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
     spent = 0.0
 
     def affordable() -> bool:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
         return spent == 0.0 or spent + cost <= units
 
     def attempt(label, shares, pol, stages=plan.stages):
@@ -312,6 +355,8 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
     # the lead policy on the work-balancing shares, the shares moved towards each device's room, the
     # boundaries chosen with the split, then the other share sets and policies (measured on the zoo at
     # --budget 2, benchmarks/split_layers.py: the room steps pay most, the other policies seldom)
+    if not affordable():  # the deadline has passed: not even the first
+        return
     yield attempt("balance work", balanced, POLICIES[0])
     # shares proportional to bubble room: a device's room is its shard work plus its idle time in the
     # simulated step; move part of the way towards the room-proportional shares, keep what is faster,

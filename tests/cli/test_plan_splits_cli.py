@@ -49,12 +49,27 @@ def test_auto_splits_a_heavy_head_and_shows_both_bests(tmp_path, capsys):
     assert plan.predicted["step_time_ms"] == pytest.approx(split_ms, abs=0.06)
 
 
-def test_off_is_the_default_and_keeps_whole_layers(tmp_path, capsys):
+def test_the_default_splits_where_it_pays_and_off_keeps_whole_layers(tmp_path, capsys):
     _, _, args = _files(tmp_path, 14.0)
-    assert main(args + ["--json"]) == 0
+    assert main(args + ["--json"]) == 0  # no flag: the 14 ms head is split
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"]["splits"] and doc["split_layers"].startswith("split layers   head over")
+    assert main(args + ["--json", "--splits", "off"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "splits" not in doc["plan"] and "split_layers" not in doc
     assert [r["label"] for r in doc["comparison"]][0] == "OctoPipe (tuned)"
+
+
+def test_the_default_leaves_the_plan_of_a_model_a_split_cannot_help_as_off_makes_it(tmp_path):
+    # a 1 ms head among 1-3 ms layers: splitting it does not lower the whole-layer floor (tuner/split.py
+    # splits_may_pay), so the plan without splits keeps the whole budget: the same bytes as --splits off
+    _, _, args = _files(tmp_path, 1.0)
+    plans = []
+    for extra in ([], ["--splits", "off"]):
+        out = tmp_path / f"plan{len(plans)}.json"
+        assert main(args + extra + ["-o", str(out)]) == 0
+        plans.append(out.read_bytes())
+    assert plans[0] == plans[1] and b'"splits"' not in plans[0]
 
 
 def test_auto_json_names_the_split_and_keeps_the_unsplit_row(tmp_path, capsys):

@@ -63,3 +63,33 @@ def _opts():
     from octopipe_plugin.simulator import SimOptions
 
     return SimOptions()
+
+
+class _Clock:
+    """time.monotonic for the split search, moved by the test: one second per shard insertion."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_insertions_stop_at_their_deadline(monkeypatch):
+    import octopipe_plugin.tuner.split as split
+
+    head = MODEL.num_layers - 1
+    rest = tune(MODEL, CLUSTER, 8, iterations=10, time_budget_s=120, seed=1).plan
+    clock, real = _Clock(), split.insert_shards
+
+    def timed(*a, **k):
+        clock.now += 1.0
+        return real(*a, **k)
+    monkeypatch.setattr(split, "time", clock)
+    monkeypatch.setattr(split, "insert_shards", timed)
+    assert list(_insertions(MODEL, CLUSTER, head, None, rest, _opts(), "x", deadline=-1.0)) == []
+    # attempts start at 0, 1, 2 and 3 s: the fifth would start at the 3.5 s deadline's far side
+    assert len(list(_insertions(MODEL, CLUSTER, head, None, rest, _opts(), "x", deadline=3.5))) == 4
+    clock.now = 0.0  # the whole split search at a spent budget: only the plan without splits
+    r = tune_split(MODEL, CLUSTER, 8, iterations=10, seed=1, split_budget_s=0.0)
+    assert not r.plan.splits and r.tried == (("no split", r.unsplit_ms, True),)

@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-from octopipe_plugin.executor.launch import spawn
 from octopipe_plugin.testing.plans import make_plan, placement, sample_schedule
 from octopipe_plugin.formats import plan_to_dict
 
@@ -48,7 +47,7 @@ CASES = [
 @pytest.mark.timeout(420)
 def test_checkpoints_round_trip_between_plans_and_megatrons_layout(tmp_path):
     out = tmp_path / "results.pt"
-    spawn(S.worker, 2, SPEC, CASES, str(tmp_path / "ckpt"), str(out))
+    H.spawn(S.worker, 2, SPEC, CASES, str(tmp_path / "ckpt"), str(out))  # from the harness's forkserver
     results = torch.load(out, weights_only=False)
     for case in CASES:
         r = results[case["name"]]
