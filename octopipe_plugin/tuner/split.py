@@ -269,9 +269,10 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
                 deadline: float | None = None):
     """The head's shards (and the embedding's, when `emb` is given) put into `plan`'s orders, each simulated.
 
-    Attempts, most promising first, while their work (`attempt_units`) stays within `units` and the wall
-    clock before `deadline` (time.monotonic, none by default); the first always runs unless the deadline has
-    passed. `owner_shard`: the owner's device keeps a shard (at least MIN_SHARE) in every attempt.
+    Attempts, most promising first, while their work (`attempt_units`) stays within `units` and each is
+    expected to end before `deadline` (time.monotonic, none by default; an attempt is expected to take as
+    long as the one before, the first its work at WORK_RATE); the first always runs unless it would end
+    past the deadline. `owner_shard`: the owner's device keeps a shard (at least MIN_SHARE) in every attempt.
     """
     if plan.stages[-1].end != model.num_layers or not plan.stages[-1].start <= head < plan.stages[-1].end:
         return
@@ -294,14 +295,17 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
     cost = attempt_units(plan, nd)
     spent = 0.0
 
+    took = cost / WORK_RATE  # seconds an attempt takes: the work rate's guess (conservative), then the last one's
+
     def affordable() -> bool:
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and time.monotonic() + took > deadline:
             return False
         return spent == 0.0 or spent + cost <= units
 
     def attempt(label, shares, pol, stages=plan.stages):
-        nonlocal best, spent
+        nonlocal best, spent, took
         spent += cost
+        t0 = time.monotonic()
         splits = extra + (_split_of(head, shares, stats, stages[-1].device if owner_shard else None),)
         base = replace(plan, stages=stages, splits=splits, meta=_meta(plan, pol))
         cand, res = None, None
@@ -314,6 +318,7 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
         if res is not None and max(res.peak_memory_bytes) <= cluster.usable_memory_bytes and (
                 best is None or res.step_time_ms < best[0]):
             best = (res.step_time_ms, list(shares), pol, res, stages)
+        took = time.monotonic() - t0
         return f"{label0} {label} {pol.describe()}", res, cand
 
     def best_stages():
@@ -355,7 +360,7 @@ def _insertions(model, cluster, head, emb, plan, opts, label0, units: float = fl
     # the lead policy on the work-balancing shares, the shares moved towards each device's room, the
     # boundaries chosen with the split, then the other share sets and policies (measured on the zoo at
     # --budget 2, benchmarks/split_layers.py: the room steps pay most, the other policies seldom)
-    if not affordable():  # the deadline has passed: not even the first
+    if not affordable():  # the deadline comes first: not even the first
         return
     yield attempt("balance work", balanced, POLICIES[0])
     # shares proportional to bubble room: a device's room is its shard work plus its idle time in the
