@@ -241,10 +241,12 @@ def repair(ev, plan, sc, out, judge):
     return best
 
 
-def relaxed_candidates(ev, layouts, policies_of, limit: int = 3, factors=(2.0, 4.0)):
+def relaxed_candidates(ev, layouts, policies_of, below_ms: float = float("inf"), limit: int = 3,
+                       factors=(2.0, 4.0)):
     """Plans scheduled by the list scheduler with its memory caps loosened by `factors` (more micro-batches in
-    flight) and repaired by memory choices: (layout, plan outcome) of those that fit. The work of a probe that
-    finds none is given back, so a model memory does not bind is tuned exactly as without levers."""
+    flight) and repaired by memory choices: (layout, plan outcome) of those that fit faster than `below_ms`. The
+    work of a probe that finds none is given back, so a model memory does not bind is tuned exactly as without
+    levers, and a probe that finds nothing faster costs the search nothing."""
     from .listsched import build_schedule, schedule_units
 
     if not ev.levers.auto:
@@ -262,16 +264,18 @@ def relaxed_candidates(ev, layouts, policies_of, limit: int = 3, factors=(2.0, 4
                     continue
                 plan = ev.plan_of(lay, sched, {"schedule": "octopipe", "policy": pol.describe()})
                 got = ev.simulated(plan, costs=sc, pair=False)
-                if got is not None and got.fits and got.plan is not None and got.plan.memory:
+                if got is not None and got.fits and got.plan is not None and got.plan.memory and \
+                        got.step_ms < below_ms:
                     found.append((lay, got))
     if not found:
         ev.meter.work, ev.meter.evaluations = work, evals
     return found
 
 
-def repaired_builtins(ev, model, baselines) -> list:
+def repaired_builtins(ev, model, baselines, below_ms: float = float("inf")) -> list:
     """The built-ins over memory at the search count (`baselines`' search outcomes that do not fit), rebuilt and
-    repaired by memory choices: (layout, outcome) of those that fit. The work of finding none is given back."""
+    repaired by memory choices: (layout, outcome) of those that fit faster than `below_ms`. The work of finding
+    none is given back."""
     from .layout import Layout
     from .seeds import _build
 
@@ -286,7 +290,7 @@ def repaired_builtins(ev, model, baselines) -> list:
         if plan is None:
             continue
         got = ev.simulated(plan)
-        if got is not None and got.fits and got.plan is not None and got.plan.memory:
+        if got is not None and got.fits and got.plan is not None and got.plan.memory and got.step_ms < below_ms:
             lay = Layout(bounds=tuple((st.start, st.end) for st in plan.stages),
                          devices=tuple(st.device for st in plan.stages))
             found.append((lay, got))

@@ -222,8 +222,8 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         allowed = [b for b in baselines if allowed_builtin(cons, b, nd)]
         fitting = [b.search for b in allowed if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
-        hand.elite = _elite(first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed)
-                            + _memory_seeds(ev, evs, layouts, hand, allowed))
+        seeds = first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed)
+        hand.elite = _elite(seeds + _memory_seeds(ev, evs, layouts, hand, allowed, seeds))
         if evs.pairing:  # the seeds' pool paired before the search too: its moves then start from the paired plans
             _pair_elite(ev, evs, hand)
         _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
@@ -301,14 +301,15 @@ def _own_seeds(ev, layouts, nd, budget, floor, hand) -> list[Candidate]:
     return found
 
 
-def _memory_seeds(ev, evs, layouts, hand, baselines) -> list[Candidate]:
+def _memory_seeds(ev, evs, layouts, hand, baselines, seeds) -> list[Candidate]:
     """Built-ins over memory and seed layouts list-scheduled with more micro-batches in flight than memory holds,
     repaired by memory choices (tuner/memory_choices.py), as explicit-order candidates; none where the levers allow
     no choice."""
     pols = lambda lay: seed_policies(lay, ev.cluster.num_devices, evs.m,  # noqa: E731
                                      split_backward=hand.constraints.split_backward)
+    below = min((c.step_ms for c in seeds), default=float("inf"))  # what a seed must beat to be worth its work
     out = []
-    for lay, o in repaired_builtins(evs, ev.model, baselines) + relaxed_candidates(evs, layouts, pols):
+    for lay, o in repaired_builtins(evs, ev.model, baselines, below) + relaxed_candidates(evs, layouts, pols, below):
         out.append(Candidate(step_ms=o.step_ms, layout=lay, spec=o.plan.schedule, outcome=o))
         if evs is ev:
             hand.offer(o, "octopipe", "memory choices")
