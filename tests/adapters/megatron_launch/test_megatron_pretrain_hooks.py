@@ -12,11 +12,13 @@ import sys
 import pytest
 
 from octopipe_plugin.adapters.megatron.graph import model_from_megatron
-from octopipe_plugin.executor.launch import spawn
 from octopipe_plugin.formats import write_plan
 from octopipe_plugin.schedules.registry import build_plan
 
 from launch_helpers import TINY_GPT, parse
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "megatron"))
+import megatron_harness as H  # noqa: E402  (spawn: the ranks fork from its forkserver, Megatron imported once)
 
 pytestmark = [pytest.mark.framework, pytest.mark.distributed, pytest.mark.timeout(400)]
 RUN = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--transformer-impl", "local",
@@ -29,7 +31,7 @@ def test_gpt_builder_builds_the_v_shape_plans_chunks(tmp_path):
     model = model_from_megatron(parse(TINY_GPT, octopipe=False, validate=False))
     write_plan(build_plan(model, "zb-v", 2, 4, stages_per_device=2, boundaries=[(0, 3), (3, 5), (5, 6), (6, 8)]),
                tmp_path / "v.json")
-    spawn(_worker, 2, str(tmp_path))
+    H.spawn(_worker, 2, str(tmp_path))
     got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     # ZB-V map: stages 0..3 on ranks 0, 1, 1, 0; decoder layers 0-1 | 2-3 | 4 | 5
     assert got[0]["chunks"] == [{"pre": True, "post": False, "layers": [1, 2]},

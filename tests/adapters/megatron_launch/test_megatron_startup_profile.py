@@ -113,9 +113,10 @@ def test_real_profiler_at_startup(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_rank0_profiles_then_the_plan_is_broadcast(tmp_path):
-    from octopipe_plugin.executor.launch import spawn
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "megatron"))
+    import megatron_harness  # spawn: the ranks fork from its forkserver (Megatron imported once a session)
 
-    spawn(_profile_worker, 2, str(tmp_path))
+    megatron_harness.spawn(_profile_worker, 2, str(tmp_path))
     plans = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert plans[0] == plans[1] and plans[0]["num_devices"] == 2
     assert plans[0]["meta"]["tuned_for"]["profiled_kinds"] == ["dense", "embedding", "lm_head"]
