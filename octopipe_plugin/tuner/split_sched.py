@@ -66,7 +66,7 @@ class _Inserter:
     def __init__(self, g: SplitGraph, plan: Plan, policy: ShardPolicy, room: list[int], phases=None, hidden=None):
         self.g, self.plan, self.pol = g, plan, policy
         self.phases, self.hidden = phases, hidden  # hidden: pairs chosen here (`insert_shards` pair)
-        self.pairs = list(plan.pairs)
+        self.pairs: list = []  # made here, beside the base's
         # the base order's overlapped pairs, kept as units (simulator/pairs.py): position of the first half -> the
         # pair's time; the second half is placed with its first, never on its own
         starts = pair_positions(plan.schedule, plan.pairs)
@@ -120,7 +120,8 @@ class _Inserter:
         total = sum(len(r) for r in self.base) + sum(len(k) * self.m for k in self.kinds)
         if sum(len(r) for r in self.out) != total:
             return None
-        return replace(self.plan, schedule=tuple(tuple(r) for r in self.out), pairs=tuple(sorted(self.pairs)))
+        pairs = tuple(sorted(self.plan.pairs + tuple(self.pairs))) if self.pairs else self.plan.pairs
+        return replace(self.plan, schedule=tuple(tuple(r) for r in self.out), pairs=pairs)
 
     def _fits(self, a: Action, d: int) -> bool:
         """Whether running `a` keeps device d within its memory (actions that free or keep always do)."""
