@@ -45,6 +45,8 @@ def install() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.Event = lambda *a, **k: _NullEvent()
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    # Megatron's recompute checkpoints (--recompute-granularity) read it from the submodule
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.manual_seed = lambda seed: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     _cuda_type_names()

@@ -33,6 +33,7 @@ from ...executor import ExecutorOptions, PipelineExecutor
 from ...executor.interface import TensorMeta
 from .embeddings import sum_head_tie, sum_local_grads
 from .mapping import embedding_split
+from .memory import apply_plan_memory
 from .placement import plan_float16_wrappers, plan_pipeline_view
 from .loss_transfer import recv_loss_dicts, send_loss_dicts
 from .stages import MegatronStages, split_phases
@@ -115,6 +116,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
         seq = decoder_seq_length or seq_length
         seq = seq // cp_size // (tp_size if config.sequence_parallel else 1)
         phases = split_phases(model) if options.split_linears else None
+        memory = apply_plan_memory(plan, rank, model, config)  # the plan's per-layer recompute/offload, set up once
         plan_float16_wrappers(model, plan, rank)
         saved_sync = config.grad_sync_func, config.param_sync_func
         made: list = []  # the runner, for the owner's report (the shards are made before it)
@@ -134,7 +136,7 @@ def make_forward_backward_func(plan, model_graph=None, options: ScheduleOptions 
                                 data_iterator=data_iterator, config=config, num_microbatches=num_microbatches,
                                 tensor_shape=(seq, micro_batch_size, config.hidden_size), forward_only=forward_only,
                                 collect_non_loss_data=collect_non_loss_data, cp_size=cp_size, phases=phases,
-                                shards=step_shards, tp=(dist.get_rank(tp_group), tp_size))
+                                shards=step_shards, tp=(dist.get_rank(tp_group), tp_size), memory=memory)
         made.append(runner)
         if emb_split is not None:  # stage 0's forward steps read ahead; their token ids to the embedding's shards
             from ...executor.token_exchange import exchange_tokens

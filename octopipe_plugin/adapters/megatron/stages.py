@@ -164,9 +164,10 @@ class MegatronStages(StageCore):
     def __init__(self, *, plan, rank: int, model: Sequence[torch.nn.Module], forward_step_func: Callable,
                  data_iterator, config, num_microbatches: int, tensor_shape: tuple[int, ...],
                  forward_only: bool = False, collect_non_loss_data: bool = False, cp_size: int = 1,
-                 phases: Sequence[Phase] | None = None, shards=None, tp: tuple[int, int] = (0, 1)):
+                 phases: Sequence[Phase] | None = None, shards=None, tp: tuple[int, int] = (0, 1), memory=None):
+        # memory: the plan's memory choices on these chunks (memory.apply_plan_memory's LayerMemory)
         super().__init__(num_stages=plan.num_stages, num_microbatches=num_microbatches,
-                         grad_scale=config.grad_scale_func, shards=shards)
+                         grad_scale=config.grad_scale_func, shards=shards, memory=memory)
         self.plan = plan
         self.rank = rank
         # from the plan (a stand-in shards object need not say): the owner's backward starts from the partials
