@@ -84,6 +84,11 @@ def run(args) -> int:
     print(f"messages checked: {rep.messages_checked} (micro-batch, stage and direction all as planned)")
     print(f"step time  predicted {rep.predicted_ms:9.1f} ms  measured {rep.measured_ms:9.1f} ms  "
           f"({100 * rep.error:+.2f}%)")
+    if rep.predicted_peak_bytes:  # memory choices: the stand-ins held the plan's activation bytes, scaled
+        print(f"activation peak per device (bytes x {rep.byte_scale:.3g}): predicted "
+              f"{', '.join(f'{p / 2**20:.1f}' for p in rep.predicted_peak_bytes)} MiB, measured "
+              f"{', '.join(f'{m / 2**20:.1f}' for m in rep.measured_peak_bytes)} MiB: measured peak within "
+              f"{100 * rep.peak_error:.1f}%")
     print(f"{'device':>6} {'idle predicted ms':>18} {'idle measured ms':>17}")
     for d, (p, m) in enumerate(zip(rep.predicted_idle_ms, rep.measured_idle_ms)):
         print(f"{d:>6} {p:18.1f} {m:17.1f}")

@@ -29,15 +29,20 @@ import torch.distributed as dist
 from ..errors import OctoPipeError
 from ..formats import Cluster, Link, plan_from_dict, plan_to_dict
 from ..simulator import simulate, stage_costs
+from ..simulator.costs import memory_costs
 from ..simulator.pairs import stage_phases
 from ..simulator.split import without_split_layers
 from .engine import ExecutorOptions, PipelineExecutor
 from .launch import init_gloo, spawn
 from .standin import SleepStages, StandInCosts, stage_live_outputs, standin_costs, standin_shards
+from .standin_memory import HeldMemory, standin_memory
 
 
 # bytes one stand-in message carries (standin.py's 5 float64 numbers per live output): what the host really sends
 STANDIN_PAYLOAD_BYTES = 40
+# the most activation bytes one rank's stand-in holds at its peak (a plan's memory choices; the plan's bytes scaled
+# down to it, as time is): small enough for 16 ranks on a laptop, large enough that buffers are really allocated
+MEMORY_DRYRUN_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +57,17 @@ class DryRunReport:
     messages_checked: int
     transfers_priced: bool
     clock: str
+    # memory choices (executor/standin_memory.py): per device the predicted and measured activation peak, in the
+    # dry run's scaled bytes (`byte_scale` of the plan's); empty for a plan without `memory`
+    predicted_peak_bytes: tuple[int, ...] = ()
+    measured_peak_bytes: tuple[int, ...] = ()
+    byte_scale: float = 1.0
+
+    @property
+    def peak_error(self) -> float:
+        """The largest |measured - predicted| / predicted activation peak over the devices (0 without memory)."""
+        return max((abs(m - p) / p for p, m in zip(self.predicted_peak_bytes, self.measured_peak_bytes) if p),
+                   default=0.0)
 
     @property
     def error(self) -> float:
@@ -116,9 +132,10 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     for name, value in (("time_scale", time_scale), ("target_ms", target_ms), ("timeout_s", timeout_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OctoPipeError(f"dry run: {name} must be a finite number > 0, got {value}")
-    if getattr(plan, "memory", ()):
-        raise OctoPipeError("dry run: plan $.memory: the stand-ins do not run memory choices yet (no recompute slept, "
-                            "no host-link copies, no activation bytes held); fix: dry-run the plan without `memory`")
+    memory = bool(getattr(plan, "memory", ()))
+    if memory and (getattr(plan, "pairs", ()) or plan.splits):
+        raise OctoPipeError("dry run: plan $.memory: the stand-ins run memory choices on plans without overlapped "
+                            "pairs or split layers; fix: dry-run the plan without `pairs` / `splits` or `memory`")
     links = links if clock == "wall" else None
     priced = cluster is not None or links is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)
@@ -126,10 +143,13 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     sc = scaled_costs(model, plan, scale)
     # wall clock: real bytes over the host's real links, so transfers keep the cluster's own times
     fast = host_links(cluster, links) if clock == "wall" else scaled_cluster(cluster, scale)
+    if memory:  # the host link's copies are scaled as compute is
+        fast = replace(fast, host_link_gb_per_s=cluster.host_link / scale)
     # a split plan's shard costs come from the (scaled) model, its stages' from `sc`; so do an overlapped pair's
     # phases (what it hides: simulator/pairs.py)
     pairs = bool(getattr(plan, "pairs", ()))
-    sim = simulate(scaled_model(model, scale) if plan.splits or pairs else None, fast, plan, costs=sc, detail=False)
+    sim = simulate(scaled_model(model, scale) if plan.splits or pairs or memory else None, fast, plan, costs=sc,
+                   detail=False)
     step_s = sim.step_time_ms / 1000.0
     if max_step_ms is not None and sim.step_time_ms > max_step_ms:
         raise OctoPipeError(f"time scale {scale:.4g} makes the step last {step_s:.4g} s, more than the "
@@ -142,9 +162,18 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     costs = standin_costs(sc, [st.device for st in plan.stages], fast, phases)
     if plan.splits:
         costs = replace(costs, shards=standin_shards(scaled_model(model, scale), plan, fast))
+    held, predicted_peak, byte_scale = None, (), 1.0
+    if memory:  # the recomputed forwards in I and B; the bytes held scaled to fit this host
+        mc = memory_costs(scaled_model(model, scale), plan, fast)
+        costs = replace(costs, bwd=tuple(b + x for b, x in zip(costs.bwd, mc.extra_ms)))
+        static = sc.device_state(plan.stages, plan.num_devices)
+        act_peak = [p - st for p, st in zip(sim.peak_memory_bytes, static)]
+        byte_scale = min(1.0, MEMORY_DRYRUN_BYTES / max(1, max(act_peak)))
+        held = standin_memory(mc, byte_scale)
+        predicted_peak = tuple(int(round(p * byte_scale)) for p in act_peak)
     live = stage_live_outputs(model, plan.stages)
     with tempfile.TemporaryDirectory(prefix="octopipe-dryrun-") as out:
-        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, live, timeout_s, clock, out)
+        spawn(_worker, plan.num_devices, plan_to_dict(plan), costs, live, timeout_s, clock, out, held)
         ranks = [_read_json(os.path.join(out, f"rank{r}.json")) for r in range(plan.num_devices)]
     start = ranks[0]["start"]
     measured = max(r["end"] for r in ranks) - start
@@ -152,6 +181,8 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
         time_scale=scale, predicted_ms=sim.step_time_ms, measured_ms=measured * 1000.0,
         predicted_idle_ms=tuple(sim.idle_ms), measured_idle_ms=tuple((measured - r["busy"]) * 1000.0 for r in ranks),
         messages_checked=sum(r["checked"] for r in ranks), transfers_priced=priced, clock=clock,
+        predicted_peak_bytes=predicted_peak, measured_peak_bytes=tuple(r["peak"] for r in ranks) if memory else (),
+        byte_scale=byte_scale,
     )
 
 
@@ -161,13 +192,14 @@ def _read_json(path: str) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCosts, live: tuple, timeout_s: float,
-            clock: str, out: str) -> None:
+            clock: str, out: str, held=None) -> None:
     init_gloo(rank, world, port, timeout_s)
     plan = plan_from_dict(plan_doc)
     opts = ExecutorOptions(timeout_s=timeout_s)
     # the stand-ins' payloads are CPU tensors: the executor is told so (a device is never implied)
     device = torch.device("cpu")
-    runner = SleepStages(costs=costs, rank=rank, clock=clock, live=live)
+    memory = HeldMemory(held, plan.schedule[rank]) if held is not None else None
+    runner = SleepStages(costs=costs, rank=rank, clock=clock, live=live, memory=memory)
     executor = PipelineExecutor(plan, runner, device=device, options=opts)
     # warm-up step without sleeping, same executor and payload sizes: opens every gloo pair and makes every
     # receive buffer, so the timed step pays no connection setup or first allocation
@@ -175,6 +207,9 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     executor.run_step()
     runner.device.mode = clock
     runner.checked = 0
+    if memory is not None:
+        memory.reset()
+        memory.active = True
     start = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(start, src=0)  # one shared start instant: the host clock is common to all ranks
     t0 = float(start[0])
@@ -185,5 +220,6 @@ def _worker(rank: int, world: int, port: int, plan_doc: dict, costs: StandInCost
     runner.close()
     dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"start": t0, "end": end, "busy": runner.busy_s, "checked": runner.checked}, fh)
+        json.dump({"start": t0, "end": end, "busy": runner.busy_s, "checked": runner.checked,
+                   "peak": memory.peak() if memory is not None else 0}, fh)
     dist.destroy_process_group()

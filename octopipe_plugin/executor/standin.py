@@ -267,7 +267,7 @@ class SleepStages:
     """
 
     def __init__(self, *, costs: StandInCosts, rank: int, clock: str = "device",
-                 live: tuple[tuple[int, ...], ...] | None = None):
+                 live: tuple[tuple[int, ...], ...] | None = None, memory=None):
         if clock not in ("device", "wall"):
             raise ValueError(f"clock {clock!r}: expected 'device' or 'wall'")
         self.costs = costs
@@ -286,6 +286,7 @@ class SleepStages:
         self._host_sleep = _Sleeper()
         self._link_sleep: _Sleeper | None = None
         self.pairs_run = 0
+        self.memory = memory  # the plan's memory choices held and copied (executor/standin_memory.py HeldMemory)
 
     @property
     def checked(self) -> int:
@@ -358,7 +359,12 @@ class SleepStages:
 
     def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
         """Check the incoming activation (stage 0 of a split embedding: the partials), sleep F."""
-        end = self._work(self.costs.fwd[stage], self._forward_ready(stage, mb, inputs))
+        ready = self._forward_ready(stage, mb, inputs)
+        if self.memory is not None:
+            self.memory.starting(max(self.device.free, ready))
+        end = self._work(self.costs.fwd[stage], ready)
+        if self.memory is not None:
+            self.memory.forward(stage, mb, end - self.costs.fwd[stage] / 1000.0, end)
         return self._forward_output(stage, mb, end)
 
     def _forward_ready(self, stage: int, mb: int, inputs) -> float:
@@ -377,7 +383,13 @@ class SleepStages:
         return self._payload(mb, stage, False, end)
 
     def _backward(self, stage: int, mb: int, grad_output, ms: float, kind: str):
-        end = self._work(ms, self._backward_ready(stage, mb, grad_output, kind))
+        ready = self._backward_ready(stage, mb, grad_output, kind)
+        if self.memory is not None:  # the copy-in (issued an action earlier) lands before the backward starts
+            self.memory.starting(max(self.device.free, ready))
+            ready = max(ready, self.memory.backward_ready(stage, mb))
+        end = self._work(ms, ready)
+        if self.memory is not None:
+            self.memory.backward(Kind(kind), stage, mb, end - ms / 1000.0, end)
         return self._backward_output(stage, mb, end)
 
     def _backward_ready(self, stage: int, mb: int, grad_output, kind: str) -> float:
@@ -464,7 +476,9 @@ class SleepStages:
             self._host_sleep.sleep(rest_ms)
 
     def close(self) -> None:
-        """Stop the link thread (if a pair made one)."""
+        """Stop the link thread (if a pair made one) and the host link's (memory choices)."""
+        if self.memory is not None:
+            self.memory.close()
         if self._link is not None:
             self._link.shutdown(wait=True)
             self._link = None
@@ -501,7 +515,11 @@ class SleepStages:
 
     def backward_weight(self, stage: int, mb: int) -> None:
         """Sleep W."""
-        self._work(self.costs.wgrad[stage])
+        if self.memory is not None:
+            self.memory.starting(self.device.free)
+        end = self._work(self.costs.wgrad[stage])
+        if self.memory is not None:
+            self.memory.weight(stage, mb, end)
 
     def backward(self, stage: int, mb: int, grad_output):
         """Check the output gradient, sleep I + W."""

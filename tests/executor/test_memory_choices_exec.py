@@ -99,14 +99,30 @@ def test_recompute_reruns_exactly_the_named_layers():
     assert not runner.memory.offloader.groups and runner.pending() == 0
 
 
-def test_dry_run_refuses_memory_choices_by_name():
-    from octopipe_plugin.errors import OctoPipeError
+def test_dry_run_holds_recomputes_and_offloads_as_predicted():
+    """The stand-ins hold each layer's (scaled) bytes and free them per the choices: recompute (the re-run slept in
+    B), offload (copies on a host-link thread, the backward waiting for its copy-in); 2 ranks, ZB-H1 (I and W)."""
     from octopipe_plugin.executor.dryrun import dry_run
-    from octopipe_plugin.formats import Layer, Model
+    from octopipe_plugin.formats import Cluster, Layer, Link, Model
+    from octopipe_plugin.simulator import simulate
 
+    gib = 2**30
     model = Model(name="m", layers=tuple(Layer(name=f"l{i}", kind="dense", fwd_ms=1, bwd_ms=1, wgrad_ms=1,
-                                               state_bytes=0, activation_bytes=1, output_bytes=1) for i in range(4)))
-    plan = make_plan(stage_devices=[0, 1], bounds=[(0, 2), (2, 4)], num_devices=2, num_microbatches=2,
-                     schedule=SCHEDULES["1f1b"].generate([0, 1], 2, 2))
-    with pytest.raises(OctoPipeError, match=r"dry run: plan \$\.memory: .*fix"):
-        dry_run(model, replace(plan, memory=((1, parse_choice("offload")),)))
+                                               state_bytes=gib, activation_bytes=4 * gib, output_bytes=64 << 20,
+                                               recompute_activation_bytes=64 << 20) for i in range(4)))
+    link = Link(bandwidth_gb_per_s=400, latency_us=1)
+    # 4 GiB take 2.1 ms each way, longer than a layer's F: the copies delay backwards
+    cl = Cluster(num_devices=2, devices_per_node=2, memory_bytes=80 * gib, intra_node=link, inter_node=link,
+                 host_link_gb_per_s=2000.0)
+    memory = ((0, parse_choice("recompute")), (1, parse_choice("offload")), (3, parse_choice("offload")))
+    for name in ("zb-h1",):
+        plain = make_plan(stage_devices=[0, 1], bounds=[(0, 2), (2, 4)], num_devices=2, num_microbatches=4,
+                          schedule=SCHEDULES[name].generate([0, 1], 2, 4))
+        plan = replace(plain, memory=memory)
+        rep = dry_run(model, plan, cl, target_ms=600.0, timeout_s=60.0)
+        assert rep.peak_error <= 0.10, (name, rep.predicted_peak_bytes, rep.measured_peak_bytes)
+        assert abs(rep.error) < 0.25, (name, rep.predicted_ms, rep.measured_ms)
+        # the choices freed bytes: the predicted peaks are the plan's, below the plain plan's
+        with_, without = simulate(model, cl, plan), simulate(model, cl, plain)
+        assert with_.peak_memory_bytes[0] < without.peak_memory_bytes[0]
+        assert with_.step_time_ms > without.step_time_ms  # recompute and the late copy-ins cost time
