@@ -33,7 +33,7 @@ from ...formats.memory import OFFLOAD, RECOMPUTE
 
 # Megatron's uniform memory levers (TransformerConfig / args attribute, its command-line flag): "unset" values
 # are None / False.
-UNIFORM = (("recompute_granularity", "--recompute-granularity (or --recompute-activations)"),
+UNIFORM = (("recompute_granularity", "--recompute-granularity"), ("recompute_activations", "--recompute-activations"),
            ("recompute_method", "--recompute-method"), ("recompute_num_layers", "--recompute-num-layers"),
            ("cpu_offloading", "--cpu-offloading"),
            ("fine_grained_activation_offloading", "--fine-grained-activation-offloading"))

@@ -32,6 +32,7 @@ from .compat import require_supported_megatron
 from .graph import LayerSpec, hybrid_pattern, layer_specs, model_from_megatron
 from .hooks import install_model_hooks
 from .mapping import head_split, is_looped, side_split_blocker, split_problem, stage_layout_args
+from .memory import uniform_memory_refusal
 from .pretrain_hooks import MODEL_HOOKS
 from .te import TeBackward, fuse_te_stages, fused_backward_model, te_backward
 from .startup_profile import merge_costs, profiled_costs
@@ -63,6 +64,9 @@ def resolve_octopipe_plan(args):
     plan, _ = plan_at_startup(_plan_steps(args, specs, facts))
     _apply_stages(args, plan, specs)
     _refuse_splits(args, plan)
+    problem = uniform_memory_refusal(args, plan)  # before any model is built, on every rank
+    if problem is not None:
+        raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
     if not is_looped(plan) or plan.splits:
         # Megatron's model construction is round-robin: let the plan's map decide it (patch route included); a

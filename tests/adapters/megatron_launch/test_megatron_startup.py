@@ -146,6 +146,26 @@ def test_stage_arguments_next_to_a_plan_are_refused(tmp_path):
               validate=False)
 
 
+def test_uniform_recompute_next_to_a_plan_with_memory_choices_is_refused(tmp_path):
+    from dataclasses import replace
+
+    from octopipe_plugin.formats.memory import parse_choice
+
+    plan = read_plan(plan_file(tmp_path))
+    write_plan(replace(plan, memory=((1, parse_choice("recompute")),)), tmp_path / "mem.json")
+    base = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule",
+                       "octopipe", "--octopipe-plan", str(tmp_path / "mem.json")]
+    for extra, flag in ((["--recompute-granularity", "full", "--recompute-method", "uniform"], "--recompute-granularity"),
+                        (["--recompute-activations"], "--recompute-activations")):
+        with pytest.raises(OctoPipeError, match=f"plan \\$.memory sets each layer's recompute/offload; drop {flag}"):
+            parse(base + extra, world=2, validate=False)
+    # the same uniform recompute beside the plan without memory choices runs as Megatron's own
+    args = parse(TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule",
+                             "octopipe", "--octopipe-plan", plan_file(tmp_path, name="plain.json"),
+                             "--recompute-activations"], world=2, validate=False)
+    assert "memory" not in args.octopipe_plan
+
+
 def test_hybrid_plan_becomes_a_piped_hybrid_pattern(tmp_path):
     argv = ["--hybrid-layer-pattern", "M*-M*-/*-", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
