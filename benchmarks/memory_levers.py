@@ -10,7 +10,12 @@ recompute (the model costed with `recompute: true`, every v of 1-4 and both spli
     peak P of C GiB
 
 (C: device memory less the headroom), then which stages got which choices, and with `--bound` the plan tuned as
-if memory were unlimited: no memory choice can gain more than that over the plan without them.
+if memory were unlimited: no memory choice can gain more than that over the plan without them. With `--dryrun`
+the first tuned plan with choices (where none has any: gemma3 at 64k on h100x8, where memory binds and the tuner
+takes selective recompute) runs on one local process per device with sleeping stand-ins that hold its scaled
+activation bytes (executor/standin_memory.py):
+
+    dryrun: step predicted P ms, measured M ms (E%); measured peak within E%
 
     PYTHONPATH=. python benchmarks/memory_levers.py
     PYTHONPATH=. python benchmarks/memory_levers.py --budget 10 --bound
@@ -74,9 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=30.0, help="tuner time budget per tune, seconds (default 30)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bound", action="store_true", help="also tune with unlimited memory (what no lever can beat)")
+    ap.add_argument("--dryrun", action="store_true", help="dry-run one tuned plan with memory choices")
+    ap.add_argument("--target-s", type=float, default=3.0, help="the scaled step a dry run sleeps through (s)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    xs, ys, ok = [], [], True
+    xs, ys, ok, chosen = [], [], True, None
     for name, seq in CASES:
         arch = replace(load_arch(name), seq_len=seq)
         for cluster_name in CLUSTERS:
@@ -99,6 +106,8 @@ def main(argv=None) -> int:
                   + (f"{mega[0]:.1f} ms (v={mega[1]}, {mega[2]} split)" if mega else "does not fit"))
             print(f"  memory choices gain {x:.3f} over the best plan without them, {y:.3f} over Megatron I-1F1B "
                   f"with full recompute (simulated); peak {peak / GIB:.1f} of {cluster.usable_memory_bytes / GIB:.1f} GiB")
+            if with_.plan.memory and chosen is None:
+                chosen = (model, cluster, with_.plan)
             for line in stage_choices(with_.plan) or ["no memory choice pays"]:
                 print(f"    {line}")
             if args.bound:
@@ -106,10 +115,32 @@ def main(argv=None) -> int:
                             seed=args.seed)
                 print(f"  unlimited memory {free.step_ms:.1f} ms: no memory choice gains more than "
                       f"{without.step_ms / free.step_ms:.3f} here")
-    geo = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+    geo = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
     print(f"geometric mean: gain {geo(xs):.3f} over the best plan without choices, {geo(ys):.3f} over Megatron "
           f"I-1F1B with full recompute; every peak under capacity - headroom: {'yes' if ok else 'NO'}")
+    if args.dryrun:
+        dryrun(chosen, args)
     return 0
+
+
+def dryrun(chosen, args) -> None:
+    """Dry-run a tuned plan with memory choices (`chosen`, else gemma3 64k on h100x8's) and print the comparison."""
+    from octopipe_plugin.executor.dryrun import dry_run
+
+    if chosen is None:
+        cluster = with_headroom(resolve_cluster("h100x8"), parse_headroom("8%"))
+        model = build_model(replace(load_arch("gemma3"), seq_len=65536), cluster.gpu or "H100")
+        res = tune(model, cluster, 2 * cluster.num_devices, time_budget_s=args.budget, seed=args.seed, memory=AUTO)
+        chosen = (model, cluster, res.plan)
+        print(f"gemma3 64k on h100x8 (M=16): tuned with choices {res.step_ms:.1f} ms")
+        for line in stage_choices(res.plan) or ["no memory choice"]:
+            print(f"    {line}")
+    model, cluster, plan = chosen
+    rep = dry_run(model, plan, cluster, target_ms=args.target_s * 1000.0, timeout_s=max(60.0, 10 * args.target_s))
+    print(f"dryrun: step predicted {rep.predicted_ms:.1f} ms, measured {rep.measured_ms:.1f} ms "
+          f"({100 * rep.error:+.2f}%); measured peak within {100 * rep.peak_error:.1f}% (predicted "
+          f"{', '.join(f'{p / 2**20:.1f}' for p in rep.predicted_peak_bytes)} MiB, measured "
+          f"{', '.join(f'{m / 2**20:.1f}' for m in rep.measured_peak_bytes)} MiB at bytes x {rep.byte_scale:.3g})")
 
 
 if __name__ == "__main__":
