@@ -62,6 +62,9 @@ class Evaluator:
                  options: SimOptions | None = None, levers: MemoryLevers = NONE):
         self.model, self.cluster, self.m = model, cluster, num_microbatches
         self.levers = levers  # the memory choices the tuner may make (tuner/memory_choices.py)
+        # choices only add time: a plan over memory no faster than this without them is not repaired (the search
+        # sets it to the best it holds at this count)
+        self.repair_below = float("inf")
         self.meter = meter or Meter()
         self.options = options or SimOptions()  # the judge's switches; the list scheduler prices hops alike
         self._jobs: dict[Layout, tuple] = {}
@@ -214,7 +217,7 @@ class Evaluator:
 
     def _simulated(self, plan: Plan, sc, repair: bool = False) -> Outcome | None:
         out = self._judged(plan, sc)
-        if repair and self.levers.auto and out is not None and not out.fits:
+        if repair and self.levers.auto and out is not None and not out.fits and out.step_ms < self.repair_below:
             return memory_repair(self, plan, sc, out, self._judged) or out
         return out
 

@@ -355,6 +355,7 @@ def _search(ev, rng, budget, ctx, hand) -> None:
     while budget.left(stop_at):
         budget.done += 1
         ev.work += STEP_UNITS
+        ev.repair_below = elite[0].step_ms  # memory choices only add time: repair only what could beat the best
         parent = elite[0] if rng.random() < 0.6 else rng.choice(elite)
         cand = _neighbour(rng, ctx, parent.layout, parent.spec)
         if cand is None or not hand.constraints.admits(cand[0], cand[1], ctx.num_devices) or \
@@ -441,6 +442,7 @@ def _polish(ev, rng, hand, budget) -> None:
     slots = critical_slots(ev, best.plan)
     misses = 0
     while budget.left(1.0 - RESULT_SHARE) and misses < 200:
+        ev.repair_below = best.step_ms
         budget.done += 1
         ev.work += STEP_UNITS
         if ev.levers.auto and best.plan.memory and rng.random() < 0.3:
