@@ -223,7 +223,10 @@ def tune(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, 
         fitting = [b.search for b in allowed if b.search is not None and b.search.fits]
         floor = min(fitting, key=lambda o: o.step_ms) if fitting else None
         seeds = first + _own_seeds(evs, layouts, nd, budget, floor, hand) + _builtin_elite(allowed)
-        hand.elite = _elite(seeds + _memory_seeds(ev, evs, layouts, hand, allowed, seeds))
+        memory_seeds = _memory_seeds(ev, evs, layouts, hand, allowed, seeds)
+        # the search's pool takes them only where nothing without choices fits: the search then runs as without
+        # levers, and a repaired plan it meets joins when it beats the best
+        hand.elite = _elite(seeds or memory_seeds)
         if evs.pairing:  # the seeds' pool paired before the search too: its moves then start from the paired plans
             _pair_elite(ev, evs, hand)
         _search(evs, rng, budget, Context.of(model, nd, evs.m), hand)
