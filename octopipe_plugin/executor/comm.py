@@ -101,18 +101,19 @@ class Transport:
 
     `buffers`: the receive-buffer store kept across steps (None: every step allocates its own).
     `exchange`: "message" or "batched" (None: the backend's default).
-    `action_index`: the plan's `schedules.messages.action_index` (None: sends are dropped only by `reap` and
+    `positions`: the plan's `schedules.messages.device_positions` (None: sends are dropped only by `reap` and
     `finish`); with it, a lane whose sends cannot be polled drops them once the peer has visibly consumed them.
     `yield_after_send`: give the core up once after posting sends (None: the backend's default, `YIELD_AFTER_SEND`).
     """
 
     def __init__(self, *, rank: int, num_stages: int, recv_order: dict, send_order: dict, device: torch.device,
                  timeout_s: float, group=None, pair_groups: dict | None = None, tags: bool = True,
-                 buffers: dict | None = None, exchange: str | None = None, action_index: dict | None = None,
+                 buffers: dict | None = None, exchange: str | None = None, positions: dict | None = None,
                  yield_after_send: bool | None = None):
         self.rank = rank
-        # action -> (device, position in its list) of the step's plan: tells which sends a peer has consumed
-        self.action_index = action_index
+        # (device, action) -> position in that device's list of the step's plan: tells which sends a peer has
+        # consumed (per device: a shard action of a split layer runs on several)
+        self.positions = positions
         self.num_stages = num_stages
         self.recv_order = recv_order
         self.send_order = send_order
@@ -147,13 +148,18 @@ class Transport:
         self.posted: dict[Message, Transfer] = {}
         self.meta_posts: dict[Message, Transfer] = {}
         self.meta_arrived: set[Message] = set()
-        self.in_flight: list[Transfer] = []
+        # sends not yet known complete, per destination in posting order (a receive from a peer scans only its own)
+        self.in_flight: dict[int, list[Transfer]] = {}
         self.queued: list[Transfer] = []
+        self.owed_yield = False  # a send was posted since the last end_sends
+        self.yields = 0  # end_sends' yields this step
+        self.left_at_finish = 0  # messages whose sends were still held when the step's finish began
 
     def begin(self, declared: dict, forward_only: bool, split_metas: dict | None = None) -> None:
         """Start a step: the metas the runner declares now (None where learned by handshake), and those of the
         split layers' messages (what -> TensorMeta: no handshake, the runner declares them)."""
         self.reset()
+        self.yields = 0
         if not self.keep_buffers:
             self.buffers.clear()  # reuse_buffers=False: this step's receives get buffers of their own
         self.declared = dict(declared)
@@ -372,8 +378,19 @@ class Transport:
         wires = tuple(self.lane.send_wire(t) for t in tensors)
         t = Transfer(msg, wires, tuple(Request(send=True, wire=w, group=group, peer=grp_peer, tag=tag) for w in wires))
         self._issue(t)
-        self.in_flight.append(t)
-        give_way(self.give_way and self.exchange != "batched")  # batched: once the batch is issued (flush)
+        self.in_flight.setdefault(msg.dst, []).append(t)
+        # batched: once the batch is issued (flush); per message: once the action's sends are all posted (end_sends)
+        self.owed_yield = self.give_way and self.exchange != "batched"
+
+    def end_sends(self) -> None:
+        """An action's sends are posted: give the core up once (YIELD_AFTER_SEND) if any was. Once per action, not
+        per message: a split head's fan-out posts up to 2 (n - 1) messages in one action, and each yield on a
+        host with more ranks than cores waits for a whole scheduler slice (issue 36: 7 ms per send at 16 ranks on
+        2 cores, 4 s of a 11.5 s step)."""
+        if self.owed_yield:
+            self.owed_yield = False
+            self.yields += 1
+            give_way(True)
 
     def _split_known(self, msg, action):
         """The meta of a split message: declared, or learned this step (None while the head input's handshake has
@@ -494,8 +511,12 @@ class Transport:
     def reap(self) -> None:
         """Drop sends that have completed (frees their buffers early)."""
         self._check_watchdog("reap")
-        if self.in_flight:
-            self.in_flight = [t for t in self.in_flight if not t.completed()]
+        # a send that cannot be polled (gloo's) never reports completion before its wait: scanning them after every
+        # action cost O(sends) each, ~0.6 s of a 16-rank split step's host time (issue 36); _drop_consumed_sends
+        # drops those instead
+        if self.in_flight and self.lane.pollable():
+            self.in_flight = {peer: kept for peer, sends in self.in_flight.items()
+                              if (kept := [t for t in sends if not t.completed()])}
 
     def _drop_consumed_sends(self, got: Message, action) -> None:
         """Drop the sends to `got`'s sender that it consumed before producing `got` (they have completed).
@@ -504,26 +525,29 @@ class Transport:
         tensors (for a pseudo-freed output, its whole storage) would live until the step's end, as Megatron's
         schedules never keep them. Waiting on such a send returns at once: the peer already received it.
         """
-        if self.action_index is None or self.lane.pollable() or not self.in_flight or got.kind is None:
-            return  # (a split hand-over's producer may be a shard action, which several devices run)
-        made = self.action_index.get(got.producer)
+        sends = self.in_flight.get(got.src) if self.positions is not None and not self.lane.pollable() else None
+        if not sends:
+            return
+        made = self.positions.get((got.src, got.producer))
         if made is None:
             return
         keep = []
-        for t in self.in_flight:
-            used = self.action_index.get(t.msg.consumer)
-            if (t.msg.kind is not None and t.msg.dst == got.src and t.works is not None and used is not None
-                    and used[1] < made[1]):
+        for t in sends:
+            used = self.positions.get((t.msg.dst, t.msg.consumer))
+            if t.works is not None and used is not None and used < made:
                 self._wait(t, action, "send")
             else:
                 keep.append(t)
-        self.in_flight = keep
+        self.in_flight[got.src] = keep
 
     def finish(self, action="end of step") -> None:
         """Wait for every send of the step, each for at most the timeout."""
         self.flush()
-        while self.in_flight:
-            self._wait(self.in_flight.pop(0), action, "send")
+        self.left_at_finish = len({t.msg for sends in self.in_flight.values() for t in sends})  # handshakes: one
+        for peer in sorted(self.in_flight):
+            sends = self.in_flight.pop(peer)
+            while sends:
+                self._wait(sends.pop(0), action, "send")
         self._check_watchdog(action)
 
     # ----- waits

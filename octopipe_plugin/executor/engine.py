@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..actions import Action, Kind
 from ..formats.splits import side_of
 from ..schedules.split_messages import WHATS
-from ..schedules.messages import action_index
+from ..schedules.messages import device_positions
 from .comm import Transport
 from .comm_cache import CommCache, default_cache
 from .data import StepData
@@ -176,7 +176,7 @@ class PipelineExecutor:
                 rank=self.rank, num_stages=self.plan.num_stages, recv_order=prog.recv_order,
                 send_order=prog.send_order, device=self.device, timeout_s=self.options.timeout_s, group=self.group,
                 pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers,
-                exchange=self.options.exchange, action_index=action_index(low.plan),
+                exchange=self.options.exchange, positions=device_positions(low.plan),
                 yield_after_send=self.options.yield_after_send)
         return tp
 
@@ -226,6 +226,7 @@ class PipelineExecutor:
             out = self._run(a, inp, batches, forward_only, last)
             result.timeline.append((a, start, time.time()))
             self._hand_on(step, out, last, tp, local, result, ns)
+            tp.end_sends()
             tp.reap()
             i += 1
         tp.finish()
@@ -300,6 +301,7 @@ class PipelineExecutor:
             result.timeline.append((b, mid, time.time()))
         self._hand_on(first, out_a, last_a, tp, local, result, ns)
         self._hand_on(second, out_b, last_b, tp, local, result, ns)
+        tp.end_sends()
         tp.reap()
 
     def _run(self, a: Action, inp, batches: StepData, forward_only: bool, last: bool):

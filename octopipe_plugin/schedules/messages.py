@@ -55,6 +55,11 @@ def action_index(plan) -> dict[Action, tuple[int, int]]:
     return {a: (d, i) for d, row in enumerate(plan.schedule) for i, a in enumerate(row)}
 
 
+def device_positions(plan) -> dict[tuple[int, Action], int]:
+    """Map (device, action) to its position in that device's list (a split layer's shard action runs on several)."""
+    return {(d, a): i for d, row in enumerate(plan.schedule) for i, a in enumerate(row)}
+
+
 def plan_messages(plan) -> dict[tuple[int, int], list[Message]]:
     """Every cross-device message of a plan, grouped by (src, dst), in the sender's production order.
 
