@@ -173,7 +173,7 @@ def checkpointed(forward, context_fn=None):
     return run
 
 
-def _checkpoint_submodules(layer: nn.Module, index: int, modules) -> None:
+def checkpoint_submodules(layer: nn.Module, index: int, modules) -> None:
     """Checkpoint the sub-modules of `layer` the selective modules name (refused where it has none)."""
     for module in modules:
         names = SUBMODULES[module]
@@ -243,5 +243,5 @@ def apply_memory(modules: dict[int, nn.Module], plan) -> LayerMemory | None:
                 seq[j] = _Offloaded(seq[j], offloader)
             else:
                 assert choice.kind == SELECTIVE
-                _checkpoint_submodules(seq[j], i, choice.modules)
+                checkpoint_submodules(seq[j], i, choice.modules)
     return LayerMemory(offloader)

@@ -35,7 +35,8 @@ from ...executor.vocab_shard import VocabShards
 from ...formats import plan_to_dict
 from ...actions import Action, Kind
 from .checkpoint import load_checkpoint, save_records
-from .config import check_microbatches
+from .config import check_microbatches, refused
+from .memory import apply_plan_memory
 from .module import OctoPipePipelineModule
 from .overlap import StageReduction, overlap_applies
 from .shm import release_shm_buffers
@@ -60,7 +61,8 @@ class OctoPipeEngine(PipelineEngine):
         block = self.module.octopipe_block
         # weight gradients reach p.grad through autograd's AccumulateGrad, so DeepSpeed's gradient hooks
         # (bf16 immediate_grad_update, ZeRO) fire once per parameter and action
-        self._runner = DeepSpeedStages(self, grad_sink="autograd", shards=self._head_shards())
+        self._runner = DeepSpeedStages(self, grad_sink="autograd", shards=self._head_shards(),
+                                       memory=self._plan_memory())
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
         wants = block.overlap_dp_reduction if block is not None else True
@@ -75,6 +77,23 @@ class OctoPipeEngine(PipelineEngine):
             self._build_data_iter(self.training_data)  # first/last stage now mean the plan's
         log.info("octopipe: rank %d runs stages %s of %d", self.global_rank, self.module.local_stages,
                  self.plan.num_stages)
+
+    def _plan_memory(self):
+        """The plan's per-layer recompute/offload on this rank's stages; a refusal on any rank ends every rank with
+        its line (a rank checks only the layers it builds)."""
+        if not self.plan.memory:
+            return None
+        memory, problem = None, None
+        try:
+            memory = apply_plan_memory(self.module, self.plan)
+        except OctoPipeError as exc:
+            problem = str(exc)
+        problems = [None] * tdist.get_world_size()
+        tdist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            raise refused(OctoPipeError(first))
+        return memory
 
     def _head_shards(self):
         """The object running this rank's shard actions of a split plan (None without splits)."""

@@ -121,6 +121,7 @@ class OctoPipePipelineModule(PipelineModule):
                 self.octopipe_head = head_placement(plan, self._layer_specs, self._octopipe_owners, self.stage_id)
         self.local_stages = tuple(s for s, d in enumerate(self.stage_devices) if d == self.stage_id)
         self._stage_funcs: dict[int, list] = {}
+        self._stage_layers: dict[int, list] = {}
         self._stage_checkpointable: dict[int, list] = {}
         self.active_stage = self.local_stages[0] if self.local_stages else None
         first = self.active_stage if self.active_stage is not None else 0
@@ -188,6 +189,8 @@ class OctoPipePipelineModule(PipelineModule):
             self.forward_funcs = []
             super()._build()
             self._stage_funcs[s] = self.forward_funcs
+            # the entries as built: a memory choice (memory.py) wraps the ones forward runs, not these
+            self._stage_layers[s] = list(self.forward_funcs)
         if head is not None and head.rows is not None:
             setattr(self, SHARD_NAME, build_shard(self, head))
         if self.local_stages:
@@ -262,7 +265,7 @@ class OctoPipePipelineModule(PipelineModule):
     def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         """Trainable parameters used by stage `stage` (a tied module counts in every stage using it)."""
         seen, out = set(), []
-        for f in self._stage_funcs[stage]:
+        for f in self._stage_layers[stage]:
             module = f if isinstance(f, torch.nn.Module) else getattr(f, "args", (None,))[0]
             if isinstance(module, torch.nn.Module):
                 for p in module.parameters():

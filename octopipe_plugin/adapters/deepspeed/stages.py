@@ -41,9 +41,10 @@ class DeepSpeedStages(TorchStages):
     """StageRunner for the stages one rank holds of an OctoPipePipelineModule under an engine.
 
     `shards`: the object running this rank's shard actions of a split plan (a VocabShards over
-    the module's head shard, or a stand-in); required when the plan splits a layer."""
+    the module's head shard, or a stand-in); required when the plan splits a layer. `memory`: the plan's memory
+    choices on the module (memory.apply_plan_memory's LayerMemory)."""
 
-    def __init__(self, engine, *, grad_sink: str = "autograd", shards=None):
+    def __init__(self, engine, *, grad_sink: str = "autograd", shards=None, memory=None):
         self.engine = engine
         self.module = engine.module
         self.compute_loss = True
@@ -61,7 +62,7 @@ class DeepSpeedStages(TorchStages):
                          num_microbatches=plan.num_microbatches, metas=None, load_input=self.first_input,
                          loss_fn=self._loss, call=self._call,
                          grad_scale=self._loss_scale if engine.fp16_enabled() else None, grad_sink=grad_sink,
-                         shards=shards)
+                         shards=shards, memory=memory)
 
     # ---- step state ----------------------------------------------------------------------------------
     def begin_step(self, num_microbatches: int, *, compute_loss: bool = True, keep_outputs: bool = False) -> None:
