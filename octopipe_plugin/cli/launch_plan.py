@@ -40,7 +40,10 @@ def run_from_megatron(args) -> int:
     from .plan_report import check_size, summary, tuned
 
     output, bare = _prepare(args, "--megatron-args (the launch's model and batch)")
-    view = view_launch(args.megatron_args, bare, world_size=args.world_size, gpu=args.gpu)
+    # the launch's uniform recompute is the starting point: replaced by per-layer choices where the tuner may make
+    # them (left out of the model's costs, to drop from the launch), kept as it is under --recompute/--offload none
+    per_layer = getattr(args, "recompute", "none") != "none" or getattr(args, "offload", "none") != "none"
+    view = view_launch(args.megatron_args, bare, world_size=args.world_size, gpu=args.gpu, per_layer_memory=per_layer)
     launch_headroom = view.args.octopipe_memory_headroom if "--octopipe-memory-headroom" in " ".join(view.argv) \
         else None  # the launch's own setting, unless --memory-headroom overrides it
     cluster = apply_headroom(args, bare, launch_headroom, "--octopipe-memory-headroom of --megatron-args")
@@ -68,6 +71,7 @@ def run_from_megatron(args) -> int:
         failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png)
     current = current_setup(view, cluster)
     add, drop = args_to_add(output, view.argv)
+    memory_drop = list(view.uniform_memory)  # the plan's per-layer choices (or none needed) replace them
     costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
                   why="the launch's arguments, as Megatron's start-up costs them")
     rows = split_rows or comparison_rows(result, cluster)
@@ -83,7 +87,8 @@ def run_from_megatron(args) -> int:
                           "memory_headroom_bytes": cluster.memory_headroom_bytes,
                           "usable_memory_bytes": cluster.usable_memory_bytes,
                           "constraints": result.constraints.as_dict(), "constraints_added": added,
-                          "add_arguments": add, "drop_arguments": drop,
+                          "add_arguments": add, "drop_arguments": drop + memory_drop,
+                          "memory_choices": len(plan.memory),
                           "comparison": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
@@ -91,7 +96,7 @@ def run_from_megatron(args) -> int:
             print("  " + split_line)
         print()
         print(launch_report(view, result, current, added, add, drop, output,
-                            f"--model {model_file} --cluster {args.cluster}"))
+                            f"--model {model_file} --cluster {args.cluster}", memory_drop=memory_drop))
         print()
         print(format_table(rows, cluster.memory_bytes, cluster.memory_headroom_bytes))
     if failed:
@@ -208,14 +213,21 @@ def model_path(plan_path: str) -> str:
 
 
 def launch_report(view, result, current: dict, added: list[str], add: list[str], drop: list[str],
-                  output: str, inputs: str) -> str:
+                  output: str, inputs: str, memory_drop=()) -> str:
     """What to add to the launch, and the plan against the launch's current setup (step, bubble, peak per rank)."""
     f = view.facts
+    memory = len(result.plan.memory)
+    why = (f"the plan's memory choices on {memory} layer(s) replace them" if memory else
+           "the plan fits without recompute")
     lines = [f"Your launch: {f.pipeline_size} pipeline ranks x {f.num_microbatches} micro-batches per step "
              f"(data-parallel size {f.data_parallel_size}), {view.model.num_layers} layers",
              *[f"  constraint added for Megatron: {note}" for note in added],
              f"Run the plan: add to the launch   {' '.join(add)}",
              *([f"  and drop {', '.join(drop)} (the plan sets the stages)"] if drop else []),
+             *([f"  and drop {' '.join(memory_drop)} ({why}; Megatron's uniform recompute beside them is refused)"]
+               if memory_drop else []),
+             *([f"  memory choices: {memory} layer(s) recompute or offload per the plan (no --recompute-* argument "
+                f"needed)"] if memory and not memory_drop else []),
              f"  check it on CPU first: octopipe simulate {inputs} --plan {output}; octopipe dryrun {output} "
              f"{inputs}",
              "",

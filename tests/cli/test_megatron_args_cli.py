@@ -171,3 +171,29 @@ def test_the_launchs_own_headroom_is_used_unless_overridden(capsys, tmp_path):
     assert doc["memory_headroom_bytes"] == 2 * gib
     doc = json.loads(_plan(capsys, RUN, "-o", str(tmp_path / "p.json"), "--json"))
     assert doc["memory_headroom_bytes"] == int(80 * gib * 0.08)
+
+
+UNIFORM_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def test_the_launchs_uniform_recompute_is_replaced_by_the_plans_choices_or_kept(capsys, tmp_path):
+    out_plan = tmp_path / "plan.json"
+    # --recompute full: every layer recomputed by the plan, which replaces the launch's uniform arguments
+    # (--splits off: the split search hands back its plan without the memory choices, tuner/plan_split)
+    text = _plan(capsys, RUN + UNIFORM_RECOMPUTE, "--recompute", "full", "--splits", "off", "-o", str(out_plan))
+    plan = read_plan(out_plan)
+    assert plan.memory and all(c.kind == "recompute" for _, c in plan.memory)
+    drop = next(ln for ln in text.splitlines() if "and drop --recompute" in ln)
+    assert f"and drop {' '.join(UNIFORM_RECOMPUTE)} (the plan's memory choices on {len(plan.memory)} layer(s)" in drop
+    add = f"--pipeline-schedule octopipe --octopipe-plan {out_plan}".split()
+    args = parse(RUN + add, world=2)  # the launch as printed starts: the plan's choices, no uniform recompute
+    assert plan_from_dict(args.octopipe_plan).memory == plan.memory
+    # ... and the start-up refuses the launch left as it was
+    from octopipe_plugin.errors import OctoPipeError
+
+    with pytest.raises(OctoPipeError, match="plan \\$.memory sets each layer's recompute/offload; drop"):
+        parse(RUN + UNIFORM_RECOMPUTE + add, world=2, validate=False)
+    # --recompute none --offload none: the launch's uniform recompute stays (costed as Megatron runs it)
+    doc = json.loads(_plan(capsys, RUN + UNIFORM_RECOMPUTE, "--recompute", "none", "--offload", "none", "-o",
+                           str(tmp_path / "kept.json"), "--json"))
+    assert doc["memory_choices"] == 0 and not any(w.startswith("--recompute") for w in doc["drop_arguments"])

@@ -44,6 +44,9 @@ class LaunchView:
     gpu: str
     current: tuple[tuple[int, int], ...]  # the launch's stage layer ranges (virtual stages in order)
     current_source: str  # where they come from, in words
+    # the launch's uniform recompute/offload words, left out of `argv` (and the model's costs) when the plan's
+    # per-layer choices replace them (view_launch(per_layer_memory=True)); () otherwise
+    uniform_memory: tuple[str, ...] = ()
 
     @property
     def stages_per_rank(self) -> int:
@@ -207,9 +210,15 @@ def current_stages(args, model, pipeline_size: int) -> tuple[list[tuple[int, int
     return megatron_split(model, pipeline_size * v, first, last), where
 
 
-def view_launch(text: str, cluster, *, world_size: int | None = None, gpu: str | None = None) -> LaunchView:
-    """Parse a launch's arguments with Megatron and build what the start-up would: model, run sizes, current stages."""
-    argv = launch_argv(text)
+def view_launch(text: str, cluster, *, world_size: int | None = None, gpu: str | None = None,
+                per_layer_memory: bool = False) -> LaunchView:
+    """Parse a launch's arguments with Megatron and build what the start-up would: model, run sizes, current stages.
+
+    `per_layer_memory`: the plan's memory choices replace the launch's uniform --recompute-* / offload arguments,
+    so those are left out (the model costed without them) and kept in `uniform_memory`, for the user to drop."""
+    from .memory import split_uniform_memory
+
+    argv, uniform = split_uniform_memory(launch_argv(text)) if per_layer_memory else (launch_argv(text), [])
     args = parse_launch(argv, world_size, cluster=cluster, gpu=gpu)
     facts = run_facts(args)
     if cluster.num_devices != facts.pipeline_size:
@@ -219,7 +228,7 @@ def view_launch(text: str, cluster, *, world_size: int | None = None, gpu: str |
     model, gpu = launch_model(args, facts, cluster, gpu)
     current, where = current_stages(args, model, facts.pipeline_size)
     return LaunchView(argv=tuple(argv), args=args, facts=facts, model=model, gpu=gpu, current=tuple(current),
-                      current_source=where)
+                      current_source=where, uniform_memory=tuple(uniform))
 
 
 def args_to_add(plan_path: str, argv) -> tuple[list[str], list[str]]:

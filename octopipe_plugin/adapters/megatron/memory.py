@@ -1,6 +1,7 @@
 """A plan's per-layer memory choices on Megatron chunks (docs/formats.md "Memory choices", docs/megatron-schedule.md).
 
-Each decoder layer the plan names gets its own recompute or offload, where Megatron's `--recompute-*` arguments
+Each layer the plan names (the embedding, a decoder layer, the LM head's output layer) gets its own recompute or
+offload, where Megatron's `--recompute-*` arguments
 apply one setting to every chunk:
 
 - `recompute`: the layer's forward runs under a non-reentrant `torch.utils.checkpoint` (the executor's
@@ -29,7 +30,7 @@ import weakref
 
 from ...actions import Kind
 from ...errors import OctoPipeError
-from ...formats.memory import OFFLOAD, RECOMPUTE
+from ...formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
 
 # Megatron's uniform memory levers (TransformerConfig / args attribute, its command-line flag): "unset" values
 # are None / False.
@@ -39,6 +40,29 @@ UNIFORM = (("recompute_granularity", "--recompute-granularity"), ("recompute_act
            ("fine_grained_activation_offloading", "--fine-grained-activation-offloading"))
 
 WHY = "the plan's per-layer memory choice (adapters/megatron/memory.py)"
+# the uniform levers' flags as a launch writes them, and those taking values (--recompute-modules: one or more)
+_FLAGS = tuple(flag.split(" ")[0] for _, flag in UNIFORM) + ("--recompute-modules",)
+_VALUED = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules")
+
+
+def split_uniform_memory(argv) -> tuple[list[str], list[str]]:
+    """(the launch's words without Megatron's uniform recompute/offload arguments, those arguments' words)."""
+    kept, uniform, i = [], [], 0
+    argv = list(argv)
+    while i < len(argv):
+        word = argv[i]
+        name = word.split("=", 1)[0]
+        if name not in _FLAGS:
+            kept.append(word)
+            i += 1
+            continue
+        uniform.append(word)
+        i += 1
+        if name in _VALUED and "=" not in word:  # its values: the words up to the next option
+            while i < len(argv) and not argv[i].startswith("--"):
+                uniform.append(argv[i])
+                i += 1
+    return kept, uniform
 
 
 def uniform_memory_refusal(settings, plan) -> str | None:
@@ -52,12 +76,18 @@ def uniform_memory_refusal(settings, plan) -> str | None:
             f"the plan's choices replace them (or drop the plan's memory choices to keep Megatron's uniform ones)")
 
 
-def _decoder_layers(chunk):
-    """(the chunk's decoder layers, whether it holds the embedding) of a (wrapped) GPTModel / HybridModel chunk."""
+def _chunk_layers(chunk, st) -> list:
+    """The module of each plan layer of stage `st` in its (wrapped) GPTModel / HybridModel chunk: the embedding,
+    the decoder layers, None for MTP layers (not run per layer here), the LM head's output layer."""
     from megatron.core.utils import get_attr_wrapped_model
 
     inner = get_attr_wrapped_model(chunk, "decoder", return_model_obj=True)
-    return list(inner.decoder.layers), bool(getattr(inner, "pre_process", False))
+    pre, post = bool(getattr(inner, "pre_process", False)), bool(getattr(inner, "post_process", False))
+    layers = list(inner.decoder.layers)
+    out = [getattr(inner, "embedding", None)] if pre else []
+    out += layers
+    out += [None] * (st.num_layers - len(out) - post)
+    return out + ([getattr(inner, "output_layer", None)] if post else [])
 
 
 def _rng_contexts():
@@ -153,6 +183,8 @@ _APPLIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def apply_plan_memory(plan, rank: int, model, config):
     """Set up the plan's memory choices on this rank's chunks (once); the LayerMemory the runner takes, or None."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     from ...executor.memory_choices import LayerMemory, Offloader, checkpointed, offloaded
     from .hooks import replace_forward, set_flags
 
@@ -170,19 +202,22 @@ def apply_plan_memory(plan, rank: int, model, config):
         return done[1]
     offloader = Offloader() if any(c.kind == OFFLOAD for c in memory.values()) else None
     split = {a.stage for a in plan.schedule[rank] if a.kind in (Kind.I, Kind.W)}
+    split_layers = {sp.layer for sp in plan.splits}
     for v, s in enumerate(plan.stages_of(rank)):
         st = plan.stages[s]
-        layers, pre = _decoder_layers(model[v])
+        modules = _chunk_layers(model[v], st)
         for i in range(st.start, st.end):
             choice = memory.get(i)
             if choice is None:
                 continue
-            j = i - st.start - pre
-            if not 0 <= j < len(layers):
-                raise OctoPipeError(f"plan $.memory.{i}: layer {i} is stage {s}'s "
-                                    f"{'embedding' if j < 0 else 'MTP layer or LM head'}; Megatron's runner recomputes "
-                                    f"or offloads decoder layers only; fix: drop the entry")
-            layer = layers[j]
+            layer = modules[i - st.start]
+            decoder = isinstance(layer, TransformerLayer)
+            if layer is None or i in split_layers or (choice.kind == SELECTIVE and not decoder):
+                what = ("a split layer (its shards run it)" if i in split_layers else "an MTP layer" if layer is None
+                        else f"a {type(layer).__name__}, which has no sub-modules to recompute selectively")
+                raise OctoPipeError(f"plan $.memory.{i}: layer {i} of stage {s} is {what}; Megatron's runner "
+                                    f"applies this choice to its embedding, decoder layers and LM head only; fix: "
+                                    f"drop the entry{' or use recompute or offload' if layer is not None else ''}")
             if choice.kind == RECOMPUTE:
                 replace_forward(layer, lambda fwd: checkpointed(fwd, context_fn=_rng_contexts), WHY)
             elif choice.kind == OFFLOAD:

@@ -52,19 +52,20 @@ def split_backward(rows):
 
 PLAN = make_plan(stage_devices=[0, 1], bounds=BOUNDS, num_devices=2, num_microbatches=M,
                  schedule=one_f_one_b(2, M), model="tiny-gpt")
-# Megatron's own uniform levers (the oracles), and plans whose memory choices are per decoder layer (1..4)
+# Megatron's own uniform levers (the oracles), and plans whose memory choices are per layer (0: embedding, 5: head)
 FULL = replace(SPEC, args=("--recompute-granularity", "full", "--recompute-method", "uniform",
                            "--recompute-num-layers", "1"))
 # (layernorm and moe_act: Megatron's CheckpointWithoutOutput, which needs Transformer Engine; mlp: Megatron-core
 # 0.19.2's own recompute_mlp recurses in its backward, the plan's selective:mlp runs without it)
 SELECTIVE = replace(SPEC, args=("--recompute-granularity", "selective", "--recompute-modules", "core_attn"))
-ALL_RECOMPUTED = replace(PLAN, memory=((1, parse_choice("recompute")), (2, parse_choice("recompute")),
-                                       (3, parse_choice("recompute")), (4, parse_choice("recompute"))))
+# every layer, as `octopipe plan --recompute full` writes it: the embedding and the LM head too
+ALL_RECOMPUTED = replace(PLAN, memory=tuple((i, parse_choice("recompute")) for i in range(6)))
 MIXED = replace(PLAN, memory=((1, parse_choice("selective:core_attn")), (2, parse_choice("offload")),
                               (3, parse_choice("recompute")), (4, parse_choice("selective:core_attn,mlp"))))
 MIXED_SPLIT = replace(PLAN, schedule=split_backward(PLAN.schedule),
-                      memory=((1, parse_choice("offload")), (2, parse_choice("recompute")),
-                              (3, parse_choice("selective:mlp")), (4, parse_choice("offload"))))
+                      memory=((0, parse_choice("offload")), (1, parse_choice("offload")), (2, parse_choice("recompute")),
+                              (3, parse_choice("selective:mlp")), (4, parse_choice("offload")),
+                              (5, parse_choice("offload"))))
 CASES = [dict(name="megatron_1f1b", spec=SPEC, pp=2, microbatches=M, layout=LAYOUT, memory=True),
          dict(name="octopipe_1f1b", spec=SPEC, pp=2, microbatches=M, plan=plan_to_dict(PLAN), memory=True),
          dict(name="octopipe_1f1b_kept", spec=SPEC, pp=2, microbatches=M, plan=plan_to_dict(PLAN), memory=True,
