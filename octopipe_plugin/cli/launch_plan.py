@@ -156,6 +156,7 @@ def run_from_deepspeed(args) -> int:
     costs = Costs(gpu=model.meta.get("gpu"), source=str(model.meta.get("cost_model", "analytic")),
                   why="the layer list, as the DeepSpeed start-up costs it")
     block = {"plan": output}
+    memory_lines = deepspeed_memory_lines(args, job, plan)
     rows = split_rows or comparison_rows(result, cluster)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "costs": costs.as_dict(), "plan_file": output,
@@ -167,6 +168,7 @@ def run_from_deepspeed(args) -> int:
                           "memory_headroom_bytes": cluster.memory_headroom_bytes,
                           "usable_memory_bytes": cluster.usable_memory_bytes,
                           "octopipe_block": block, "comparison": [r.as_dict() for r in rows],
+                          "memory_choices": len(plan.memory), "memory_notes": memory_lines,
                           **({"split_layers": split_line} if split_line else {})}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
@@ -177,6 +179,7 @@ def run_from_deepspeed(args) -> int:
                  f"(gradient_accumulation_steps), {model.num_layers} layers in the PipelineModule list",
                  f"Run the plan: add `import octopipe_plugin.deepspeed` to the script and to {args.deepspeed_config}"
                  f"   \"octopipe\": {json.dumps(block)}",
+                 *memory_lines,
                  f"  check it on CPU first: octopipe dryrun {output} --model {model_file} --cluster {args.cluster}",
                  "", f"  your job now: DeepSpeed's PipelineEngine (1F1B, one stage per rank) on {job.current_source}",
                  *_table(current, result)]
@@ -186,6 +189,25 @@ def run_from_deepspeed(args) -> int:
     if failed:
         raise OctoPipeError("; ".join(failed))
     return 0
+
+
+def deepspeed_memory_lines(args, job, plan) -> list[str]:
+    """What a DeepSpeed job changes for the plan's memory choices: its activation_checkpoint_interval (the starting
+    point, --activation-checkpoint-interval) dropped where the plan decides per layer, the config's
+    "activation_checkpointing" block (DeepSpeed's own checkpoint function, which the plan's choices do not use)."""
+    interval = getattr(args, "activation_checkpoint_interval", 0) or 0
+    levers = getattr(args, "recompute", "none") != "none" or getattr(args, "offload", "none") != "none"
+    lines = []
+    if plan.memory or (interval and levers):
+        why = (f"the plan's memory choices on {len(plan.memory)} layer(s) replace it; an interval beside them is "
+               f"refused" if plan.memory else "the plan fits without it")
+        lines.append(f"  and build the PipelineModule with activation_checkpoint_interval=0 ({why})" if interval
+                     else f"  memory choices: {len(plan.memory)} layer(s) recompute or offload per the plan "
+                          f"(keep activation_checkpoint_interval=0, DeepSpeed's default)")
+        if "activation_checkpointing" in job.config:
+            lines.append(f"  {args.deepspeed_config}'s \"activation_checkpointing\" block configures DeepSpeed's "
+                         f"interval checkpoints only: the plan's choices do not read it")
+    return lines
 
 
 def _simulated(out: dict, model, cluster, name, pp, m, v, bounds) -> dict:

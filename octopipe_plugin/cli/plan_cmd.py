@@ -57,6 +57,9 @@ def add_parser(subparsers) -> None:
     g.add_argument("--partition-method", default="parameters", metavar="METHOD",
                    help="with --deepspeed-config: your PipelineModule's partition_method, for the table against "
                         "your current setup (parameters, uniform or type:REGEX; default DeepSpeed's parameters)")
+    g.add_argument("--activation-checkpoint-interval", type=integer(0, 10 ** 6), default=0, metavar="N",
+                   help="with --deepspeed-config: your PipelineModule's activation_checkpoint_interval; the plan's "
+                        "per-layer choices replace it (printed to drop) unless --recompute none --offload none")
     g.add_argument("--world-size", type=integer(1, L.MAX_DEVICES * 1024), default=None, metavar="N",
                    help="GPUs of the launch (default TP x PP x CP: one data-parallel replica); sets the "
                         "data-parallel size, hence micro-batches per step and the optimizer's sharding")

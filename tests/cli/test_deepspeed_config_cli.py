@@ -136,3 +136,16 @@ def test_json_on_a_first_import_is_clean_and_the_parts_are_plain_ints(job):
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     stages = doc["job"]["current"]["stages"]
     assert re.search(r"'parameters' \(parts \[0, \d+, 9\]\)", stages), stages
+
+
+def test_the_jobs_interval_is_replaced_by_the_plans_memory_choices_or_kept(capsys, job):
+    tmp, cfg, _ = job
+    text = _plan(capsys, cfg, "--module", "myjob:build", "--activation-checkpoint-interval", "2", "--recompute",
+                 "full", "--splits", "off", "-o", str(tmp / "p.json"))
+    plan = read_plan(str(tmp / "p.json"))
+    assert plan.memory
+    assert (f"and build the PipelineModule with activation_checkpoint_interval=0 (the plan's memory choices on "
+            f"{len(plan.memory)} layer(s) replace it; an interval beside them is refused)") in text
+    doc = json.loads(_plan(capsys, cfg, "--module", "myjob:build", "--activation-checkpoint-interval", "2",
+                           "--recompute", "none", "--offload", "none", "--json", "-o", str(tmp / "q.json")))
+    assert doc["memory_choices"] == 0 and doc["memory_notes"] == []  # the job's own interval stays
