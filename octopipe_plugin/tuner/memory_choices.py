@@ -10,8 +10,8 @@ caps in-flight activations by memory, so `relaxed_candidates` also schedules the
 repairs those, and `trim_step` (the polish) drops or swaps single choices where the plan still fits.
 
 `MemoryLevers` is what the user allows: `recompute` none | auto | full (every layer recomputed), `offload` none |
-auto. The library's default is none (the framework runners do not run memory choices); `octopipe plan` defaults to
-auto. A plan nothing forces over memory is judged exactly as without levers (no choice, no work charged).
+auto. The library's default is none (a caller opts in: plans of today stay as they are); `octopipe plan` defaults
+to auto. A plan nothing forces over memory is judged exactly as without levers (no choice, no work charged).
 """
 
 from __future__ import annotations
