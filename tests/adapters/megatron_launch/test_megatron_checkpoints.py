@@ -26,21 +26,27 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 SPEC = H.TinyGPT(num_layers=6)
 
 
-def plan(bounds, devices, seed):
+def plan(bounds, devices, seed, memory=None):
     import random
 
-    return plan_to_dict(make_plan(stage_devices=devices, bounds=bounds, num_devices=2, num_microbatches=S.M,
-                                  schedule=sample_schedule(devices, 2, S.M, random.Random(seed)), model="tiny-gpt"))
+    doc = plan_to_dict(make_plan(stage_devices=devices, bounds=bounds, num_devices=2, num_microbatches=S.M,
+                                 schedule=sample_schedule(devices, 2, S.M, random.Random(seed)), model="tiny-gpt"))
+    return {**doc, "memory": memory} if memory else doc
 
 
 # graph layers: 0 embedding, 1..6 decoder layers, 7 LM head
 VSHAPE = {"pp": 2, "plan": plan([(0, 2), (2, 5), (5, 6), (6, 8)], placement("v", 4, 2), seed=3)}
-LOOPED = {"pp": 2, "plan": plan([(0, 3), (3, 4), (4, 7), (7, 8)], placement("looped", 4, 2), seed=5)}
+# memory choices (per-layer recompute/offload) change no checkpoint key: saved and loaded across plans without them
+MEMORY = {"1": "recompute", "3": "offload", "5": "recompute", "7": "offload"}
+VSHAPE_MEMORY = {"pp": 2, "plan": plan([(0, 2), (2, 5), (5, 6), (6, 8)], placement("v", 4, 2), seed=3,
+                                       memory=MEMORY)}
+LOOPED_MEMORY = {"pp": 2, "plan": plan([(0, 3), (3, 4), (4, 7), (7, 8)], placement("looped", 4, 2), seed=5,
+                                       memory=MEMORY)}
 MEGATRON = {"pp": 2, "layout": "Ett|tt|t|tL"}  # Megatron's own round-robin layout and schedule
 CASES = [
     {"name": "v-shape plan -> megatron layout", "first": VSHAPE, "second": MEGATRON},
-    {"name": "megatron layout -> v-shape plan", "first": MEGATRON, "second": VSHAPE},
-    {"name": "looped plan -> v-shape plan", "first": LOOPED, "second": VSHAPE},
+    {"name": "megatron layout -> v-shape plan with memory choices", "first": MEGATRON, "second": VSHAPE_MEMORY},
+    {"name": "looped plan with memory choices -> v-shape plan", "first": LOOPED_MEMORY, "second": VSHAPE},
 ]
 
 
