@@ -1,8 +1,7 @@
 """A plan's per-layer memory choices on Megatron chunks (docs/formats.md "Memory choices", docs/megatron-schedule.md).
 
 Each layer the plan names (the embedding, a decoder layer, the LM head's output layer) gets its own recompute or
-offload, where Megatron's `--recompute-*` arguments
-apply one setting to every chunk:
+offload, where Megatron's `--recompute-*` arguments apply one setting to every chunk:
 
 - `recompute`: the layer's forward runs under a non-reentrant `torch.utils.checkpoint` (the executor's
   `checkpointed`, Megatron's CUDA RNG tracker states restored for the recompute as Megatron's own checkpoint does);
