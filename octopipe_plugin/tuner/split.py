@@ -45,9 +45,9 @@ STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target log
 VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
 POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=k, window=w, defer_w=dw)
                  for k, w, dw in ((64, 16, True), (64, 4, True), (4, 4, False), (4, 16, False)))
-# measured on 2 idle cores: 16 devices x 32 micro-batches, ~3000 commits, 1.4 s an insertion: ~12 units per
-# committed action and device at WORK_RATE
-INSERT_UNITS_PER_ACTION_DEVICE = 12
+# measured on 2 loaded cores (load average 26-40): 16 devices x 32 micro-batches, 0.58M units at 12 took
+# 0.48-0.58 s an insertion, not the 1.46 s the units said: ~4 units per committed action and device at WORK_RATE
+INSERT_UNITS_PER_ACTION_DEVICE = 4
 LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, on the best shares found
 INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
 # the default search (`octopipe plan`): the plan without splits takes this share of --time-budget, the split
