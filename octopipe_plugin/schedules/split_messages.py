@@ -39,6 +39,9 @@ class SplitMessage:
 
 
 WHATS = ("head-input", "stats", "head-partial", "embedding-partial", "embedding-grad")
+# the side of the split layer (formats.splits.side_of) each kind of message belongs to
+SIDE_OF = {"head-input": "output", "stats": "output", "head-partial": "output", "embedding-partial": "input",
+           "embedding-grad": "input"}
 SPLIT_TAG_BASE = 1 << 24  # above (mb * num_stages + stage) * 2 + 1, the stage messages' tags, for any real plan
 
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 from ..actions import RULES, Action, Kind, pair_positions
 from ..errors import DeadlockError, PlanError
 from ..formats.model import microbatch_tokens
+from ..schedules.split_messages import SIDE_OF, split_messages
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
 from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, stage_costs
-from .overheads import delivery_of, overhead_ms
+from .overheads import delivery_of, overhead_ms, split_message_ms
 from .memory import activation_changes
 from .pairs import pair_ms, stage_phases
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
@@ -154,7 +155,7 @@ class SplitGraph:
     """Each device's actions with their (producer key, delay) lists, durations and memory changes."""
 
     def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float, extra=None,
-                 delivery=None):
+                 delivery=None, overheads=None):
         # delivery: the busy sender's in-flight delay (formats.overheads.MessageCost), charged as hop_times does
         self.plan, self.cluster, self.launch, self.delivery = plan, cluster, launch_ms, delivery
         self.dev_of = [st.device for st in plan.stages]
@@ -163,6 +164,9 @@ class SplitGraph:
         self.dur = kind_durations(sc, extra)  # extra: the stage actions' host overheads (simulator/overheads.py)
         self.change = activation_changes(sc.activation)
         self.by_side = {c.side: c for c in splits}
+        # the split messages' host costs on the actions that send and take them (simulator/overheads.py)
+        self.host = split_message_ms(overheads, split_messages(plan) if overheads is not None else (),
+                                     lambda msg: message_bytes(self.by_side[SIDE_OF[msg.what]], msg.what))
         self.ready, self.preset = self._before_step()
 
     def _before_step(self) -> tuple[list[float], dict]:
@@ -243,9 +247,8 @@ class SplitGraph:
     def duration(self, a: Action, d: int) -> float:
         """Time of `a` on device d."""
         rule = RULES[a.kind]
-        if rule.side is None:
-            return self.dur[a.kind][a.stage]
-        return self.by_side[rule.side].duration(a.kind, d)
+        own = self.dur[a.kind][a.stage] if rule.side is None else self.by_side[rule.side].duration(a.kind, d)
+        return own + self.host.get((d, a), 0.0) if self.host else own
 
     def live(self, a: Action, d: int) -> int:
         """Change of device d's live activation bytes when `a` runs."""
@@ -264,7 +267,7 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     sc = costs if costs is not None else stage_costs(without_split_layers(model, plan.splits), plan.stages)
     g = SplitGraph(cluster, plan, sc, splits, options.launch_ms,
                    overhead_ms(options.overheads, [st.device for st in plan.stages], sc.output),
-                   delivery_of(options.overheads))
+                   delivery_of(options.overheads), options.overheads)
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
     if plan.pairs:

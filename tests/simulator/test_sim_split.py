@@ -224,3 +224,20 @@ def test_busy_sender_delivery_is_charged_like_the_launch_cost_on_every_hand_over
     launch = simulate(HEAD_MODEL, cluster(), head_plan(), SimOptions(launch_ms=0.5)).step_time_ms
     busy = SimOptions(overheads=Overheads(delivery=MessageCost(fixed_ms=0.5)))
     assert simulate(HEAD_MODEL, cluster(), head_plan(), busy).step_time_ms == pytest.approx(launch)
+
+
+def test_split_messages_pay_the_host_cost_of_each_end_on_the_actions_that_send_and_take_them():
+    """The worked check with 0.1 ms per send and 0.2 ms per receive (issue 36): by hand, the owner's F sends the head
+    input, each H sends its statistics (dev0's also receives the head input), each J receives the other's and dev0's
+    sends its partial, the owner's B receives it; the stage messages pay as before (0F0 sends, 1F0 receives...)."""
+    from octopipe_plugin.formats.overheads import MessageCost, Overheads
+
+    ov = Overheads(send=MessageCost(fixed_ms=0.1), recv=MessageCost(fixed_ms=0.2))
+    res = simulate(HEAD_MODEL, cluster(), head_plan(), SimOptions(overheads=ov))
+    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    want = {(0, "0F0"): (0, 1.1), (1, "1F0"): (1.1, 1.4), (0, "1H0"): (1.4, 2.7), (1, "1H0"): (1.4, 2.5),
+            (0, "1J0"): (2.7, 4.0), (1, "1J0"): (2.7, 3.9), (1, "1B0"): (4.0, 4.3), (0, "0B0"): (4.3, 6.5),
+            (1, "1K0"): (4.3, 5.3), (0, "1K0"): (6.5, 7.5)}
+    for k, (s, e) in want.items():
+        assert times[k] == (pytest.approx(s), pytest.approx(e)), k
+    assert res.step_time_ms == pytest.approx(7.5)
