@@ -106,7 +106,8 @@ class _TrackerStates:
 
     def __enter__(self):
         self.saved.append(self.tracker.get_states())
-        self.tracker.set_states(self.states)
+        # a copy: the tracker keeps the dict it is given and its forks write their advanced states into it
+        self.tracker.set_states(dict(self.states))
 
     def __exit__(self, *exc):
         self.tracker.set_states(self.saved.pop())
