@@ -32,6 +32,7 @@ Without --stand-in, real layers need GPUs and your own PipelineModule: build it 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import os
 import sys
@@ -71,7 +72,15 @@ def deepspeed_parts(model, num_stages: int, param_divisor: float) -> list[int]:
     return [int(x) for x in partition_balanced(weights=counts, num_parts=num_stages)]
 
 
-def plans(args, model, cluster, param_divisor):
+def stock_plan(model, cluster, m: int, param_divisor: float):
+    """DeepSpeed's PipelineEngine: its 1F1B on its `parameters` partition."""
+    from octopipe_plugin.schedules.registry import build_plan
+
+    p = cluster.num_devices
+    return build_plan(model, "1f1b", p, m, boundaries=deepspeed_parts(model, p, param_divisor))
+
+
+def plans(args, model, cluster, param_divisor, options=None):
     """(label, plan) of the engines, for the simulator: DeepSpeed's two, OctoPipe's without splits and, unless
     --splits off, OctoPipe's with split layers (given, or tuned on top of the plan without; left out where the
     split-aware tuner keeps the plan without splits)."""
@@ -83,13 +92,13 @@ def plans(args, model, cluster, param_divisor):
     from octopipe_plugin.tuner.split import VARIANTS, tune_split
 
     p, m = cluster.num_devices, args.microbatches
-    stock = build_plan(model, "1f1b", p, m, boundaries=deepspeed_parts(model, p, param_divisor))
+    stock = stock_plan(model, cluster, m, param_divisor)
     dualpipev = build_plan(model, "dualpipev", p, m, boundaries=deepspeed_parts(model, 2 * p, param_divisor))
     res = None
     if args.plan:
         ours = read_plan(args.plan, num_layers=model.num_layers)
     else:
-        res = tune(model, cluster, m, time_budget_s=args.tune_budget)
+        res = tune(model, cluster, m, time_budget_s=args.tune_budget, options=options)
         ours = res.plan
     out = {"stock": stock, "dualpipev": dualpipev, "octopipe": ours}
     if args.splits == "off":
@@ -101,7 +110,7 @@ def plans(args, model, cluster, param_divisor):
                                 "(e.g. from `octopipe plan --splits auto`)")
     else:
         # DeepSpeed's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
-        split = tune_split(model, cluster, m, time_budget_s=args.tune_budget, unsplit=res,
+        split = tune_split(model, cluster, m, time_budget_s=args.tune_budget, unsplit=res, options=options,
                            variant_budget_s=args.tune_budget / len(VARIANTS),
                            constraints=Constraints(**framework_splits("deepspeed"))).plan
     if split.splits:
@@ -184,26 +193,32 @@ def main(argv=None) -> int:
     from octopipe_plugin.formats import model_to_dict, plan_to_dict
     from octopipe_plugin.simulator import simulate
     from octopipe_plugin.testing.deepspeed_standin import standin_width
+    from octopipe_plugin.testing.sleep_layer import standin_sim_options
 
     cluster = resolve_cluster(args.cluster)
     model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
     divisor = max(1.0, sum(layer.state_bytes for layer in model.layers) / 18 / 2e6)  # ~2M stand-in parameters
+    free = zero_cost_cluster(cluster.num_devices)
+    scale = args.target_ms / simulate(model, free, stock_plan(model, cluster, args.microbatches, divisor),
+                                      detail=False).step_time_ms
+    # this host's per-message costs at the run's ranks per core, in the model's milliseconds (the stand-ins sleep
+    # `scale` times those; the host's own costs are not scaled): a split head's fan-out is priced (issue 36)
+    host = standin_sim_options(args, cluster.num_devices)
+    options = replace(host, overheads=host.overheads.scaled(1.0 / scale)) if host.overheads else host
     try:
-        chosen = plans(args, model, cluster, divisor)
+        chosen = plans(args, model, cluster, divisor, options)
     except OctoPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     split = chosen.get("octopipe-split")
     # The stand-ins pass tiny tensors on one host: links cost nothing there, so the figure to compare the
     # measurement with is the simulation without transfer costs; the cluster's own is printed beside it.
-    free = zero_cost_cluster(cluster.num_devices)
-    sim = {k: simulate(model, free, p, detail=False).step_time_ms for k, p in chosen.items()}
+    sim = {k: simulate(model, free, p, options, detail=False).step_time_ms for k, p in chosen.items()}
     linked = {k: simulate(model, cluster, p, detail=False).step_time_ms for k, p in chosen.items()}
-    scale = args.target_ms / sim["stock"]
     scaled = {k: v * scale for k, v in sim.items()}
     if args.clock == "wall":  # compute scaled, the model's bytes over this host's links as they are
         wire = host_links(cluster, resolve_cluster(args.links) if args.links else None)
-        scaled = {k: simulate(scaled_model(model, scale) if p.splits else None, wire, p,
+        scaled = {k: simulate(scaled_model(model, scale) if p.splits else None, wire, p, host,
                               costs=scaled_costs(model, p, scale), detail=False).step_time_ms
                   for k, p in chosen.items()}
     if check_standin_scale(args, [(k, p, scaled[k]) for k, p in chosen.items()]):

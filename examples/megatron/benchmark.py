@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe_plugin.testing.megatron_standin import BOUNDARY_SHAPE, DTYPE, StandInStage, boundary_shape
-from octopipe_plugin.testing.sleep_layer import add_standin_options, check_standin_scale
+from octopipe_plugin.testing.sleep_layer import add_standin_options, check_standin_scale, standin_sim_options
 from octopipe_plugin.costs import cost_gpu, resolve_cluster, resolve_model
 from octopipe_plugin.errors import OctoPipeError
 from octopipe_plugin.executor.dryrun import host_links, scaled_cluster, scaled_costs, scaled_model
@@ -111,7 +111,7 @@ def megatron_plan(model, cluster, microbatches: int, vp: int | None):
     return best[1]
 
 
-def octopipe_plans(model, cluster, args):
+def octopipe_plans(model, cluster, args, options=None):
     """(the plan without splits, the plan with splits or None): given files, else tuned now (`tune`, then
     `tune_split` on top of it); None also where the split-aware tuner keeps the plan without splits."""
     from octopipe_plugin.tuner import tune
@@ -122,7 +122,7 @@ def octopipe_plans(model, cluster, args):
     if args.plan:
         plain = read_plan(args.plan, model.num_layers)
     else:
-        res = tune(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed)
+        res = tune(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed, options=options)
         plain = res.plan
     if plain.splits:
         raise OctoPipeError(f"{args.plan}: the plan without splits has split layers; give it with --split-plan")
@@ -136,7 +136,7 @@ def octopipe_plans(model, cluster, args):
         return plain, split
     # Megatron's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
     split = tune_split(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed,
-                       unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS),
+                       unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS), options=options,
                        constraints=Constraints(**framework_splits("megatron-stand-in"))).plan
     return plain, split if split.splits else None
 
@@ -160,9 +160,10 @@ def stand_in_stages(model, plan, scale: float, fast_cluster, boundary=BOUNDARY_S
         for s, st in enumerate(plan.stages))
 
 
-def simulated_ms(model, plan, scale: float, fast_cluster) -> float:
-    """The simulator's step time of `plan` at the stand-ins' scale (a split plan's shards from the scaled model)."""
-    return simulate(scaled_model(model, scale) if plan.splits else None, fast_cluster, plan,
+def simulated_ms(model, plan, scale: float, fast_cluster, options=None) -> float:
+    """The simulator's step time of `plan` at the stand-ins' scale (a split plan's shards from the scaled model), the
+    host's overheads (`options`) unscaled: they are this host's own."""
+    return simulate(scaled_model(model, scale) if plan.splits else None, fast_cluster, plan, options,
                     costs=scaled_costs(model, plan, scale), detail=False).step_time_ms
 
 
@@ -322,7 +323,10 @@ def main(argv=None) -> int:
         links = resolve_cluster(args.links) if args.links else None
         model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
         base = megatron_plan(model, cluster, args.microbatches, args.megatron_vp)
-        ours, split = octopipe_plans(model, cluster, args)
+        # tuned and predicted with this host's per-message costs at the run's ranks per core (a split head's
+        # statistics fan-out is most of a shard rank's messages: issue 36)
+        options = standin_sim_options(args, cluster.num_devices)
+        ours, split = octopipe_plans(model, cluster, args, options)
     except OctoPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
     runs = [Run(label=label, plan_doc=plan_to_dict(plan), stages=stand_in_stages(model, plan, scale, fast, shape),
                 shards=standin_shards(scaled_model(model, scale), plan, fast) if plan.splits else ())
             for label, plan in plans.items()]
-    sim = {label: simulated_ms(model, plan, scale, fast) for label, plan in plans.items()}
+    sim = {label: simulated_ms(model, plan, scale, fast, options) for label, plan in plans.items()}
     if check_standin_scale(args, [(label, plan, sim[label]) for label, plan in plans.items()]):
         return 2
     print(f"model {model.name}: {model.num_layers} layers, cluster {args.cluster}, {args.microbatches} micro-batches, "

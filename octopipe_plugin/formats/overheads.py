@@ -6,7 +6,7 @@ the benchmarks; how the figures are charged is simulator/overheads.py (docs/form
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass, field as dc_field, replace
 
 from .fields import check_format, check_value, field, load_json, write_json
 from ..actions import Kind
@@ -53,6 +53,15 @@ class Overheads:
             if k == kind.value:
                 return ms
         return 0.0
+
+    def scaled(self, factor: float) -> "Overheads":
+        """Every host cost times `factor` (the in-flight `launch_ms` too): the same work on a `factor` times busier host
+        (stand-in ranks sharing few cores: `testing.sleep_layer.standin_sim_options`)."""
+        def m(c: MessageCost) -> MessageCost:
+            return MessageCost(fixed_ms=c.fixed_ms * factor, per_mb_ms=c.per_mb_ms * factor)
+
+        return replace(self, action_ms=tuple((k, ms * factor) for k, ms in self.action_ms), send=m(self.send),
+                       recv=m(self.recv), launch_ms=self.launch_ms * factor, delivery=m(self.delivery))
 
     @property
     def is_zero(self) -> bool:

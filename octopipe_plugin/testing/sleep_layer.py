@@ -159,6 +159,22 @@ def add_standin_options(p, *, clock_help: str) -> None:
                                                         "(default: tune one with --splits auto)")
 
 
+def standin_sim_options(args, world: int):
+    """The simulator options a stand-in benchmark tunes and predicts with: this host's measured overheads (--overheads,
+    else `profile.overheads.machine_overheads`) times the ranks per core, since `world` local ranks share
+    `os.cpu_count()` cores for the executor's host work (every message's; a split head's fan-out sends many,
+    issue 36); no overheads at hand: plain options."""
+    import os
+
+    from ..profile.overheads import machine_overheads
+    from ..simulator import SimOptions
+
+    ov = machine_overheads(args.overheads)
+    if ov is None:
+        return SimOptions()
+    return SimOptions(overheads=ov.scaled(max(1.0, world / (os.cpu_count() or 1))))
+
+
 def check_standin_scale(args, runs) -> bool:
     """Warn, or refuse (True) under --strict-host-share, where --target-ms lets host overhead decide the figures.
 
