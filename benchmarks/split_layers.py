@@ -1,9 +1,12 @@
 """Split-layer benchmark: the tuner on the zoo's big-vocabulary models with and without vocabulary splits.
 
 For each model, device count D (h100xD) and micro-batches per device (M = factor * D) it tunes
-the plan without splits (today's tuner) and, unless --no-split, the plan the split-aware tuner
-returns (`tuner.split.tune_split`: whole-layer plans and plans whose LM head / embedding is split
-over several devices, the unsplit best kept as a candidate). Columns: step time, step over the
+as `octopipe plan --time-budget BUDGET` does by default (cli/plan_split.py): where a split can pay
+(`tuner.split.splits_may_pay`) the plan without splits with PLAIN_SHARE of the budget, then the
+split search (`tuner.split.tune_split`, split_budget_s: the rest) whose plans split the LM head /
+embedding over several devices, the unsplit best kept as a candidate; with --no-split the plan
+without splits with the whole budget (the "before" table). The seconds column is each row's wall
+clock, which the budget holds to (plus the tuner's last steps). Columns: step time, step over the
 no-idle bound M * sum(work) / D, the gain (step without splits / step with), the split chosen
 (devices x shares), the fullest device's memory (peak, max over devices), and `floor`: the
 whole-layer floor over the same bound when the vocabulary layers are split (tuner/bounds.py:
@@ -13,7 +16,7 @@ LM head's work, `costs/analytic.lm_head_block`, so only its MTP body, 4% of the 
 above a device's share at 32 devices only).
 
     PYTHONPATH=. python benchmarks/split_layers.py                 # 4 models x 8/16/32 devices x 2,4 per device
-    PYTHONPATH=. python benchmarks/split_layers.py --budget 2 --devices 8 16
+    PYTHONPATH=. python benchmarks/split_layers.py --budget 30 --devices 8 16 --factors 2
     PYTHONPATH=. python benchmarks/split_layers.py --no-split      # the "before" table
     PYTHONPATH=. python benchmarks/split_layers.py --why           # and which split attempt won each row
     PYTHONPATH=. python benchmarks/split_layers.py --iterations 200 --budget 600   # the same table on any load
@@ -59,13 +62,15 @@ def run_one(name: str, nd: int, factor: int, budget: float, seed: int, with_spli
     model = resolve_model(name, "H100")
     m = factor * nd
     t0 = time.monotonic()
-    base = tune(model, cluster, m, time_budget_s=budget, seed=seed, iterations=iterations)
+    from octopipe_plugin.tuner.split import PLAIN_SHARE, splits_may_pay, tune_split
+
+    share = PLAIN_SHARE if with_split and splits_may_pay(model, nd, m) else 1.0
+    base = tune(model, cluster, m, time_budget_s=budget * share, seed=seed, iterations=iterations)
     row = {"model": name, "D": nd, "M": m, "bound": work_bound(model, nd, m), "base": base.step_ms,
            "base_gib": max(base.peak) / 2**30, "time": 0.0, "floor": split_floor(model, nd, m)}
     if with_split:
-        from octopipe_plugin.tuner.split import tune_split
-
-        res = tune_split(model, cluster, m, time_budget_s=budget, seed=seed, unsplit=base, iterations=iterations)
+        res = tune_split(model, cluster, m, seed=seed, unsplit=base, iterations=iterations,
+                         split_budget_s=budget * (1.0 - share))
         row.update(split=res.step_ms, split_gib=max(res.peak) / 2**30, chosen=res.describe(), source=res.source)
     row["time"] = time.monotonic() - t0
     return row
@@ -97,7 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--devices", nargs="+", type=int, default=[8, 16, 32])
     ap.add_argument("--factors", nargs="+", type=int, default=[2, 4], help="micro-batches per device")
-    ap.add_argument("--budget", type=float, default=2.0, help="tuner seconds per tune (work units, tuner/search.py)")
+    ap.add_argument("--budget", type=float, default=30.0,
+                    help="seconds per row, as octopipe plan --time-budget (work units, tuner/search.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iterations", type=int, default=None,
                     help="exactly this many search steps per tune (with a large --budget: the same table on a loaded "
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
     with_split = not args.no_split
     # a loaded machine stops short budgets by the wall clock; the tuner says so per run, the table is what counts
     logging.getLogger("octopipe_plugin").setLevel(logging.ERROR)
-    print(f"budget {args.budget} s per tune, seed {args.seed}"
+    print(f"budget {args.budget} s per row, seed {args.seed}"
           + (f", {args.iterations} search steps per tune" if args.iterations is not None else ""))
     print(header(with_split), flush=True)
     rows = []

@@ -32,8 +32,9 @@ def files(tmp_path):
 
 
 def _args(mpath, cpath, *extra):
+    # whole layers: the split search's default is tests/cli/test_plan_splits_cli.py's
     return ["plan", "--model", mpath, "--cluster", cpath, "--microbatches", "8", "--iterations", "60",
-            "--no-progress", *extra]
+            "--no-progress", "--splits", "off", *extra]
 
 
 def test_table_and_plan_file(files, capsys):
