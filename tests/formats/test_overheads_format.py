@@ -62,3 +62,12 @@ def test_bad_input_one_line(tmp_path, change, field, expected):
 def test_cluster_file_given_as_overheads_says_where_it_goes(tmp_path):
     with pytest.raises(FormatError, match="pass it to --cluster"):
         overheads_from_dict({**GOOD, "format": "octopipe-cluster/1"}, "x.json")
+
+
+def test_scaled_multiplies_every_host_cost_and_keeps_the_rest():
+    ov = overheads_from_dict({**GOOD, "launch_us": 10.0, "delivery_us": {"fixed": 5.0, "per_mb": 1.0}})
+    big = ov.scaled(8.0)
+    assert big.action(Kind.B) == pytest.approx(8 * 0.15) and big.send.ms(1e6) == pytest.approx(8 * 0.034)
+    assert big.recv.ms(0) == pytest.approx(8 * 0.04) and big.launch_ms == pytest.approx(0.08)
+    assert big.delivery.ms(1e6) == pytest.approx(8 * 0.006) and big.device == ov.device
+    assert ov.scaled(1.0) == ov
