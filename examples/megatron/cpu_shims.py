@@ -58,6 +58,33 @@ def install() -> None:
     rnd.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     rnd._set_cuda_rng_state = lambda *a, **k: None
     _torch_adam_resume()
+    _moe_alltoall_on_cpu()
+
+
+def _moe_alltoall_on_cpu() -> None:
+    """The all-to-all token dispatcher at EP > 1 and `--overlap-moe-expert-parallel-comm` on CPU (megatron-core 0.19.2).
+
+    - The dispatcher brings its split counts to the host as numpy arrays (moe_utils.maybe_move_tensor_to_cpu,
+      called by token_dispatcher._maybe_dtoh_and_synchronize) only from a GPU tensor: on CPU they stay tensors,
+      which gloo's all_to_all_single refuses as split sizes. They become numpy arrays here as on a GPU.
+    - The combined step's schedule nodes call `record_stream` on their tensors (pipeline_parallel/utils.py:269/308,
+      models/gpt/fine_grained_callables.py:243): on a CPU tensor (its stream a _NullStream) nothing to record.
+    """
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    plain = dispatcher.maybe_move_tensor_to_cpu
+    if getattr(plain, "_cpu_shim", False):
+        return
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy and not tensor.is_cuda:
+            return tensor.numpy()
+        return plain(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._cpu_shim = True
+    dispatcher.maybe_move_tensor_to_cpu = to_host
+    record = torch.Tensor.record_stream
+    torch.Tensor.record_stream = lambda self, stream: record(self, stream) if self.is_cuda else None
 
 
 def _torch_adam_resume() -> None:

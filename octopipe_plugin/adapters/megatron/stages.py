@@ -214,6 +214,17 @@ class MegatronStages(StageCore):
         self._viewing: Forwarded | None = None
         self.stage0_calls: list | None = None  # stage 0's forward steps read ahead (`read_stage0_calls`)
         self.lookup = None  # stage 0's fed word_embeddings (split_embedding.fed_lookup), found by read_stage0_calls
+        from . import pairs
+
+        # --overlap-moe-expert-parallel-comm: every F and B (and each pair) through Megatron's combined step
+        self.combined = None
+        if pairs.overlapped(config, forward_only):
+            problem = pairs.overlap_problem(plan, rank, config, memory)
+            if problem is not None:
+                raise OctoPipeError(problem)
+            self.combined = pairs.CombinedSteps(self)
+        else:
+            pairs.warn_unpaired(plan, config)
 
     def read_stage0_calls(self) -> list | None:
         """Under a split embedding, on stage 0's rank: the forward step of each of the step's micro-batches, read
@@ -267,6 +278,20 @@ class MegatronStages(StageCore):
         """(stage or shard, micro-batch) pairs whose state is still held (0 after a complete step)."""
         return super().pending() + len(self.owner_loss)
 
+    def pair(self, first, first_input, second, second_input, *, batch=None, last_backward: bool = False):
+        """An overlapped pair F+B: under --overlap-moe-expert-parallel-comm one combined step of Megatron's
+        (pairs.py), else the halves one after the other; (F's output, B's input gradient)."""
+        if self.combined is None or second.kind is not Kind.B:
+            out = self.forward(first.stage, first.microbatch, first_input, batch=batch)
+            back = self.backward if second.kind is Kind.B else self.backward_input
+            return out, back(second.stage, second.microbatch, second_input, last_backward=last_backward)
+        x = self._stage_input(first.stage, first.microbatch, first_input, True)
+        fwd = self.state.take(second.stage, second.microbatch, Forwarded)
+        with self._grad_action(second.stage, Kind.B, last_backward):
+            (out, kept), dx = self.combined.pair(first.stage, first.microbatch, x, second.stage, fwd, second_input)
+        self.state.put(first.stage, first.microbatch, kept)
+        return out, dx
+
     def head_loss(self, mb: int, losses: torch.Tensor, coef: torch.Tensor) -> LossOutput:
         """The owner's J report: the shards' per-token losses through the forward step's loss_func and Megatron's
         own scaling (forward_step_calc_loss), so the loss dict Megatron logs and the token count are the unsplit
@@ -293,6 +318,8 @@ class MegatronStages(StageCore):
     def _forward(self, stage: int, mb: int, x, batch, keep: bool):
         from megatron.core.pipeline_parallel import schedules
 
+        if self.combined is not None and keep:
+            return self.combined.forward(stage, mb, x)
         c = self.chunk_of[stage]
         first = self.sync.before_forward(c)
         store: list = []
@@ -357,6 +384,8 @@ class MegatronStages(StageCore):
         for a pseudo-freed output, gradients into main_grad via DDP's hooks)."""
         from megatron.core.pipeline_parallel.schedules import backward_step
 
+        if self.combined is not None:
+            return self.combined.backward(stage, fwd, grad_output, want_dx)
         whole = self.head_split and stage == self.num_stages - 1  # the owner kept its output whole (see _forward)
         with _kept_whole(self.config) if whole else contextlib.nullcontext():
             dx = backward_step(fwd.input, fwd.output, grad_output, self.config)

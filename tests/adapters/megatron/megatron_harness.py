@@ -79,10 +79,19 @@ def spawn(fn, world: int, *args) -> None:
     spawn_ranks(fn, world, *args, start_method="forkserver")
 
 
+def _size(spec: TinyGPT, flag: str) -> int:
+    args = list(spec.args)
+    return int(args[args.index(flag) + 1]) if flag in args else 1
+
+
 def tp_size(spec: TinyGPT) -> int:
     """The spec's --tensor-model-parallel-size (1 unless its extra arguments set it)."""
-    args = list(spec.args)
-    return int(args[args.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in args else 1
+    return _size(spec, "--tensor-model-parallel-size")
+
+
+def ep_size(spec: TinyGPT) -> int:
+    """The spec's --expert-model-parallel-size (1 unless its extra arguments set it)."""
+    return _size(spec, "--expert-model-parallel-size")
 
 
 shim_device_arch = cpu_shims.shim_device_arch  # validate_args' GPU-architecture question at TP > 1
@@ -99,15 +108,16 @@ def release_parallel() -> None:
     destroy_groups_since({dist.group.WORLD} if dist.is_initialized() else set())
 
 
-def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1) -> None:
-    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP (the previous state's groups destroyed)."""
+def init_parallel(pp: int, vp: int | None = None, embedding_ranks=None, tp: int = 1, ep: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state: TP=tp, PP=pp, the rest DP, EP=ep carved from it (the previous
+    state's groups destroyed)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     release_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
-                                 get_embedding_ranks=embedding_ranks)
+                                 get_embedding_ranks=embedding_ranks, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -351,14 +361,15 @@ def make_forward_step(spec: TinyGPT):
         report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
         return loss, num_tokens, {"lm loss": report}
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
         if is_first_or_last_pipeline_stage(vp_stage):
             b = next(data_iterator)
         else:
             b = {k: None for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")}
-        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
-                    loss_mask=b["loss_mask"])
+        # --overlap-moe-expert-parallel-comm: the combined 1F1B step asks for the chunk's schedule plan instead
+        call = model.build_schedule_plan if return_schedule_plan else model
+        out = call(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"], loss_mask=b["loss_mask"])
         return out, partial(loss_func, b["loss_mask"])
 
     return forward_step

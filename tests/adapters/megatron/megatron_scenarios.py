@@ -36,7 +36,14 @@ def _octopipe_chunks(spec: H.TinyGPT, plan, rank: int):
 
     from octopipe_plugin.adapters.megatron import plan_model_provider
 
-    config = H.make_config(spec, plan.num_devices)
+    # --overlap-moe-expert-parallel-comm at PP > 1 asks for a virtual pipeline size, which the user's launch gives
+    # as the plan's layout (its validation derives the size from it)
+    layout = None
+    if "--overlap-moe-expert-parallel-comm" in spec.args:
+        from octopipe_plugin.adapters.megatron.layout import plan_to_layout
+
+        layout = plan_to_layout(plan, spec.graph())
+    config = H.make_config(spec, plan.num_devices, layout=layout)
 
     def model_provider(pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
         return H.build_chunk(spec, config, pre_process, post_process, vp_stage)
@@ -144,15 +151,15 @@ def run_case(case: dict) -> dict:
     spec: H.TinyGPT = case["spec"]
     pp, m = case["pp"], case["microbatches"]
     plan = plan_from_dict(case["plan"]) if case.get("plan") else None
-    tp = H.tp_size(spec)
+    tp, ep = H.tp_size(spec), H.ep_size(spec)
     if plan is not None:
         vp = len(plan.stages_of(0))
-        H.init_parallel(pp, vp, embedding_ranks=embedding_ranks_fn(plan, spec.graph(), spec.tied), tp=tp)
+        H.init_parallel(pp, vp, embedding_ranks=embedding_ranks_fn(plan, spec.graph(), spec.tied), tp=tp, ep=ep)
         config, chunks = _octopipe_chunks(spec, plan, ps.get_pipeline_model_parallel_rank())
     else:
         layout = case.get("layout")
         vp = len(layout.split("|")) // pp if layout else 1
-        H.init_parallel(pp, vp, tp=tp)
+        H.init_parallel(pp, vp, tp=tp, ep=ep)
         config, chunks = _megatron_chunks(spec, layout, pp)
     overlap = bool(case.get("overlap_grad_reduce"))
     chunks = H.wrap_ddp(chunks, config, overlap_grad_reduce=overlap)
@@ -177,7 +184,7 @@ def run_case(case: dict) -> dict:
     placed, device_problems = _placement_check(case, chunks)
     if case.get("deallocate") is False:  # the measurement's control: outputs kept whole after their send
         config.deallocate_pipeline_outputs = False
-    with counting_gemms() as gemms:  # the split linears' GEMMs, counted in this test process only
+    with counting_gemms() as gemms, _counting_combined() as combined:  # counted in this test process only
         for step in range(STEPS):
             for c in chunks:
                 c.zero_grad_buffer()
@@ -209,7 +216,33 @@ def run_case(case: dict) -> dict:
     return {"losses": torch.stack(losses), "evals": torch.stack(evals) if evals else None, "weights": weights,
             "grads": grads, "device_problems": _gathered(device_problems) if case.get("device_check") else None,
             "peak_bytes": _gathered(peaks[0]) if peaks else None,
-            "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item()}
+            "linear_calls": counts[0].item(), "input_gemms": counts[1].item(), "weight_gemms": counts[2].item(),
+            "combined": _gathered(dict(combined))}
+
+
+@contextlib.contextmanager
+def _counting_combined():
+    """Inside: megatron-core's combined forward/backward step counts its calls by what they run ("F", "B", "F+B":
+    one micro-batch's forward overlapped with another's backward), whoever calls it (Megatron's combined 1F1B, or
+    OctoPipe's pairs); the real step runs."""
+    import collections
+
+    import megatron.core.pipeline_parallel.combined_1f1b as combined
+
+    counts: collections.Counter = collections.Counter()
+    plain = combined.combined_forward_backward_step
+
+    def step(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor, forward_data_store,
+             b_model, *args, **kwargs):
+        counts["+".join(k for k, m in (("F", f_model), ("B", b_model)) if m is not None)] += 1
+        return plain(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor, forward_data_store,
+                     b_model, *args, **kwargs)
+
+    combined.combined_forward_backward_step = step
+    try:
+        yield counts
+    finally:
+        combined.combined_forward_backward_step = plain
 
 
 def run_train_step_case(case: dict) -> dict:
