@@ -46,7 +46,7 @@ def overlapped(config, forward_only: bool) -> bool:
     return bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not forward_only
 
 
-def overlap_problem(plan, rank: int, config, memory) -> str | None:
+def overlap_problem(plan, rank: int, memory=None) -> str | None:
     """Why this rank cannot run `plan` through the combined step (one line naming the field and the fix), or None."""
     flag = "--overlap-moe-expert-parallel-comm"
     split = sorted({a.stage for a in plan.schedule[rank] if a.kind in (Kind.I, Kind.W)})
@@ -61,6 +61,12 @@ def overlap_problem(plan, rank: int, config, memory) -> str | None:
     if memory is not None:
         return (f"plan.memory: per-layer recompute/offload does not run under {flag} (megatron-core refuses "
                 f"recomputation with it, transformer_config.py); plan without memory choices or drop {flag}")
+    return None
+
+
+def device_problem() -> str | None:
+    """Why this process cannot run megatron-core's combined step (no CUDA events and streams), or None."""
+    flag = "--overlap-moe-expert-parallel-comm"
     if not _cuda_events_work():
         return (f"{flag} on a CPU process: megatron-core's combined step makes CUDA events and streams "
                 "(models/common/model_chunk_schedule_plan.py:376 torch.cuda.Event(), pipeline_parallel/utils.py:340 "

@@ -219,7 +219,7 @@ class MegatronStages(StageCore):
         # --overlap-moe-expert-parallel-comm: every F and B (and each pair) through Megatron's combined step
         self.combined = None
         if pairs.overlapped(config, forward_only):
-            problem = pairs.overlap_problem(plan, rank, config, memory)
+            problem = pairs.overlap_problem(plan, rank, memory) or pairs.device_problem()
             if problem is not None:
                 raise OctoPipeError(problem)
             self.combined = pairs.CombinedSteps(self)
