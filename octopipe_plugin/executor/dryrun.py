@@ -136,6 +136,9 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     if memory and (getattr(plan, "pairs", ()) or plan.splits):
         raise OctoPipeError("dry run: plan $.memory: the stand-ins run memory choices on plans without overlapped "
                             "pairs or split layers; fix: dry-run the plan without `pairs` / `splits` or `memory`")
+    if any(c.kind == "offload_w" for _, c in getattr(plan, "memory", ())):
+        raise OctoPipeError("dry run: plan $.memory: the stand-ins do not hold offload_w's I->W copies yet; fix: "
+                            "dry-run the plan with those layers kept or offloaded (offload)")
     links = links if clock == "wall" else None
     priced = cluster is not None or links is not None
     cluster = cluster or zero_cost_cluster(plan.num_devices)

@@ -9,10 +9,14 @@
   On CUDA the copies run on a copy stream (pinned host buffers, events; the device tensor is handed to the caching
   allocator once its copy-out has run: `record_stream`), and `LayerMemory.prefetch` starts every copy-in of a
   (stage, micro-batch) when its backward (I or B) begins; on a CPU they are plain copies.
+- `offload_w`: the same hooks, but the saved tensors stay on the device until I has run (I reads them); after I
+  (`LayerMemory.after_input`) every one W will still read is copied to host memory and the device's reference
+  dropped, and W's copy-ins start when W begins (`before_weight`). The gradients I captured for W stay where
+  they are (the simulator counts only the layers' activations between I and W).
 
 `apply_memory(modules, plan)` wraps the layers of a rank's stage modules (`nn.Sequential` over each stage's layer
 range, as `testing.toy.stage_modules` builds them) and returns the `LayerMemory` a `StageCore` runner takes
-(`memory=`): it opens F's offload scope and starts B's and I's copy-ins.
+(`memory=`): it opens F's offload scope, starts B's, I's and W's copy-ins and sends I's kept tensors away.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PlanError
-from ..formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
+from ..formats.memory import OFFLOAD, OFFLOAD_W, RECOMPUTE, SELECTIVE
 
 # Sub-module attribute names each selective module checkpoints (Megatron-core 0.19 TransformerLayer / MoELayer names
 # first, then the toy models' of octopipe_plugin/testing).
@@ -51,9 +55,11 @@ class _Packed:
 
 
 class Offloader:
-    """Saved-tensor hooks that move a layer's saved tensors to host memory and back (see the module docstring)."""
+    """Saved-tensor hooks that move a layer's saved tensors to host memory and back (see the module docstring);
+    `deferred`: they stay on the device until `away` (after I) sends them (offload_w)."""
 
-    def __init__(self):
+    def __init__(self, deferred: bool = False):
+        self.deferred = deferred
         self.groups: dict[tuple[int, int], list[_Packed]] = {}
         self.current: tuple[int, int] | None = None
         self.skip: set[int] = set()  # storages of parameters: never copied
@@ -73,7 +79,10 @@ class Offloader:
     def _pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.skip or t.numel() == 0:
             return t
-        if t.device.type == "cuda":
+        if self.deferred:  # held as the saved tensor itself until `away`
+            handle = _Packed(None, t.device)
+            handle.back = t
+        elif t.device.type == "cuda":
             handle = self._pack_cuda(t)
         else:
             handle = _Packed(t.detach().clone(), t.device)
@@ -93,6 +102,8 @@ class Offloader:
     def _unpack(self, handle):
         if not isinstance(handle, _Packed):
             return handle
+        if handle.host is None:  # deferred, not sent away yet (I's reads)
+            return handle.back
         if handle.device.type != "cuda":
             return handle.host
         compute = torch.cuda.current_stream(handle.device)
@@ -115,6 +126,14 @@ class Offloader:
         for handle in self.groups.get((stage, mb), ()):
             if handle.device.type == "cuda" and handle.back is None:
                 self._copy_in(handle)
+
+    def away(self, stage: int, mb: int) -> None:
+        """Copy (stage, mb)'s held saved tensors to host memory and drop the device's reference (deferred: after I)."""
+        for handle in self.groups.get((stage, mb), ()):
+            if handle.host is None:
+                t, handle.back = handle.back, None
+                moved = self._pack_cuda(t) if t.device.type == "cuda" else _Packed(t.detach().clone(), t.device)
+                handle.host, handle.out_done = moved.host, moved.out_done
 
     def release(self, stage: int, mb: int) -> None:
         """Forget (stage, mb)'s handles (its backward is done; autograd drops the tensors themselves)."""
@@ -189,24 +208,38 @@ def checkpoint_submodules(layer: nn.Module, index: int, modules) -> None:
 class LayerMemory:
     """What a StageCore runner does for the plan's memory choices around its actions."""
 
-    def __init__(self, offloader: Offloader | None):
-        self.offloader = offloader
+    def __init__(self, offloader: Offloader | None, weight_offloader: Offloader | None = None):
+        self.offloader, self.weight_offloader = offloader, weight_offloader
+        self._all = tuple(o for o in (offloader, weight_offloader) if o is not None)
 
     def forward_scope(self, stage: int, mb: int, keep: bool):
         """Around F: the saved tensors of its offloaded layers are (stage, mb)'s."""
-        if self.offloader is None or not keep:
+        if not self._all or not keep:
             return contextlib.nullcontext()
-        return _current(self.offloader, (stage, mb))
+        stack = contextlib.ExitStack()
+        for o in self._all:
+            stack.enter_context(_current(o, (stage, mb)))
+        return stack
 
     def before_backward(self, stage: int, mb: int) -> None:
         """At the start of I or B: the copy-ins of (stage, mb)."""
         if self.offloader is not None:
             self.offloader.prefetch(stage, mb)
 
+    def after_input(self, stage: int, mb: int) -> None:
+        """After I: what W reads of (stage, mb)'s offload_w layers goes to host memory."""
+        if self.weight_offloader is not None:
+            self.weight_offloader.away(stage, mb)
+
+    def before_weight(self, stage: int, mb: int) -> None:
+        """At the start of W: the copy-ins of (stage, mb)'s offload_w layers."""
+        if self.weight_offloader is not None:
+            self.weight_offloader.prefetch(stage, mb)
+
     def after_backward(self, stage: int, mb: int) -> None:
         """After B or W: (stage, mb)'s handles are done with."""
-        if self.offloader is not None:
-            self.offloader.release(stage, mb)
+        for o in self._all:
+            o.release(stage, mb)
 
 
 @contextlib.contextmanager
@@ -226,6 +259,7 @@ def apply_memory(modules: dict[int, nn.Module], plan) -> LayerMemory | None:
     if not memory:
         return None
     offloader = Offloader() if any(c.kind == OFFLOAD for c in memory.values()) else None
+    w_offloader = Offloader(deferred=True) if any(c.kind == OFFLOAD_W for c in memory.values()) else None
     for s, seq in modules.items():
         st = plan.stages[s]
         mine = [i for i in range(st.start, st.end) if i in memory]
@@ -239,9 +273,9 @@ def apply_memory(modules: dict[int, nn.Module], plan) -> LayerMemory | None:
             choice, j = memory[i], i - st.start
             if choice.kind == RECOMPUTE:
                 seq[j] = _Recomputed(seq[j])
-            elif choice.kind == OFFLOAD:
-                seq[j] = _Offloaded(seq[j], offloader)
+            elif choice.kind in (OFFLOAD, OFFLOAD_W):
+                seq[j] = _Offloaded(seq[j], offloader if choice.kind == OFFLOAD else w_offloader)
             else:
                 assert choice.kind == SELECTIVE
                 checkpoint_submodules(seq[j], i, choice.modules)
-    return LayerMemory(offloader)
+    return LayerMemory(offloader, w_offloader)

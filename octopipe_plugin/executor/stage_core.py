@@ -212,11 +212,15 @@ class StageCore:
                     for t, g in zip(ins, dins):  # a start's gradient is W's, not the stage's input gradient
                         _add(dx, t, g)
         self.state.put(stage, mb, InputGradDone(work=work))  # drops the input and output references
+        if self.memory is not None:
+            self.memory.after_input(stage, mb)
         return self._dx(stage, fwd.input, dx)
 
     def backward_weight(self, stage: int, mb: int, *, last_backward: bool = False) -> None:
         """W: finish the weight gradients deferred by backward_input."""
         done = self.state.take(stage, mb, InputGradDone, WeightDoesAll)
+        if self.memory is not None:
+            self.memory.before_weight(stage, mb)
         with self._grad_action(stage, Kind.W, last_backward):
             if isinstance(done, WeightDoesAll):
                 self._fused(stage, done.forwarded, done.grad_output, want_dx=False)

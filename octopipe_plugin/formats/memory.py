@@ -5,7 +5,8 @@ The plan's optional top-level `memory` maps a model layer index (a string key) t
 - `"recompute"`: full recompute of the layer (only its input is kept; its forward re-runs before the backward),
 - `"selective:<module>[,<module>]"`: recompute only the named sub-modules (Megatron-core 0.19's
   `--recompute-modules` names, `SELECTIVE_MODULES`),
-- `"offload"`: its saved activation is copied to host memory after F and back before the backward.
+- `"offload"`: its saved activation is copied to host memory after F and back before the backward,
+- `"offload_w"`: where its backward is split, what W still reads is copied to host memory after I and back before W.
 
 Layers not listed keep their activation on the device (today). This module reads and writes the field and checks
 what the plan alone can check (a known choice, a known module, a layer index of the model); what needs the model
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 
-KEEP, RECOMPUTE, SELECTIVE, OFFLOAD = "keep", "recompute", "selective", "offload"
-CHOICES = (RECOMPUTE, SELECTIVE, OFFLOAD)
+KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, OFFLOAD_W = "keep", "recompute", "selective", "offload", "offload_w"
+CHOICES = (RECOMPUTE, SELECTIVE, OFFLOAD, OFFLOAD_W)
 # Megatron-core 0.19's --recompute-modules (transformer_config.py `recompute_modules`), what each re-runs:
 SELECTIVE_MODULES = {
     "core_attn": "the core attention (QK^T, softmax, PV); frees what the attention kernel saves beyond Q, K, V",
@@ -36,14 +37,14 @@ CONTAINS = {"moe": ("moe_act", "shared_experts")}
 
 @dataclass(frozen=True, slots=True)
 class MemoryChoice:
-    """One layer's choice: `kind` (recompute, selective, offload) and, for selective, the sub-modules."""
+    """One layer's choice: `kind` (recompute, selective, offload, offload_w) and, for selective, the sub-modules."""
 
     kind: str
     modules: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
-        """The choice as the plan writes it: 'recompute', 'offload' or 'selective:core_attn,mlp'."""
+        """The choice as the plan writes it: 'recompute', 'offload', 'offload_w' or 'selective:core_attn,mlp'."""
         return f"{SELECTIVE}:{','.join(self.modules)}" if self.kind == SELECTIVE else self.kind
 
 
@@ -73,7 +74,7 @@ def parse_choice(text) -> MemoryChoice:
     return MemoryChoice(SELECTIVE, tuple(sorted(mods)))
 
 
-_EXPECTED = ("'recompute', 'offload' or 'selective:<module>[,<module>]' with modules of "
+_EXPECTED = ("'recompute', 'offload', 'offload_w' or 'selective:<module>[,<module>]' with modules of "
              + ", ".join(SELECTIVE_MODULES))
 
 

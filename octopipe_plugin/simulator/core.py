@@ -325,7 +325,7 @@ class _MemRun(_Run):
 
     An F of a stage with offloaded layers issues its copy-out when it ends; a B or I of one issues its copy-in
     when the action before it in its device's list (before the pair it is in) starts, not before its copy-out has
-    ended, and starts no earlier than the copy-in's end. Each device's host link serves its copies one at a time in
+    ended (an I and its W likewise for `offload_w` layers), and starts no earlier than the copy-in's end. Each device's host link serves its copies one at a time in
     issue order (a copy-out first on a tie); they overlap compute. Every action's times are kept for the memory
     events (memory.choice_events).
     """
@@ -338,11 +338,16 @@ class _MemRun(_Run):
         self.host_free = [0.0] * nd
         self.out_end = [-1.0] * n
         self.times = [[None] * len(row) for row in plan.schedule]
-        self.copies = [[None] * len(row) for row in plan.schedule]  # per position (start, end) of its host copy
-        # per position: copy-out ms (F of an offloading stage), copy-in ms (its B or I); 0 where none
-        self.cout = [[mc.copy_ms[a.stage] if a.kind is Kind.F else 0.0 for a in row] for row in plan.schedule]
-        self.cin = [[mc.copy_ms[a.stage] if a.kind in (Kind.B, Kind.I) else 0.0 for a in row]
-                    for row in plan.schedule]
+        # per position (start, end) of the host copy after it (an F's, an I's) and of the one before it (B, I, W)
+        self.outs = [[None] * len(row) for row in plan.schedule]
+        self.ins = [[None] * len(row) for row in plan.schedule]
+        # per position: copy-out ms (F of an offloading stage, I of an offload_w one), copy-in ms (its B or I, its
+        # W); 0 where none
+        w = mc.copy_w_ms or (0.0,) * len(mc.copy_ms)
+        self.cout = [[mc.copy_ms[a.stage] if a.kind is Kind.F else w[a.stage] if a.kind is Kind.I else 0.0
+                      for a in row] for row in plan.schedule]
+        self.cin = [[mc.copy_ms[a.stage] if a.kind in (Kind.B, Kind.I) else w[a.stage] if a.kind is Kind.W
+                     else 0.0 for a in row] for row in plan.schedule]
         self.in_end = [[0.0] * len(row) for row in plan.schedule]
 
     def _copy(self, d: int, issue: float, ms: float) -> tuple[float, float]:
@@ -370,11 +375,11 @@ class _MemRun(_Run):
         queue = sorted(queue) + [(0.0, 1, q, ids[q]) for q in after_out]
         for issue, way, q, idx in queue:
             if way == 0:
-                self.copies[d][q] = self._copy(d, issue, self.cout[d][q])
-                self.out_end[idx] = self.copies[d][q][1]
-            else:
-                self.copies[d][q] = self._copy(d, max(issue, self.out_end[idx]), self.cin[d][q])
-                self.in_end[d][q] = self.copies[d][q][1]
+                self.outs[d][q] = self._copy(d, issue, self.cout[d][q])
+                self.out_end[idx] = self.outs[d][q][1]
+            else:  # out_end holds the micro-batch's latest copy-out: F's for its B or I, I's for its W
+                self.ins[d][q] = self._copy(d, max(issue, self.out_end[idx]), self.cin[d][q])
+                self.in_end[d][q] = self.ins[d][q][1]
 
     def _prepare(self, rules) -> None:
         self._rules_partner = [[r[9] is not None for r in row] for row in rules]
@@ -399,21 +404,20 @@ class _MemRun(_Run):
 
     def peaks(self) -> list[int]:
         """Per device, the peak live activation of its timed memory events."""
-        return [timed_peak(choice_events(row, self._unit_times(d), self.mc, self.copies[d])[0])
+        return [timed_peak(choice_events(row, self._unit_times(d), self.mc, self.outs[d], self.ins[d])[0])
                 for d, row in enumerate(self.plan.schedule)]
 
     def host_peaks(self) -> list[int]:
         """Per device, the peak of the host memory its offloaded activations hold."""
-        return [timed_peak(choice_events(row, self._unit_times(d), self.mc, self.copies[d])[1])
+        return [timed_peak(choice_events(row, self._unit_times(d), self.mc, self.outs[d], self.ins[d])[1])
                 for d, row in enumerate(self.plan.schedule)]
 
     def copies_detail(self) -> list:
         """(device, 'out' / 'in', action, start, end) of every host copy."""
         out = []
         for d, row in enumerate(self.plan.schedule):
-            for a, cp in zip(row, self.copies[d]):
-                if cp is not None:
-                    out.append((d, "out" if a.kind is Kind.F else "in", a, cp[0], cp[1]))
+            for a, co, ci in zip(row, self.outs[d], self.ins[d]):
+                out += [(d, way, a, cp[0], cp[1]) for way, cp in (("in", ci), ("out", co)) if cp is not None]
         return out
 
 

@@ -135,7 +135,8 @@ class MemoryCosts:
     leave when their copy-out ends); `extra_ms`: the recomputed forwards, added to the stage's I and B;
     `remat_b` / `remat_i`: bytes recompute brings back when a B / an I starts (B one layer at a time: the largest;
     I every recomputed layer, which W still reads: the sum), freed with the rest; `offload`: bytes copied to the
-    host after F and back before the backward, each way `copy_ms` on the device's host link.
+    host after F and back before the backward, each way `copy_ms` on the device's host link; `offload_w`: bytes
+    (of `kept`) copied to the host after I and back before W (`offload_w` layers), each way `copy_w_ms`.
     """
 
     kept: tuple[int, ...]
@@ -144,6 +145,8 @@ class MemoryCosts:
     remat_i: tuple[int, ...]
     offload: tuple[int, ...]
     copy_ms: tuple[float, ...]
+    offload_w: tuple[int, ...] = ()
+    copy_w_ms: tuple[float, ...] = ()
 
     def apply(self, sc: StageCosts) -> StageCosts:
         """The stage costs the simulator's loop runs: F keeps `kept`, I and B also run the recomputed forwards."""
@@ -156,13 +159,15 @@ def layer_memory(model, layer: int, choice, where: str = "plan") -> tuple[int, f
     """(bytes F keeps, recomputed-forward ms, bytes recompute brings back in the backward, bytes offloaded) of one
     layer under `choice` (formats/memory.py); PlanError in one line where the choice does not fit the layer."""
     from ..errors import PlanError
-    from ..formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
+    from ..formats.memory import OFFLOAD, OFFLOAD_W, RECOMPUTE, SELECTIVE
 
     lay = model.layers[layer]
     act = lay.activation_bytes
     path = f"{where} $.memory.{layer}"
     if choice.kind == OFFLOAD:
         return act, 0.0, 0, act
+    if choice.kind == OFFLOAD_W:  # kept from F to I like a kept layer; memory_costs counts its I->W copies
+        return act, 0.0, 0, 0
     arch = _analytic_arch(model)
     if arch is not None and arch.recompute:
         from ..costs.analytic import RECOMPUTED_KINDS
@@ -220,15 +225,16 @@ def memory_costs(model, plan, cluster=None, where: str = "plan") -> MemoryCosts:
     """Per-stage MemoryCosts of `plan.memory` (refusing, in one line, a choice the model's layer cannot take, and an
     offload the cluster's host memory cannot hold: counted in each device's list order, from F to the backward)."""
     from ..errors import PlanError
-    from ..formats.memory import memory_problem
+    from ..formats.memory import OFFLOAD_W, memory_problem
 
     problem = memory_problem(plan.memory, model.num_layers)
     if problem is not None:
         raise PlanError(problem)
     per_layer = {layer: layer_memory(model, layer, choice, where) for layer, choice in plan.memory}
-    kept, extra, remat_b, remat_i, off, copy = [], [], [], [], [], []
+    w_layers = {layer for layer, choice in plan.memory if choice.kind == OFFLOAD_W}
+    kept, extra, remat_b, remat_i, off, copy, off_w, copy_w = [], [], [], [], [], [], [], []
     for st in plan.stages:
-        k = x = rb = ri = o = 0
+        k = x = rb = ri = o = ow = 0
         for i in range(st.start, st.end):
             lay = model.layers[i]
             got = per_layer.get(i)
@@ -240,21 +246,26 @@ def memory_costs(model, plan, cluster=None, where: str = "plan") -> MemoryCosts:
             rb = max(rb, got[2])
             ri += got[2]
             o += got[3]
+            ow += got[0] if i in w_layers else 0
         kept.append(k)
         extra.append(float(x))
         remat_b.append(rb)
         remat_i.append(ri)
         off.append(o)
         copy.append(cluster.host_copy_ms(o) if cluster is not None and o else 0.0)
-    mc = MemoryCosts(tuple(kept), tuple(extra), tuple(remat_b), tuple(remat_i), tuple(off), tuple(copy))
-    if cluster is not None and any(off):
+        off_w.append(ow)
+        copy_w.append(cluster.host_copy_ms(ow) if cluster is not None and ow else 0.0)
+    mc = MemoryCosts(tuple(kept), tuple(extra), tuple(remat_b), tuple(remat_i), tuple(off), tuple(copy),
+                     tuple(off_w), tuple(copy_w))
+    if cluster is not None and (any(off) or any(off_w)):
         _check_host_memory(plan, mc, cluster, where)
     return mc
 
 
-def host_bytes_bound(plan, offload) -> list[int]:
+def host_bytes_bound(plan, offload, offload_w=None) -> list[int]:
     """Per device, the most offloaded bytes its list order can hold at once: a micro-batch's from its F to its B
-    or I (the host holds them within that span: copy-out after F, copy-in done before the backward)."""
+    or I (the host holds them within that span: copy-out after F, copy-in done before the backward), and its
+    `offload_w` bytes from its I to its W."""
     from ..actions import Kind
 
     out = []
@@ -263,9 +274,13 @@ def host_bytes_bound(plan, offload) -> list[int]:
         for a in row:
             if a.kind is Kind.F:
                 cur += offload[a.stage]
-                peak = max(peak, cur)
             elif a.kind in (Kind.B, Kind.I):
                 cur -= offload[a.stage]
+                if a.kind is Kind.I and offload_w:
+                    cur += offload_w[a.stage]
+            elif a.kind is Kind.W and offload_w:
+                cur -= offload_w[a.stage]
+            peak = max(peak, cur)
         out.append(peak)
     return out
 
@@ -274,9 +289,9 @@ def _check_host_memory(plan, mc: MemoryCosts, cluster, where: str) -> None:
     from ..errors import PlanError
 
     gib = float(1 << 30)
-    for d, got in enumerate(host_bytes_bound(plan, mc.offload)):
+    for d, got in enumerate(host_bytes_bound(plan, mc.offload, mc.offload_w)):
         if got > cluster.host_memory:
-            layers = [layer for layer, c in plan.memory if c.kind == "offload"
+            layers = [layer for layer, c in plan.memory if c.kind in ("offload", "offload_w")
                       and plan.stages[_stage_of(plan, layer)].device == d]
             raise PlanError(f"{where} $.memory: device {d} holds up to {got / gib:.3g} GiB offloaded (layers "
                             f"{', '.join(map(str, layers))}), over its host memory of {cluster.host_memory / gib:.3g} "

@@ -67,32 +67,34 @@ def least_live(devices, activation: tuple[int, ...], num_devices: int) -> list[i
     return need
 
 
-def choice_events(row, times, mc, copies) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+def choice_events(row, times, mc, outs, ins) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     """One device's (time, change) events of its live activation and of its host memory under memory choices.
 
-    `row` its actions, `times` their (start, end), `mc` the plan's simulator.costs.MemoryCosts, `copies` per
-    position the (start, end) of the host copy it has (a copy-out after an F, a copy-in before a B or I) or None.
-    F makes `kept` live at its start; an offloaded stage's bytes leave when its copy-out ends and come back when its
-    copy-in starts (the host holds them from copy-out start to copy-in end); B brings back `remat_b` at its start
-    and frees everything at its end; I brings back `remat_i` (kept), W frees everything at its end.
+    `row` its actions, `times` their (start, end), `mc` the plan's simulator.costs.MemoryCosts, `outs` / `ins` per
+    position the (start, end) of the host copy after it (an F's copy-out, an I's for `offload_w`) / before it (a B's
+    or I's copy-in, a W's) or None. F makes `kept` live at its start; an offloaded stage's bytes leave when its
+    copy-out ends and come back when its copy-in starts (the host holds them from copy-out start to copy-in end);
+    B brings back `remat_b` at its start and frees everything at its end; I brings back `remat_i` (kept), its
+    `offload_w` bytes leave after it the same way and come back before W; W frees everything at its end.
     """
     dev, host = [], []
-    for a, (start, end), cp in zip(row, times, copies):
+    for a, (start, end), co, ci in zip(row, times, outs, ins):
         s = a.stage
+        back = mc.offload_w[s] if a.kind is Kind.W else mc.offload[s]
+        if ci is not None:
+            dev.append((ci[0], back))
+            host.append((ci[1], -back))
+        if co is not None:
+            away = mc.offload[s] if a.kind is Kind.F else mc.offload_w[s]
+            dev.append((co[1], -away))
+            host.append((co[0], away))
         if a.kind is Kind.F:
             dev.append((start, mc.kept[s]))
-            if cp is not None:
-                dev.append((cp[1], -mc.offload[s]))
-                host.append((cp[0], mc.offload[s]))
-        elif a.kind in (Kind.B, Kind.I):
-            if cp is not None:
-                dev.append((cp[0], mc.offload[s]))
-                host.append((cp[1], -mc.offload[s]))
-            if a.kind is Kind.B:
-                dev.append((start, mc.remat_b[s]))
-                dev.append((end, -(mc.kept[s] + mc.remat_b[s])))
-            else:
-                dev.append((start, mc.remat_i[s]))
+        elif a.kind is Kind.B:
+            dev.append((start, mc.remat_b[s]))
+            dev.append((end, -(mc.kept[s] + mc.remat_b[s])))
+        elif a.kind is Kind.I:
+            dev.append((start, mc.remat_i[s]))
         elif a.kind is Kind.W:
             dev.append((end, -(mc.kept[a.stage] + mc.remat_i[a.stage])))
     return dev, host

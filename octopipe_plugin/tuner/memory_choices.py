@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import OctoPipeError, PlanError
-from ..formats.memory import CONTAINS, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryChoice
+from ..formats.memory import CONTAINS, OFFLOAD, OFFLOAD_W, RECOMPUTE, SELECTIVE, MemoryChoice
 
 RECOMPUTE_MODES = ("none", "auto", "full")
 OFFLOAD_MODES = ("none", "auto")
@@ -135,22 +135,33 @@ def _selective_choices(model, layer: int) -> list[MemoryChoice]:
     return out
 
 
-def _in_flight(plan) -> list[int]:
-    """Per stage the most micro-batches its device's order holds between F and the backward."""
+def _in_flight(plan, between_i_and_w: bool = False) -> list[int]:
+    """Per stage the most micro-batches its device's order holds between F and the backward (or between I and W)."""
     from ..actions import Kind
 
+    opens, closes = ((Kind.I,), (Kind.W,)) if between_i_and_w else ((Kind.F,), (Kind.B, Kind.I))
     live = [0] * len(plan.stages)
     most = [0] * len(plan.stages)
     for row in plan.schedule:
         for a in row:
             if a.rule.side is not None:
                 continue
-            if a.kind is Kind.F:
+            if a.kind in opens:
                 live[a.stage] += 1
                 most[a.stage] = max(most[a.stage], live[a.stage])
-            elif a.kind in (Kind.B, Kind.I):
+            elif a.kind in closes:
                 live[a.stage] -= 1
     return most
+
+
+def _w_options(ev):
+    """Per layer its one `offload_w` option (what W reads goes to the host between I and W), cached as `_options`."""
+    got = ev._jobs.get("memory options w")
+    if got is None:
+        got = [[(lay.activation_bytes, 0.0, ev.cluster.host_copy_ms(lay.activation_bytes), MemoryChoice(OFFLOAD_W))]
+               if lay.activation_bytes > 0 else [] for lay in ev.model.layers]
+        ev._jobs["memory options w"] = got
+    return got
 
 
 def _options(ev, levers: MemoryLevers):
@@ -163,10 +174,11 @@ def _options(ev, levers: MemoryLevers):
     return got
 
 
-def _grow(plan, over: list[int], chosen: dict, opts, weight: float, margin: float) -> int:
+def _grow(plan, over: list[int], chosen: dict, opts, weight: float, margin: float, w: bool = False) -> int:
     """Add choices to `chosen` (layer -> option index) on every device over memory until the bytes freed at the
-    peak (freed x micro-batches in flight) cover its excess x margin, cheapest per byte first; how many it added."""
-    flight = _in_flight(plan)
+    peak (freed x micro-batches in flight: between I and W for `w`'s offload_w) cover its excess x margin, cheapest
+    per byte first; how many it added."""
+    flight = _in_flight(plan, w)
     added = 0
     for d, excess in enumerate(over):
         if excess <= 0:
@@ -196,15 +208,27 @@ def _grow(plan, over: list[int], chosen: dict, opts, weight: float, margin: floa
     return added
 
 
-def _mixes(levers: MemoryLevers) -> list[tuple[MemoryLevers, float]]:
+def _mixes(levers: MemoryLevers, deferred_w: bool) -> list[tuple[MemoryLevers, float, bool]]:
+    """(levers, copy weight, offload_w instead) of each repair tried; offload_w where the plan defers a W."""
     out = []
     if levers.recompute == "auto":
-        out.append((MemoryLevers("auto", "none"), 0.0))
+        out.append((MemoryLevers("auto", "none"), 0.0, False))
     if levers.offload == "auto":
-        out.append((MemoryLevers("none", "auto"), 1.0))
+        out.append((MemoryLevers("none", "auto"), 1.0, False))
+        if deferred_w:
+            out.append((MemoryLevers("none", "auto"), 1.0, True))
     if levers.recompute == "auto" and levers.offload == "auto":
-        out.append((levers, OFFLOAD_WEIGHT))
+        out.append((levers, OFFLOAD_WEIGHT, False))
     return out
+
+
+def _defers_w(plan) -> bool:
+    """Whether some I's W is not the next action of its device (its bytes wait between them)."""
+    from ..actions import Kind
+
+    return any(a.kind is Kind.I and (p + 1 >= len(row) or row[p + 1].kind is not Kind.W
+                                     or row[p + 1].microbatch != a.microbatch or row[p + 1].stage != a.stage)
+               for row in plan.schedule for p, a in enumerate(row))
 
 
 def repair(ev, plan, sc, out, judge):
@@ -215,13 +239,13 @@ def repair(ev, plan, sc, out, judge):
     usable = ev.cluster.usable_memory_bytes
     base = dict(plan.memory)
     best = None
-    for levers, weight in _mixes(ev.levers):
-        opts = _options(ev, levers)
+    for levers, weight, w in _mixes(ev.levers, _defers_w(plan)):
+        opts = _w_options(ev) if w else _options(ev, levers)
         chosen: dict = {}
         cur, margin = out, 1.05
         for _ in range(ROUNDS):
             over = [p - usable for p in cur.peak]
-            if not _grow(plan, over, chosen, opts, weight, margin):
+            if not _grow(plan, over, chosen, opts, weight, margin, w):
                 break
             memory = dict(base)
             memory.update({i: opts[i][k][3] for i, k in chosen.items() if i not in base})

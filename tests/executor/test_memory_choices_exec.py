@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from octopipe_plugin.actions import Action
-from octopipe_plugin.errors import PlanError
+from octopipe_plugin.errors import OctoPipeError, PlanError
 from octopipe_plugin.executor.launch import spawn
 from octopipe_plugin.executor.memory_choices import Offloader, apply_memory
 from octopipe_plugin.formats import plan_to_dict
@@ -40,7 +40,9 @@ def _docs():
     for label, plan in [("1f1b mixed", _plan("1f1b", 1, 3, CHOICES)),
                         ("zb-v mixed (I/W)", _plan("zb-v", 2, 3, CHOICES)),
                         ("interleaved all offload", _plan("interleaved-1f1b", 2, 2, {i: "offload" for i in range(8)})),
-                        ("gpipe all recompute", _plan("gpipe", 1, 2, {i: "recompute" for i in range(8)}))]:
+                        ("gpipe all recompute", _plan("gpipe", 1, 2, {i: "recompute" for i in range(8)})),
+                        ("zb-h1 offload_w (I->W)", _plan("zb-h1", 1, 4, {**{i: "offload_w" for i in range(8)},
+                                                                         2: "offload", 5: "recompute"}))]:
         doc = plan_to_dict(plan)
         doc["meta"] = {"label": label}
         docs.append(doc)
@@ -68,6 +70,30 @@ def test_offload_hooks_copy_saved_tensors_and_keep_parameters():
     x2 = x.detach().requires_grad_(True)
     torch.tanh(ref(x2)).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=0)
+
+
+def test_offload_w_sends_what_w_reads_away_after_i():
+    """Deferred hooks: I reads the saved tensors on the device; `away` leaves host copies only; W's gradients are
+    autograd's."""
+    off = Offloader(deferred=True)
+    lin = torch.nn.Linear(3, 3).double()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    off.current = (0, 0)
+    with off.scope(lin.parameters()):
+        y = torch.tanh(lin(x))
+    (dx,) = torch.autograd.grad(y.sum(), (x,), retain_graph=True)
+    packed = off.groups[(0, 0)]
+    assert packed and all(h.host is None and h.back is not None for h in packed)
+    off.away(0, 0)
+    assert all(h.host is not None and h.back is None for h in packed)
+    y.sum().backward(inputs=list(lin.parameters()))
+    ref = torch.nn.Linear(3, 3).double()
+    ref.load_state_dict(lin.state_dict())
+    x2 = x.detach().requires_grad_(True)
+    torch.tanh(ref(x2)).sum().backward()
+    torch.testing.assert_close(dx, x2.grad, rtol=1e-12, atol=0)
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
 
 
 def test_selective_module_the_layer_lacks_is_refused():
@@ -124,5 +150,7 @@ def test_dry_run_holds_recomputes_and_offloads_as_predicted():
         assert abs(rep.error) < 0.25, (name, rep.predicted_ms, rep.measured_ms)
         # the choices freed bytes: the predicted peaks are the plan's, below the plain plan's
         with_, without = simulate(model, cl, plan), simulate(model, cl, plain)
+        with pytest.raises(OctoPipeError, match=r"dry run: plan \$\.memory: the stand-ins do not hold offload_w.*fix"):
+            dry_run(model, replace(plain, memory=((2, parse_choice("offload_w")),)), cl, target_ms=600.0)
         assert with_.peak_memory_bytes[0] < without.peak_memory_bytes[0]
         assert with_.step_time_ms > without.step_time_ms  # recompute and the late copy-ins cost time

@@ -93,6 +93,33 @@ def test_recompute_with_split_backward_keeps_every_layer_until_w():
     assert simulate(one_layer(), cluster(), plan(rows, 2, [(0, "recompute")])).peak_activation_bytes == [100]
 
 
+def test_offload_w_moves_what_w_reads_between_i_and_w():
+    """`offload_w`, order 0F0 0I0 0F1 0I1 0F2 0I2 0W0 0W1 0W2 (keep: 9 ms, peak 300: every micro-batch's bytes wait
+    for its W). Copy-outs after each I: out0 2-3, out1 4-5; W0's copy-in is issued as I2 (the action before W0)
+    starts at 5, after out0, and runs 5-6, ahead of out2 (issued at I2's end) 6-7; W0 6-7; in1 issued as W0 starts,
+    7-8 (the link is busy), W1 8-9; in2 8-9, W2 9-10. Device: 200 at most (F1's bytes beside I0's until out0 ends);
+    host: 200 (out0's and out1's from 4 until in0 ends at 6, then out1's and out2's)."""
+    rows = [["0F0", "0I0", "0F1", "0I1", "0F2", "0I2", "0W0", "0W1", "0W2"]]
+    keep = simulate(one_layer(), cluster(), plan(rows, 3))
+    assert keep.step_time_ms == 9.0 and keep.peak_activation_bytes == [300]
+    res = simulate(one_layer(), cluster(), plan(rows, 3, [(0, "offload_w")]))
+    assert [(w, str(a), s, e) for _, w, a, s, e in res.host_copies] == [
+        ("out", "0I0", 2.0, 3.0), ("out", "0I1", 4.0, 5.0), ("out", "0I2", 6.0, 7.0), ("in", "0W0", 5.0, 6.0),
+        ("in", "0W1", 7.0, 8.0), ("in", "0W2", 8.0, 9.0)]
+    assert spans(res)[6:] == [("0W0", 6.0, 7.0), ("0W1", 8.0, 9.0), ("0W2", 9.0, 10.0)]
+    assert res.step_time_ms == 10.0
+    assert res.peak_activation_bytes == [200] and res.host_peak_bytes == [200]
+    # a fused backward leaves nothing between its halves: the choice changes nothing there
+    fused = simulate(one_layer(), cluster(), plan(LIFO, 3, [(0, "offload_w")]))
+    assert fused.step_time_ms == 9.0 and fused.peak_activation_bytes == [300] and fused.host_copies == []
+
+
+def test_offload_w_bounded_by_host_memory():
+    rows = [["0F0", "0I0", "0F1", "0I1", "0F2", "0I2", "0W0", "0W1", "0W2"]]
+    with pytest.raises(PlanError, match=r"device 0 holds up to .* offloaded \(layers 0\), over its host memory"):
+        simulate(one_layer(), cluster(host_bytes=250), plan(rows, 3, [(0, "offload_w")]))
+
+
 def test_recompute_b_brings_back_the_largest_layer_only():
     """A stage of two recomputed layers: F keeps 10 + 10, B re-runs one layer at a time: + max(90, 40)."""
     lays = (one_layer().layers[0], replace(one_layer().layers[0], name="l1", activation_bytes=50))

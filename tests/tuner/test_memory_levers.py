@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from octopipe_plugin.errors import OctoPipeError
-from octopipe_plugin.formats import Layer, Model
+from octopipe_plugin.actions import parse_schedule
+from octopipe_plugin.formats import Cluster, Layer, Link, Model, Plan, Stage
 from octopipe_plugin.formats.plan import plan_to_dict
 from octopipe_plugin.schedules.registry import build_plan
 from octopipe_plugin.simulator import simulate
@@ -86,6 +87,26 @@ def test_repair_makes_an_over_memory_builtin_fit_at_least_cost():
     last = {layer for layer, _ in got.plan.memory if layer >= 6}
     assert len(last) <= 2
     assert len(got.plan.memory) < model.num_layers
+
+
+def test_repair_offloads_what_a_deferred_w_reads():
+    """One device, order 0F0 0I0 0F1 0I1 0F2 0I2 0W0 0W1 0W2: every micro-batch's 100 bytes wait for its W (peak
+    300 over 250). Offload after F cannot help (each I needs its bytes back, and they then wait for W); offload_w
+    (docs/formats.md "Memory choices") frees them between I and W: peak 200, copies of 0.1 ms hidden, step 9 ms."""
+    layer = Layer(name="l0", kind="dense", fwd_ms=1, bwd_ms=1, wgrad_ms=1, state_bytes=0, activation_bytes=100,
+                  output_bytes=0)
+    model = Model(name="m", layers=(layer,))
+    link = Link(bandwidth_gb_per_s=1.0, latency_us=0.0)
+    cl = Cluster(num_devices=1, devices_per_node=1, memory_bytes=250, intra_node=link, inter_node=link,
+                 host_link_gb_per_s=1e-3)
+    plan = Plan(model="m", num_devices=1, num_microbatches=3, stages=(Stage(start=0, end=1, device=0),),
+                schedule=parse_schedule([["0F0", "0I0", "0F1", "0I1", "0F2", "0I2", "0W0", "0W1", "0W2"]]))
+    ev = Evaluator(model, cl, 3, levers=MemoryLevers("none", "auto"))
+    assert ev.simulated(plan, repair=False).peak == (300,)
+    got = ev.simulated(plan)
+    assert got.fits and got.peak == (200,) and got.step_ms == pytest.approx(9.0)
+    assert [(layer, c.text) for layer, c in got.plan.memory] == [(0, "offload_w")]
+    assert not Evaluator(model, cl, 3, levers=MemoryLevers("auto", "none")).simulated(plan).fits
 
 
 def test_bad_levers_refused():

@@ -14,7 +14,7 @@ is refused (`interval_refusal`): the plan decides every layer.
 from __future__ import annotations
 
 from ...errors import OctoPipeError
-from ...formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
+from ...formats.memory import OFFLOAD, OFFLOAD_W, RECOMPUTE, SELECTIVE
 
 
 def interval_refusal(module, plan) -> str | None:
@@ -41,6 +41,10 @@ def apply_plan_memory(module, plan):
     done = getattr(module, "_octopipe_memory", None)
     if done is not None:
         return done
+    deferred = [str(i) for i, c in sorted(memory.items()) if c.kind == OFFLOAD_W]
+    if deferred:
+        raise OctoPipeError(f"plan $.memory: offload_w on layers {', '.join(deferred)} runs in OctoPipe's own "
+                            f"executor only; fix: keep or offload those layers for DeepSpeed")
     offloader = Offloader() if any(c.kind == OFFLOAD for c in memory.values()) else None
     owners = module._octopipe_owners
     for s in module.local_stages:

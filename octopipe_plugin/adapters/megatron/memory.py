@@ -29,7 +29,7 @@ import weakref
 
 from ...actions import Kind
 from ...errors import OctoPipeError
-from ...formats.memory import OFFLOAD, RECOMPUTE, SELECTIVE
+from ...formats.memory import OFFLOAD, OFFLOAD_W, RECOMPUTE, SELECTIVE
 
 # Megatron's uniform memory levers (TransformerConfig / args attribute, its command-line flag): "unset" values
 # are None / False.
@@ -200,6 +200,10 @@ def apply_plan_memory(plan, rank: int, model, config):
             raise OctoPipeError("plan $.memory: these chunks already run another plan's memory choices; fix: build "
                                 "the model again for a plan with other memory choices")
         return done[1]
+    deferred = [str(i) for i, c in sorted(memory.items()) if c.kind == OFFLOAD_W]
+    if deferred:
+        raise OctoPipeError(f"plan $.memory: offload_w on layers {', '.join(deferred)} runs in OctoPipe's own "
+                            f"executor only; fix: keep or offload those layers for Megatron")
     offloader = Offloader() if any(c.kind == OFFLOAD for c in memory.values()) else None
     split = {a.stage for a in plan.schedule[rank] if a.kind in (Kind.I, Kind.W)}
     split_layers = {sp.layer for sp in plan.splits}
