@@ -45,9 +45,10 @@ STATS_BYTES_PER_TOKEN = 12  # fp32 local max, sum of exponentials and target log
 VARIANTS = ((0.0, False), (1.0, False), (1.0, True))
 POLICIES = tuple(ShardPolicy(shard_first=True, k_limit=k, window=w, defer_w=dw)
                  for k, w, dw in ((64, 16, True), (64, 4, True), (4, 4, False), (4, 16, False)))
-# measured on 2 loaded cores (load average 26-40): 16 devices x 32 micro-batches, 0.58M units at 12 took
-# 0.48-0.58 s an insertion, not the 1.46 s the units said: ~4 units per committed action and device at WORK_RATE
-INSERT_UNITS_PER_ACTION_DEVICE = 4
+# measured on 2 loaded cores (load average 25-40): an insertion with its simulation takes about linear time in
+# the actions it commits, not in actions x devices: 16 devices x 32 micro-batches (~3000 actions) 0.48-0.58 s,
+# nemotron-h on 64 x 128 (~45000) 3.4 s; 64 units per action at WORK_RATE (0.5 s and 7 s)
+INSERT_UNITS_PER_ACTION = 64
 LEAD_POLICIES = 2  # tried first on the work-balancing shares; the others last, on the best shares found
 INSERT_SHARE = 3.0  # the insertions of one variant may take this many times the variant's tune budget
 # the default search (`octopipe plan`): the plan without splits takes this share of --time-budget, the split
@@ -472,10 +473,10 @@ def _rebalanced(rest, stages, shares, head_ms: float, keep_first: bool = False):
 
 def attempt_units(plan, num_devices: int) -> float:
     """Work units (tuner/search.py WORK_RATE) of one insertion and its simulation, measured: each of the
-    plan's actions and its shard actions is committed once and wakes up to every device."""
+    plan's actions and its shard actions is committed once."""
     stage_actions = sum(len(r) for r in plan.schedule)
     shard_actions = 3 * plan.num_microbatches * num_devices
-    return INSERT_UNITS_PER_ACTION_DEVICE * (stage_actions + shard_actions) * num_devices
+    return INSERT_UNITS_PER_ACTION * (stage_actions + shard_actions)
 
 
 def _room_shares(shares, res, head_total: float) -> list[float]:
