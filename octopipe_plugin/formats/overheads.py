@@ -54,11 +54,12 @@ class Overheads:
                 return ms
         return 0.0
 
-    def scaled(self, factor: float) -> "Overheads":
+    def scaled(self, factor: float, per_mb: bool = True) -> "Overheads":
         """Every host cost times `factor` (the in-flight `launch_ms` too): the same work on a `factor` times busier host
-        (stand-in ranks sharing few cores: `testing.sleep_layer.standin_sim_options`)."""
+        (stand-in ranks sharing few cores: `testing.sleep_layer.standin_sim_options`); `per_mb` False drops the
+        per-byte parts (messages that carry a stamp, not the model's bytes)."""
         def m(c: MessageCost) -> MessageCost:
-            return MessageCost(fixed_ms=c.fixed_ms * factor, per_mb_ms=c.per_mb_ms * factor)
+            return MessageCost(fixed_ms=c.fixed_ms * factor, per_mb_ms=c.per_mb_ms * factor if per_mb else 0.0)
 
         return replace(self, action_ms=tuple((k, ms * factor) for k, ms in self.action_ms), send=m(self.send),
                        recv=m(self.recv), launch_ms=self.launch_ms * factor, delivery=m(self.delivery))

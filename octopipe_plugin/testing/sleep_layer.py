@@ -163,7 +163,8 @@ def standin_sim_options(args, world: int):
     """The simulator options a stand-in benchmark tunes and predicts with: this host's measured overheads (--overheads,
     else `profile.overheads.machine_overheads`) times the ranks per core, since `world` local ranks share
     `os.cpu_count()` cores for the executor's host work (every message's; a split head's fan-out sends many,
-    issue 36); no overheads at hand: plain options."""
+    issue 36); the per-byte parts only on the wall clock (on the device clock messages are stamps, not the model's
+    bytes); no overheads at hand: plain options."""
     import os
 
     from ..profile.overheads import machine_overheads
@@ -172,7 +173,7 @@ def standin_sim_options(args, world: int):
     ov = machine_overheads(args.overheads)
     if ov is None:
         return SimOptions()
-    return SimOptions(overheads=ov.scaled(max(1.0, world / (os.cpu_count() or 1))))
+    return SimOptions(overheads=ov.scaled(max(1.0, world / (os.cpu_count() or 1)), per_mb=args.clock == "wall"))
 
 
 def check_standin_scale(args, runs) -> bool:

@@ -71,3 +71,5 @@ def test_scaled_multiplies_every_host_cost_and_keeps_the_rest():
     assert big.recv.ms(0) == pytest.approx(8 * 0.04) and big.launch_ms == pytest.approx(0.08)
     assert big.delivery.ms(1e6) == pytest.approx(8 * 0.006) and big.device == ov.device
     assert ov.scaled(1.0) == ov
+    bare = ov.scaled(2.0, per_mb=False)
+    assert bare.send == MessageCost(fixed_ms=0.06) and bare.delivery == MessageCost(fixed_ms=0.01)
