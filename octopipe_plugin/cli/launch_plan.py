@@ -8,6 +8,7 @@ add to the launch and a table against the launch's current stages under Megatron
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 
@@ -47,15 +48,22 @@ def run_from_megatron(args) -> int:
     launch_headroom = view.args.octopipe_memory_headroom if "--octopipe-memory-headroom" in " ".join(view.argv) \
         else None  # the launch's own setting, unless --memory-headroom overrides it
     cluster = apply_headroom(args, bare, launch_headroom, "--octopipe-memory-headroom of --megatron-args")
-    model, facts = view.model, view.facts
+    from ..adapters.megatron.pairs import pair_support, runnable_plan, tuning_model
+
+    # pairs where the launch can run them (its EP, dispatcher, precision, recompute): megatron-core's combined step
+    pairs = pair_support(view.args)
+    model, facts = tuning_model(view.model, pairs, view.args), view.facts
     check_size(model, cluster, facts.num_microbatches, args.time_budget)
     cons, added = run_constraints(view.args, constraints_of(args))
     from .plan_split import plain_budget, with_splits
 
-    result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons,
+    # the combined step runs no split layer and no memory choice (pairs.overlap_problem): not searched beside pairs
+    tune_args = argparse.Namespace(**{**vars(args), "recompute": "none", "offload": "none"}) if pairs.runs else args
+    result = tuned(tune_args, model, cluster, facts.num_microbatches, constraints=cons,
                    time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
+    result = replace(result, plan=runnable_plan(result.plan, pairs, view.args))
     split_rows, split_line = None, None
-    if args.splits != "off":
+    if args.splits != "off" and not pairs.runs:
         from ..adapters.megatron.startup import run_splits, split_refusal
 
         result, split_rows, split_line = with_splits(args, model, cluster, facts.num_microbatches, result,
@@ -71,6 +79,9 @@ def run_from_megatron(args) -> int:
         failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png)
     current = current_setup(view, cluster)
     add, drop = args_to_add(output, view.argv)
+    add += list(pairs.add) if plan.pairs else []
+    pairs_line = (f"pairs run by    {pairs.why}" if plan.pairs else
+                  f"pairs          none: {pairs.why if not pairs.runs else 'none pays in this plan'}")
     memory_drop = list(view.uniform_memory)  # the plan's per-layer choices (or none needed) replace them
     costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
                   why="the launch's arguments, as Megatron's start-up costs them")
@@ -89,9 +100,11 @@ def run_from_megatron(args) -> int:
                           "constraints": result.constraints.as_dict(), "constraints_added": added,
                           "add_arguments": add, "drop_arguments": drop + memory_drop,
                           "memory_choices": len(plan.memory),
+                          "pairs": {"count": len(plan.pairs), "launch_runs_them": pairs.runs, "why": pairs.why},
                           "comparison": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(summary(result, model, cluster, costs.line()))
+        print("  " + pairs_line)
         if split_line:
             print("  " + split_line)
         print()

@@ -201,6 +201,8 @@ def model_from_megatron(src, *, gpu: str = "H100", name: str = "megatron",
         if spec.cost_kind not in analytic:
             analytic[spec.cost_kind] = _analytic(arch, spec.cost_kind, gpu_spec)
         costs = {**analytic[spec.cost_kind], **given}
+        if given.keys() & {"fwd_ms", "bwd_ms"}:  # measured times: the analytic phases no longer sum to them
+            costs.pop("phases", None)
         if "output_bytes" not in given:  # an MTP layer sends on the hidden states of every depth so far
             costs["output_bytes"] = layer_output_bytes(arch, spec.kind, spec.name, costs["output_bytes"])
         layers.append(Layer(name=spec.name, kind=spec.kind, **costs))
@@ -211,7 +213,8 @@ def model_from_megatron(src, *, gpu: str = "H100", name: str = "megatron",
 
 def _analytic(arch: Arch, cost_kind: str, gpu) -> dict:
     c = layer_cost(arch, cost_kind, gpu)
-    return {k: getattr(c, k) for k in COST_FIELDS}
+    # a MoE layer at EP > 1: its sub-layer phases (all-to-alls on the link), which pairs overlap (docs/formats.md)
+    return {k: getattr(c, k) for k in COST_FIELDS} | ({"phases": c.phases} if c.phases else {})
 
 
 def _check_measured(measured: Mapping, specs: list[LayerSpec]) -> None:

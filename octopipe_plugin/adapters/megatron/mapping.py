@@ -205,7 +205,12 @@ def fuse_backward(plan, stages):
             elif not (a.stage in fused and a.kind == Kind.W):
                 row.append(a)
         schedule.append(tuple(row))
-    return (replace(plan, schedule=tuple(schedule)) if count else plan), count
+    if not count:
+        return plan, 0
+    # a pair's I half becomes the B in its place (the pair stays adjacent: its W was elsewhere in the row)
+    pairs = tuple((first, Action(second.stage, Kind.B, second.microbatch) if second.stage in fused
+                   and second.kind == Kind.I else second) for first, second in plan.pairs)
+    return replace(plan, schedule=tuple(schedule), pairs=pairs), count
 
 
 def split_stages(plan) -> list[int]:

@@ -32,6 +32,7 @@ plan that splits a backward on a rank of such a run is refused (its I/W fused in
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -169,3 +170,65 @@ class CombinedSteps:
         if b is not None and b[0] == 0:
             dx = None
         return result, dx
+
+
+OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PairSupport:
+    """Whether a launch can run a plan's pairs (its EP, dispatcher, precision and recompute arguments), and why."""
+
+    runs: bool
+    why: str  # one line: what the launch has that lets it, or what it lacks and the fix
+    add: tuple[str, ...] = ()  # arguments to add to the launch when the plan has pairs
+
+
+def pair_support(args) -> PairSupport:
+    """What megatron-core's combined step needs of a launch (transformer_config.py's checks of the flag), from its
+    parsed arguments."""
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    experts = getattr(args, "num_experts", None)
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    if not experts or ep <= 1:
+        return PairSupport(runs=False, why="no expert parallelism (--expert-model-parallel-size 1 or no "
+                                           "--num-experts): no all-to-all for a pair to hide")
+    if dispatcher not in ("alltoall", "flex"):
+        return PairSupport(runs=False, why=f"--moe-token-dispatcher-type {dispatcher}: megatron-core overlaps the "
+                                           f"alltoall and flex dispatchers only; pass --moe-token-dispatcher-type "
+                                           f"alltoall for pairs")
+    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        return PairSupport(runs=False, why=f"{OVERLAP_FLAG} needs --bf16 or --fp16 (megatron-core's check); add one "
+                                           f"for pairs")
+    if getattr(args, "recompute_granularity", None) == "full" or getattr(args, "recompute_method", None):
+        return PairSupport(runs=False, why=f"{OVERLAP_FLAG} refuses full recomputation (--recompute-granularity "
+                                           f"full, --recompute-method); drop them for pairs")
+    if getattr(args, "moe_shared_expert_overlap", False):
+        return PairSupport(runs=False, why=f"{OVERLAP_FLAG} refuses --moe-shared-expert-overlap; drop it for pairs")
+    on = bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
+    return PairSupport(runs=True, why=f"EP {ep} with the {dispatcher} dispatcher: megatron-core's combined step runs "
+                                      f"the plan's pairs", add=() if on else (OVERLAP_FLAG,))
+
+
+def tuning_model(model, support: PairSupport, args):
+    """The model the launch's plan is tuned on. A launch that cannot pair: its layers' phases dropped (the same
+    times), so the tuner makes no pair (simulator/pairs.communicates). One that runs the combined step (it has or
+    gets the overlap flag): every backward one B (te.fused_backward_layers), as that step runs it."""
+    import dataclasses
+
+    from .te import fused_backward_layers
+
+    if not support.runs:
+        return dataclasses.replace(model, layers=tuple(dataclasses.replace(layer, phases=())
+                                                       for layer in model.layers))
+    return fused_backward_layers(model, lambda layer: True)
+
+
+def runnable_plan(plan, support: PairSupport, args):
+    """The plan the launch runs under the combined step: each I run as B, W dropped (mapping.fuse_backward), where
+    the launch has or gets the overlap flag; otherwise the plan as it is."""
+    from .mapping import fuse_backward
+
+    if support.runs and (plan.pairs or getattr(args, "overlap_moe_expert_parallel_comm", False)):
+        return fuse_backward(plan, range(plan.num_stages))[0]
+    return plan

@@ -138,9 +138,15 @@ def fused_backward_model(model, decision: TeBackward):
     take the constraint directly."""
     if not decision.te or decision.split:
         return model
-    names = [layer.name for layer in model.layers if layer.kind in TE_KINDS]
+    return fused_backward_layers(model, lambda layer: layer.kind in TE_KINDS)
+
+
+def fused_backward_layers(model, fused):
+    """The graph with the backward of each layer where `fused(layer)` as one B (bwd = I + W, wgrad 0), named in
+    `meta.fused_backward_layers`."""
+    names = [layer.name for layer in model.layers if fused(layer)]
     layers = tuple(dataclasses.replace(layer, bwd_ms=layer.bwd_ms + layer.wgrad_ms, wgrad_ms=0.0)
-                   if layer.kind in TE_KINDS else layer for layer in model.layers)
+                   if fused(layer) else layer for layer in model.layers)
     return dataclasses.replace(model, layers=layers, meta={**model.meta, "fused_backward_layers": names})
 
 

@@ -1,0 +1,54 @@
+"""`octopipe plan --megatron-args` plans overlapped pairs where the launch can run them (EP > 1, the all-to-all
+dispatcher, bf16/fp16: megatron-core's combined step, adapters/megatron/pairs.py) and says which argument to add;
+elsewhere it plans none and says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from octopipe_plugin.actions import Kind
+from octopipe_plugin.cli import main
+from octopipe_plugin.formats import read_plan
+
+pytestmark = [pytest.mark.framework, pytest.mark.timeout(300)]
+
+# a MoE GPT whose all-to-alls are worth hiding (analytic costs on H100), PP 2 x EP 2 on 4 ranks
+MOE = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "4096",
+       "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--vocab-size", "32000",
+       "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--num-experts", "8",
+       "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--bf16"]
+
+
+def _plan(capsys, tmp_path, launch):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--cluster", "h100x2", "--world-size", "4", "--iterations", "30", "--no-progress", "--json",
+               "-o", str(out), "--megatron-args", " ".join(launch)])
+    text, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(text), read_plan(str(out))
+
+
+def test_an_alltoall_launch_gets_pairs_and_the_overlap_argument(capsys, tmp_path):
+    got, plan = _plan(capsys, tmp_path, MOE + ["--moe-token-dispatcher-type", "alltoall"])
+    assert plan.pairs and got["pairs"] == {"count": len(plan.pairs), "launch_runs_them": True,
+                                           "why": got["pairs"]["why"]}
+    assert "--overlap-moe-expert-parallel-comm" in got["add_arguments"]
+    # the combined step runs every backward whole: the plan has no I/W, its simulated step what was tuned
+    assert not any(a.kind in (Kind.I, Kind.W) for row in plan.schedule for a in row)
+    assert not plan.splits and not plan.memory
+
+
+def test_the_overlap_argument_already_given_is_not_added_again(capsys, tmp_path):
+    got, plan = _plan(capsys, tmp_path, MOE + ["--moe-token-dispatcher-type", "alltoall",
+                                               "--overlap-moe-expert-parallel-comm"])
+    assert plan.pairs and "--overlap-moe-expert-parallel-comm" not in got["add_arguments"]
+
+
+def test_an_allgather_launch_gets_no_pairs_and_the_reason(capsys, tmp_path):
+    got, plan = _plan(capsys, tmp_path, MOE + ["--moe-token-dispatcher-type", "allgather"])
+    assert not plan.pairs and not got["pairs"]["launch_runs_them"]
+    assert "--moe-token-dispatcher-type allgather" in got["pairs"]["why"] and "alltoall" in got["pairs"]["why"]
+    assert "--overlap-moe-expert-parallel-comm" not in got["add_arguments"]
