@@ -289,12 +289,19 @@ def tune_for_run(args, facts: RunFacts, profiled: dict | None = None, decision: 
     model = model_from_megatron(args, gpu=gpu, name=_model_name(args), measured=measured,
                                 data_parallel_size=facts.data_parallel_size)
     model = fused_backward_model(model, te_backward(args) if decision is None else decision)
+    from .pairs import pair_support, runnable_plan, tuning_model
+
+    # pairs only where this launch runs megatron-core's combined step (without its flag they would not overlap)
+    pairs = pair_support(args)
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
+        pairs = replace(pairs, runs=False)
+    model = tuning_model(model, pairs, args)
     constraints, notes = run_constraints(args, Constraints())
     if notes:
         log.info("octopipe: tuning for what Megatron builds: %s", "; ".join(notes))
     result = tune(model, cluster, facts.num_microbatches, time_budget_s=args.octopipe_tune_seconds,
                   seed=args.octopipe_seed, iterations=args.octopipe_tune_iterations, constraints=constraints)
-    plan = result.plan
+    plan = runnable_plan(result.plan, pairs, args)
     meta = {**(plan.meta or {}), "layer_kinds": [layer.kind for layer in model.layers],
             "tuned_for": {"cluster": str(args.octopipe_cluster), "gpu": gpu,
                           **({"profiled_kinds": sorted(profiled)} if profiled else {})}}
