@@ -48,7 +48,8 @@ def run_from_megatron(args) -> int:
     launch_headroom = view.args.octopipe_memory_headroom if "--octopipe-memory-headroom" in " ".join(view.argv) \
         else None  # the launch's own setting, unless --memory-headroom overrides it
     cluster = apply_headroom(args, bare, launch_headroom, "--octopipe-memory-headroom of --megatron-args")
-    from ..adapters.megatron.pairs import pair_support, runnable_plan, tuning_model
+    from ..adapters.megatron.pairs import (OVERLAP_FLAG, pair_support, runnable_plan, tuning_model,
+                                          virtual_stage_problem)
 
     # pairs where the launch can run them (its EP, dispatcher, precision, recompute): megatron-core's combined step
     pairs = pair_support(view.args)
@@ -61,6 +62,12 @@ def run_from_megatron(args) -> int:
     tune_args = argparse.Namespace(**{**vars(args), "recompute": "none", "offload": "none"}) if pairs.runs else args
     result = tuned(tune_args, model, cluster, facts.num_microbatches, constraints=cons,
                    time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
+    vp_why = virtual_stage_problem(result.plan, facts.pipeline_size) if pairs.runs else None
+    if vp_why is not None:  # the plan megatron cannot run under the flag: tuned again as the launch runs without it
+        pairs = replace(pairs, runs=False, why=vp_why, add=())
+        model = tuning_model(view.model, pairs, view.args)
+        result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons,
+                       time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
     result = replace(result, plan=runnable_plan(result.plan, pairs, view.args))
     split_rows, split_line = None, None
     if args.splits != "off" and not pairs.runs:
@@ -80,6 +87,8 @@ def run_from_megatron(args) -> int:
     current = current_setup(view, cluster)
     add, drop = args_to_add(output, view.argv)
     add += list(pairs.add) if plan.pairs else []
+    if OVERLAP_FLAG in view.argv and not plan.pairs:
+        drop.append(OVERLAP_FLAG)  # without pairs it hides nothing, and refuses I/W, split layers, memory choices
     pairs_line = (f"pairs run by    {pairs.why}" if plan.pairs else
                   f"pairs          none: {pairs.why if not pairs.runs else 'none pays in this plan'}")
     memory_drop = list(view.uniform_memory)  # the plan's per-layer choices (or none needed) replace them

@@ -14,18 +14,20 @@ from octopipe_plugin.formats import read_plan
 
 pytestmark = [pytest.mark.framework, pytest.mark.timeout(300)]
 
-# a MoE GPT whose all-to-alls are worth hiding (analytic costs on H100), PP 2 x EP 2 on 4 ranks
+# a MoE GPT whose all-to-alls are worth hiding (analytic costs on H100), EP 2 (PP 1 on 2 ranks unless given)
 MOE = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "4096",
        "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--vocab-size", "32000",
        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-       "--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--num-experts", "8",
-       "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--bf16"]
+       "--global-batch-size", "16", "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size",
+       "2", "--bf16"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
 def _plan(capsys, tmp_path, launch):
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--cluster", "h100x2", "--world-size", "4", "--iterations", "30", "--no-progress", "--json",
-               "-o", str(out), "--megatron-args", " ".join(launch)])
+    pp = 2 if "--pipeline-model-parallel-size" in launch else 1
+    rc = main(["plan", "--cluster", f"h100x{pp}", "--world-size", str(2 * pp), "--iterations", "30", "--no-progress",
+               "--json", "-o", str(out), "--megatron-args", " ".join(launch)])
     text, err = capsys.readouterr()
     assert rc == 0, err
     return json.loads(text), read_plan(str(out))
@@ -52,3 +54,13 @@ def test_an_allgather_launch_gets_no_pairs_and_the_reason(capsys, tmp_path):
     assert not plan.pairs and not got["pairs"]["launch_runs_them"]
     assert "--moe-token-dispatcher-type allgather" in got["pairs"]["why"] and "alltoall" in got["pairs"]["why"]
     assert "--overlap-moe-expert-parallel-comm" not in got["add_arguments"]
+
+
+def test_one_stage_per_rank_at_pp2_is_tuned_again_without_pairs_and_the_flag_is_dropped(capsys, tmp_path):
+    """At PP > 1 megatron-core's TransformerConfig wants a virtual pipeline size under the flag: the best paired plan
+    here has one stage per rank, so the plan is tuned again as the launch runs without pairs, and the launch's flag
+    (which without pairs hides nothing and refuses I/W and split layers) is to drop."""
+    got, plan = _plan(capsys, tmp_path, MOE + PP2 + ["--moe-token-dispatcher-type", "alltoall",
+                                                     "--overlap-moe-expert-parallel-comm"])
+    assert not plan.pairs and "two or more stages per rank" in got["pairs"]["why"]
+    assert "--overlap-moe-expert-parallel-comm" in got["drop_arguments"]

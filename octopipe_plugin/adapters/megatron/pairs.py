@@ -210,6 +210,16 @@ def pair_support(args) -> PairSupport:
                                       f"the plan's pairs", add=() if on else (OVERLAP_FLAG,))
 
 
+def virtual_stage_problem(plan, pipeline_size: int) -> str | None:
+    """Why megatron-core cannot build this plan's chunks under the overlap flag: at PP > 1 its TransformerConfig
+    requires a virtual pipeline size (transformer_config.py, 'virtual_pipeline_model_parallel_size must be
+    specified'), which a plan of one stage per rank does not give; None where it does."""
+    if pipeline_size > 1 and min(len(plan.stages_of(d)) for d in range(plan.num_devices)) < 2:
+        return (f"{OVERLAP_FLAG} at PP {pipeline_size} needs two or more stages per rank (megatron-core asks for a "
+                f"virtual pipeline size), and the best plan has one")
+    return None
+
+
 def tuning_model(model, support: PairSupport, args):
     """The model the launch's plan is tuned on. A launch that cannot pair: its layers' phases dropped (the same
     times), so the tuner makes no pair (simulator/pairs.communicates). One that runs the combined step (it has or
