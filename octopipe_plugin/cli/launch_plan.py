@@ -87,8 +87,9 @@ def run_from_megatron(args) -> int:
     current = current_setup(view, cluster)
     add, drop = args_to_add(output, view.argv)
     add += list(pairs.add) if plan.pairs else []
-    if OVERLAP_FLAG in view.argv and not plan.pairs:
-        drop.append(OVERLAP_FLAG)  # without pairs it hides nothing, and refuses I/W, split layers, memory choices
+    # without pairs the flag hides nothing, and it refuses I/W, split layers and memory choices
+    pair_drop = [OVERLAP_FLAG] if OVERLAP_FLAG in view.argv and not plan.pairs else []
+    pairs_line += f"; drop {OVERLAP_FLAG} from the launch" if pair_drop else ""
     pairs_line = (f"pairs run by    {pairs.why}" if plan.pairs else
                   f"pairs          none: {pairs.why if not pairs.runs else 'none pays in this plan'}")
     memory_drop = list(view.uniform_memory)  # the plan's per-layer choices (or none needed) replace them
@@ -107,7 +108,7 @@ def run_from_megatron(args) -> int:
                           "memory_headroom_bytes": cluster.memory_headroom_bytes,
                           "usable_memory_bytes": cluster.usable_memory_bytes,
                           "constraints": result.constraints.as_dict(), "constraints_added": added,
-                          "add_arguments": add, "drop_arguments": drop + memory_drop,
+                          "add_arguments": add, "drop_arguments": drop + memory_drop + pair_drop,
                           "memory_choices": len(plan.memory),
                           "pairs": {"count": len(plan.pairs), "launch_runs_them": pairs.runs, "why": pairs.why},
                           "comparison": [r.as_dict() for r in rows]}, indent=1))
