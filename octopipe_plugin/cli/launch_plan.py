@@ -87,11 +87,11 @@ def run_from_megatron(args) -> int:
     current = current_setup(view, cluster)
     add, drop = args_to_add(output, view.argv)
     add += list(pairs.add) if plan.pairs else []
+    pairs_line = (f"pairs run by    {pairs.why}" if plan.pairs else
+                  f"pairs          none: {pairs.why if not pairs.runs else 'none pays in this plan'}")
     # without pairs the flag hides nothing, and it refuses I/W, split layers and memory choices
     pair_drop = [OVERLAP_FLAG] if OVERLAP_FLAG in view.argv and not plan.pairs else []
     pairs_line += f"; drop {OVERLAP_FLAG} from the launch" if pair_drop else ""
-    pairs_line = (f"pairs run by    {pairs.why}" if plan.pairs else
-                  f"pairs          none: {pairs.why if not pairs.runs else 'none pays in this plan'}")
     memory_drop = list(view.uniform_memory)  # the plan's per-layer choices (or none needed) replace them
     costs = Costs(gpu=view.gpu, source=str(model.meta.get("cost_model", "analytic")),
                   why="the launch's arguments, as Megatron's start-up costs them")
