@@ -99,10 +99,11 @@ def warn_unpaired(plan, config) -> None:
 class CombinedSteps:
     """F, B and F+B of one rank's chunks through `combined_forward_backward_step` (module docstring).
 
-    `stages` is the rank's MegatronStages: its chunks, data, forward step, loss bookkeeping and gradient sync."""
+    `stages` is the rank's MegatronStages: its chunks, data, forward step, loss bookkeeping and gradient sync;
+    `batch_at(batches, mb)` the iterator its forward step reads micro-batch `mb` of a chunk's stream from."""
 
-    def __init__(self, stages):
-        self.stages = stages
+    def __init__(self, stages, batch_at):
+        self.stages, self.batch_at = stages, batch_at
         if torch.cuda.is_available():  # Megatron's combined schedules make their communication stream first
             from megatron.core.pipeline_parallel.utils import set_streams
 
@@ -128,7 +129,6 @@ class CombinedSteps:
 
         from ...executor.stage_core import Forwarded
         from .hooks import pipeline_view
-        from .stages import _BatchAt
 
         st = self.stages
         config = st.config
@@ -140,7 +140,7 @@ class CombinedSteps:
             stage, mb, x = f
             cf = st.chunk_of[stage]
             first = st.sync.before_forward(cf)
-            f_model, data = st.model[cf], _BatchAt(st.batches[cf], mb)
+            f_model, data = st.model[cf], self.batch_at(st.batches[cf], mb)
         b_model = b_in = b_out = b_grad = None
         if b is not None:
             b_stage, fwd, b_grad = b

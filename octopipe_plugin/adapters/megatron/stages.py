@@ -222,7 +222,7 @@ class MegatronStages(StageCore):
             problem = pairs.overlap_problem(plan, rank, memory) or pairs.device_problem()
             if problem is not None:
                 raise OctoPipeError(problem)
-            self.combined = pairs.CombinedSteps(self)
+            self.combined = pairs.CombinedSteps(self, _BatchAt)
         else:
             pairs.warn_unpaired(plan, config)
 
