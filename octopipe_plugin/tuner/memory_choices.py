@@ -296,12 +296,12 @@ def relaxed_candidates(ev, layouts, policies_of, below_ms: float = float("inf"),
     return found
 
 
-def repaired_builtins(ev, model, baselines, below_ms: float = float("inf")) -> list:
-    """The built-ins over memory at the search count (`baselines`' search outcomes that do not fit), rebuilt and
-    repaired by memory choices: (layout, outcome) of those that fit faster than `below_ms`. The work of finding
-    none is given back."""
+def repaired_builtins(ev, model, baselines, build, below_ms: float = float("inf")) -> list:
+    """The built-ins over memory at the search count (`baselines`' search outcomes that do not fit), rebuilt by
+    `build` (seeds' builder, passed in: seeds imports the evaluator, which imports this module) and repaired by
+    memory choices: (layout, outcome) of those that fit faster than `below_ms`. The work of finding none is given
+    back."""
     from .layout import Layout
-    from .seeds import _build
 
     if not ev.levers.auto:
         return []
@@ -310,7 +310,7 @@ def repaired_builtins(ev, model, baselines, below_ms: float = float("inf")) -> l
     for b in baselines:
         if b.search is None or b.search.fits:
             continue
-        plan, _ = _build(model, b.name, b.split, b.stages_per_device, ev.cluster.num_devices, ev.m, ranges)
+        plan, _ = build(model, b.name, b.split, b.stages_per_device, ev.cluster.num_devices, ev.m, ranges)
         if plan is None:
             continue
         got = ev.simulated(plan)

@@ -38,6 +38,7 @@ from .pairing import pair_step, with_adjacent_pairs
 from .memory_choices import MemoryLevers, relaxed_candidates, repaired_builtins, trim_step
 from .polish import critical_slots, polish_step
 from .prune import drop_empty_stages
+from .seeds import _build as build_builtin
 from .seeds import Baseline, builtin_baselines, minimal_memory_need, seed_layouts, seed_policies
 
 log = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ def _memory_seeds(ev, evs, layouts, hand, baselines, seeds) -> list[Candidate]:
                                      split_backward=hand.constraints.split_backward)
     below = min((c.step_ms for c in seeds), default=float("inf"))  # what a seed must beat to be worth its work
     out = []
-    for lay, o in repaired_builtins(evs, ev.model, baselines, below) + relaxed_candidates(evs, layouts, pols, below):
+    for lay, o in repaired_builtins(evs, ev.model, baselines, build_builtin, below) + relaxed_candidates(evs, layouts, pols, below):
         out.append(Candidate(step_ms=o.step_ms, layout=lay, spec=o.plan.schedule, outcome=o))
         if evs is ev:
             hand.offer(o, "octopipe", "memory choices")
