@@ -119,6 +119,11 @@ def host_share(plan, overheads: Overheads, step_ms: float, output=None, limit: f
     if extra is not None:
         for d, row in enumerate(plan.schedule):
             per_device[d] = sum(extra[a.kind][a.stage] for a in row)
+    if plan.splits:  # a split layer's hand-overs (stamps: fixed costs only), the statistics' fan-out most of them
+        from ..schedules.split_messages import split_messages
+
+        for (d, _), ms in split_message_ms(overheads, split_messages(plan), lambda msg: 0).items():
+            per_device[d] += ms
     worst = max(range(plan.num_devices), key=lambda d: per_device[d])
     return HostShare(host_ms=per_device[worst], device=worst, step_ms=step_ms, limit=limit)
 

@@ -241,3 +241,15 @@ def test_split_messages_pay_the_host_cost_of_each_end_on_the_actions_that_send_a
     for k, (s, e) in want.items():
         assert times[k] == (pytest.approx(s), pytest.approx(e)), k
     assert res.step_time_ms == pytest.approx(7.5)
+
+
+def test_host_share_counts_the_split_messages():
+    """The scale check (stand-in benchmarks' --target-ms) counts a split head's hand-overs: by hand, each device of the
+    worked check sends and receives 0.1 / 0.2 ms per message: dev0 0F0's send, 0B0's receive, the head input in, its
+    statistics out and in, its partial out = 0.9 ms; dev1 likewise 0.9 ms (0.3 without the split messages)."""
+    from octopipe_plugin.formats.overheads import MessageCost, Overheads
+    from octopipe_plugin.simulator.overheads import host_share
+
+    ov = Overheads(send=MessageCost(fixed_ms=0.1), recv=MessageCost(fixed_ms=0.2))
+    assert host_share(head_plan(), ov, step_ms=10.0).host_ms == pytest.approx(0.9)
+    assert host_share(head_plan(splits=()), ov, step_ms=10.0).host_ms == pytest.approx(0.3)
