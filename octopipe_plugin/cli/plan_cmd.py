@@ -93,9 +93,7 @@ def run(args) -> int:
     check_size(model, cluster, args.microbatches, args.time_budget)
     result = tuned(args, model, cluster, args.microbatches,
                    time_budget_s=plain_budget(args, model, cluster, args.microbatches))
-    rows, split_line = None, None
-    if not result.plan.memory:  # no split plan is priced with memory choices
-        result, rows, split_line = with_splits(args, model, cluster, args.microbatches, result)
+    result, rows, split_line = with_splits(args, model, cluster, args.microbatches, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = []
     if args.output:

@@ -58,6 +58,9 @@ def with_splits(args, model, cluster, num_microbatches: int, result, *, constrai
     on a split plan (a launch's framework): a refused split plan leaves the plan without splits, said in the line."""
     if constraints is None:
         constraints = constraints_of(args)
+    if result.plan.memory:  # the split simulator prices no memory choice: the plan that needs them stands
+        return result, None, ("split layers   none: the plan carries memory choices, which no split plan is priced "
+                              "with" if args.splits == "auto" else None)
     share = split_share(args, model, cluster, num_microbatches)
     if share == 0.0:
         if args.splits != "auto":
