@@ -110,9 +110,17 @@ class Evaluator:
         return got
 
     def work_floor(self, layout: Layout) -> float:
-        """The busiest device's compute time: no schedule of this layout is faster."""
+        """The busiest device's compute time (where pairs pay: its compute or link time): no schedule is faster."""
         _, sc, _ = self.job(layout)
-        return max(device_work(sc, layout.devices, self.cluster.num_devices, self.m))
+        work = device_work(sc, layout.devices, self.cluster.num_devices, self.m)
+        if not self.pairing:
+            return max(work)
+        # a pair hides communication behind the other half's compute: the floor is each device's compute, or its
+        # link time where that is longer (with the all-to-alls counted, layouts that pair well were never tried)
+        comm = [0.0] * len(work)
+        for (a, b), d in zip(layout.bounds, layout.devices):
+            comm[d] += self.m * sum(sum(layer.comm_ms) for layer in self.model.layers[a:b])
+        return max(max(w - c, c) for w, c in zip(work, comm))
 
     def static_fits(self, layout: Layout) -> bool:
         """Whether every device can hold its stages' state and one activation of each."""
