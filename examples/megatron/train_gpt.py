@@ -90,12 +90,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def forward_step(data_iterator, model):
-    """The chunk's forward: the batch where it reads data, the model, and the loss function."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """The chunk's forward: the batch where it reads data, the model, and the loss function (under
+    --overlap-moe-expert-parallel-comm Megatron's combined step asks for the chunk's schedule plan instead, as
+    pretrain_gpt.py's forward_step gives it)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     b = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
-    out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"], loss_mask=b["loss_mask"])
+    call = model.build_schedule_plan if return_schedule_plan else model
+    out = call(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"], loss_mask=b["loss_mask"])
     return out, partial(loss_func, b["loss_mask"])
 
 
