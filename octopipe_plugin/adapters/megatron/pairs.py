@@ -216,8 +216,21 @@ def virtual_stage_problem(plan, pipeline_size: int) -> str | None:
     specified'), which a plan of one stage per rank does not give; None where it does."""
     if pipeline_size > 1 and min(len(plan.stages_of(d)) for d in range(plan.num_devices)) < 2:
         return (f"{OVERLAP_FLAG} at PP {pipeline_size} needs two or more stages per rank (megatron-core asks for a "
-                f"virtual pipeline size), and the best plan has one")
+                f"virtual pipeline size), and the plan has one on a rank")
     return None
+
+
+def launch_refusal(args, plan) -> str | None:
+    """Why a launch under the overlap flag cannot run `plan` (at start-up, on every rank, before any model is built:
+    the runtime's refusals for every rank, and megatron-core's virtual-stage requirement), or None."""
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return None
+    for rank in range(plan.num_devices):
+        problem = overlap_problem(plan, rank, plan.memory or None)
+        if problem is not None:
+            return problem
+    problem = virtual_stage_problem(plan, int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
+    return None if problem is None else f"{problem}: re-plan with octopipe plan --megatron-args, or drop {OVERLAP_FLAG}"
 
 
 def tuning_model(model, support: PairSupport, args):

@@ -65,6 +65,10 @@ def resolve_octopipe_plan(args):
     _apply_stages(args, plan, specs)
     _refuse_splits(args, plan)
     problem = uniform_memory_refusal(args, plan)  # before any model is built, on every rank
+    if problem is None:
+        from .pairs import launch_refusal
+
+        problem = launch_refusal(args, plan)  # what megatron-core's combined step cannot run
     if problem is not None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under

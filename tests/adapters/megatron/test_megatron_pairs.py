@@ -47,3 +47,21 @@ def test_a_cpu_process_without_cuda_events_is_refused_naming_megatrons_line(monk
         return
     assert "model_chunk_schedule_plan.py:376 torch.cuda.Event()" in why, why
     assert "drop --overlap-moe-expert-parallel-comm on CPU" in why
+
+
+def test_a_launch_under_the_flag_refuses_at_start_up_what_the_combined_step_cannot_run():
+    """Start-up (before any model is built): a plan of one stage per rank at PP 2 (megatron-core wants a virtual
+    pipeline size under the flag), a plan with I/W on some rank; a launch without the flag refuses neither."""
+    import argparse
+
+    from octopipe_plugin.adapters.megatron.pairs import launch_refusal
+
+    on = argparse.Namespace(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2)
+    off = argparse.Namespace(overlap_moe_expert_parallel_comm=False, pipeline_model_parallel_size=2)
+    assert launch_refusal(on, build_plan(GRAPH, "combined-1f1b", 2, 4, stages_per_device=2)) is None
+    flat = build_plan(GRAPH, "1f1b", 2, 4)
+    why = launch_refusal(on, flat)
+    assert "two or more stages per rank" in why and "drop --overlap-moe-expert-parallel-comm" in why
+    assert launch_refusal(off, flat) is None
+    split = build_plan(GRAPH, "zb-h1", 2, 4)
+    assert "run I/W" in launch_refusal(on, split) and launch_refusal(off, split) is None
