@@ -38,7 +38,7 @@ import torch
 from ..actions import Kind
 from ..simulator.costs import hop_times
 from ..simulator.pairs import StagePhases
-from ..schedules.split_messages import WHATS
+from ..schedules.split_messages import SIDE_OF, WHATS
 from .clock import DeviceClock, wall_numel
 from .errors import ExecutorError
 from .interface import LossOutput, TensorMeta
@@ -85,8 +85,6 @@ class ShardCosts:
         return self.shares[self.devices.index(device)]
 
 
-_SIDE = {"head-input": "output", "stats": "output", "head-partial": "output", "embedding-partial": "input",
-         "embedding-grad": "input"}
 _SPLIT_HEADER = 5  # [micro-batch (-1: not known to the producer), kind, count, 0, 0], then one slot per device
 
 
@@ -192,7 +190,7 @@ class SleepShards:
 
     def ready_at(self, value, action: str, mb: int, what: str) -> float:
         """When `value`, a hand-over of `what` to this rank, has landed (checked: micro-batch and kind)."""
-        c = self.split[_SIDE[what]]
+        c = self.split[SIDE_OF[what]]
         table = c.stats_ms if what == "stats" else c.input_ms if what == "head-input" and c.input_ms else c.link_ms
         ready = split_ready(value, what, mb, lambda j: table[j][self.rank], rank=self.rank, action=action)
         self.checked += 1
