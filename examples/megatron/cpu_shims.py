@@ -189,7 +189,12 @@ def install_for_pretrain() -> None:
     - not CUDA: start-up runs `make` on the dataset helpers on rank 0; the pip wheel ships them compiled
       but no Makefile (exit 1), and a checkout's Makefile needs pybind11 (and, under pyenv, reads the
       checkout's .python-version: another Python's extension suffix). With the helpers importable for
-      this Python, that compilation is skipped.
+      this Python, that compilation is skipped;
+    - not CUDA: start-up warms up the fused bias-GeLU/SwiGLU and bias-dropout-add kernels (torch.compile: on
+      CPU, inductor probes the compiler and builds C++, ~4 CPU seconds a rank) even when the arguments switch
+      those fusions off, as a CPU run does; the warm-up is then skipped (the warmed functions never run; its
+      random inputs, drawn on the GPU's generator on a GPU, no longer advance the CPU generator the weights
+      of `--use-cpu-initialization` are drawn from).
     """
     install()
     shim_device_arch()  # --tensor-model-parallel-size > 1
@@ -200,10 +205,28 @@ def install_for_pretrain() -> None:
     import megatron.training.training as training
 
     _prebuilt_dataset_helpers()
+    _warmup_only_used_fusions()
     if not getattr(training.initialize_megatron, "_cpu_shim", False):
         allow = functools.partial(training.initialize_megatron, allow_no_cuda=True)
         allow._cpu_shim = True
         training.initialize_megatron = allow
+
+
+def _warmup_only_used_fusions() -> None:
+    import megatron.training.initialize as initialize
+
+    warmup = initialize._warmup_jit_function
+    if getattr(warmup, "_cpu_shim", False):
+        return
+
+    def warmup_used(tp_size=None):
+        args = initialize.get_args()
+        activation = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion  # what the MLP fuses
+        if activation or args.bias_dropout_fusion:
+            warmup(tp_size=tp_size)
+
+    warmup_used._cpu_shim = True
+    initialize._warmup_jit_function = warmup_used
 
 
 def _prebuilt_dataset_helpers() -> None:

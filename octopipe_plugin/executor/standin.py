@@ -280,9 +280,7 @@ class SleepStages:
         self.num_devices = len(costs.shards[0].link_ms) if costs.shards else 0
         self.shards = SleepShards(shards=costs.shards, rank=rank, device=self.device,
                                   num_devices=self.num_devices) if costs.shards else None
-        self._link: ThreadPoolExecutor | None = None  # the link's thread (made at the first overlapped pair)
-        self._host_sleep = _Sleeper()
-        self._link_sleep: _Sleeper | None = None
+        self._pairs = PairSleeper(rank)  # an overlapped pair's phases on this thread and the link's
         self.pairs_run = 0
         self.memory = memory  # the plan's memory choices held and copied (executor/standin_memory.py HeldMemory)
 
@@ -420,66 +418,16 @@ class SleepStages:
             end = self._work(dur_f + dur_b, ready)
         else:
             seq_f, seq_b = phases.of(f.kind, f.stage), phases.of(b.kind, b.stage)
-            # what the stage costs hold beyond the phases (the simulator charges it whole, outside the overlap)
-            rest = max(0.0, dur_f - sum(ms for _, ms in seq_f)) + max(0.0, dur_b - sum(ms for _, ms in seq_b))
-            end = self.device.overlapped(lambda: self._sleep_pair(seq_f, seq_b, rest), ready)
+            rest = pair_rest_ms(dur_f, dur_b, seq_f, seq_b)
+            end = self.device.overlapped(lambda: self._pairs.sleep(seq_f, seq_b, rest), ready)
         self.pairs_run += 1
         return self._forward_output(f.stage, f.microbatch, end), self._backward_output(b.stage, b.microbatch, end)
-
-    def _sleep_pair(self, seq_f, seq_b, rest_ms: float) -> None:
-        """Sleep two phase sequences overlapped: compute on this thread, communication on the link's, each
-        sequence in order; compute phases run, and exchanges queue on the link, in the order `overlap_order` starts
-        them, and an exchange is handed to the link as soon as its half's phase before it has finished (before
-        this thread sleeps its next compute phase); then `rest_ms` of compute."""
-        if self._link is None:
-            self._link = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link{self.rank}")
-            self._link_sleep = _Sleeper()
-        self._host_sleep.owed = self._link_sleep.owed = 0.0  # the last pair's oversleep is in its measured span
-        seqs = (seq_f, seq_b)
-        order, _ = overlap_order(seq_f, seq_b)
-        seen = [0, 0]
-        steps = []
-        for k in order:
-            steps.append((k, seen[k]))
-            seen[k] += 1
-        link = [(k, j) for k, j in steps if seqs[k][j][0]]
-        compute = [(k, j) for k, j in steps if not seqs[k][j][0]]
-        done, pending = [0, 0], [None, None]  # phases of each half finished; its exchange in flight
-
-        def settle(k: int) -> None:
-            if pending[k] is not None:
-                pending[k].result()
-                pending[k] = None
-                done[k] += 1
-
-        li = ci = 0
-        while li < len(link) or ci < len(compute):
-            while li < len(link):  # every exchange whose turn on the link has come and whose half is at it
-                k, j = link[li]
-                if done[k] != j or pending[k] is not None:
-                    break
-                pending[k] = self._link.submit(self._link_sleep.sleep, seqs[k][j][1])
-                li += 1
-            if ci < len(compute):
-                k, j = compute[ci]
-                settle(k)  # its half's exchange before it
-                self._host_sleep.sleep(seqs[k][j][1])
-                done[k] += 1
-                ci += 1
-            elif li < len(link):
-                settle(link[li][0])  # only exchanges left: the one the next waits behind
-        settle(0)
-        settle(1)
-        if rest_ms > 0.0:
-            self._host_sleep.sleep(rest_ms)
 
     def close(self) -> None:
         """Stop the link thread (if a pair made one) and the host link's (memory choices)."""
         if self.memory is not None:
             self.memory.close()
-        if self._link is not None:
-            self._link.shutdown(wait=True)
-            self._link = None
+        self._pairs.close()
 
     # ----- split layers' shards: SleepShards' (the one stand-in of shard passes and their hand-overs)
 
@@ -522,6 +470,76 @@ class SleepStages:
     def backward(self, stage: int, mb: int, grad_output):
         """Check the output gradient, sleep I + W."""
         return self._backward(stage, mb, grad_output, self.costs.bwd[stage] + self.costs.wgrad[stage], "B")
+
+
+class PairSleeper:
+    """One rank's overlapped-pair sleeps (the one stand-in of a pair: the dry run's SleepStages and the Megatron
+    benchmark's stand-in schedule plans): compute phases on the calling thread, communication phases on the rank's
+    one link thread (made at the first pair), in the order simulator/pairs.overlap_order starts them."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._link: ThreadPoolExecutor | None = None
+        self._host = _Sleeper()
+        self._link_sleep: _Sleeper | None = None
+
+    def sleep(self, seq_f, seq_b, rest_ms: float) -> None:
+        """Sleep two phase sequences overlapped: compute on this thread, communication on the link's, each
+        sequence in order; compute phases run, and exchanges queue on the link, in the order `overlap_order` starts
+        them, and an exchange is handed to the link as soon as its half's phase before it has finished (before
+        this thread sleeps its next compute phase); then `rest_ms` of compute."""
+        if self._link is None:
+            self._link = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link{self.rank}")
+            self._link_sleep = _Sleeper()
+        self._host.owed = self._link_sleep.owed = 0.0  # the last pair's oversleep is in its measured span
+        seqs = (seq_f, seq_b)
+        order, _ = overlap_order(seq_f, seq_b)
+        seen = [0, 0]
+        steps = []
+        for k in order:
+            steps.append((k, seen[k]))
+            seen[k] += 1
+        link = [(k, j) for k, j in steps if seqs[k][j][0]]
+        compute = [(k, j) for k, j in steps if not seqs[k][j][0]]
+        done, pending = [0, 0], [None, None]  # phases of each half finished; its exchange in flight
+
+        def settle(k: int) -> None:
+            if pending[k] is not None:
+                pending[k].result()
+                pending[k] = None
+                done[k] += 1
+
+        li = ci = 0
+        while li < len(link) or ci < len(compute):
+            while li < len(link):  # every exchange whose turn on the link has come and whose half is at it
+                k, j = link[li]
+                if done[k] != j or pending[k] is not None:
+                    break
+                pending[k] = self._link.submit(self._link_sleep.sleep, seqs[k][j][1])
+                li += 1
+            if ci < len(compute):
+                k, j = compute[ci]
+                settle(k)  # its half's exchange before it
+                self._host.sleep(seqs[k][j][1])
+                done[k] += 1
+                ci += 1
+            elif li < len(link):
+                settle(link[li][0])  # only exchanges left: the one the next waits behind
+        settle(0)
+        settle(1)
+        if rest_ms > 0.0:
+            self._host.sleep(rest_ms)
+
+    def close(self) -> None:
+        """Stop the link thread (if a pair made one)."""
+        if self._link is not None:
+            self._link.shutdown(wait=True)
+            self._link = None
+
+
+def pair_rest_ms(dur_f: float, dur_b: float, seq_f, seq_b) -> float:
+    """What two halves' costs hold beyond their phases (the simulator charges it whole, outside the overlap)."""
+    return max(0.0, dur_f - sum(ms for _, ms in seq_f)) + max(0.0, dur_b - sum(ms for _, ms in seq_b))
 
 
 class _Sleeper:
