@@ -130,16 +130,18 @@ def run_from_megatron(args) -> int:
 def _deepspeed_splits(args, job, cluster, result):
     """The split search for a DeepSpeed job (cli/plan_split.py), its plan kept only where OctoPipeEngine runs its
     splits (adapters/deepspeed/head_split.py: an untied bias-free Linear head, or a head tied to the embedding whose
-    forward_fn is the projection x @ W^T, the owner among its shards, no split embedding); otherwise the plan
-    without splits, with the reason."""
+    forward_fn is the projection x @ W^T, the owner among its shards; an untied plain nn.Embedding, searched only
+    where the layer list has one); otherwise the plan without splits, with the reason."""
     from ..adapters.deepspeed.config import parse_block
-    from ..adapters.deepspeed.head_split import split_problem
+    from ..adapters.deepspeed.head_split import embedding_splits, split_problem
     from .plan_split import with_splits
 
     block = parse_block(job.config)
     owners = block.layer_of_spec if block is not None else None
+    runs = dict(framework_splits("deepspeed"))
+    runs["split_embedding"] = runs["split_embedding"] and embedding_splits(job.layers, owners)
     chosen, rows, line = with_splits(args, job.model, cluster, job.num_microbatches, result,
-                                     constraints=replace(constraints_of(args), **framework_splits("deepspeed")))
+                                     constraints=replace(constraints_of(args), **runs))
     problem = split_problem(chosen.plan, job.layers, owners) if chosen.plan.splits else None
     if problem is None:
         return chosen, rows, line

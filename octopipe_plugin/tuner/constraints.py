@@ -14,8 +14,9 @@ and the returned plan (checked once more before it is returned). Runtimes that n
   Megatron and DeepSpeed runners report the loss through the framework's own loss function on
   the owner, from its shard's J (docs: /work/wt/SHARD_API.md's framework-side rules). Off for
   OctoPipe's executor (`SplitTorchStages` lets any shard report the loss).
-- `split_embedding=False`: runners that split the LM head only (DeepSpeed's, and the Megatron
-  stand-in benchmark's chunks): the split search tries no embedding split.
+- `split_embedding=False`: runners that split the LM head only (the Megatron stand-in benchmark's
+  chunks, and DeepSpeed's on a layer list whose first entry is no plain untied nn.Embedding): the split
+  search tries no embedding split.
 
 `FRAMEWORK_SPLITS[framework]` is what each framework runner runs of a split plan, the one place
 that says it (`framework_splits(name)`, then `replace(c, **...)`).
@@ -33,13 +34,13 @@ from ..schedules.placement import Placement, place_stages
 
 PLACEMENTS = ("looped", "v", "any")
 # what each framework runner runs of a split plan (`replace(c, **framework_splits(name))`): the LM head's owner
-# holds a shard (it reports the loss through the framework's own loss function); Megatron's runner also splits the
-# embedding (adapters/megatron/split_embedding.py), DeepSpeed's not yet, nor the Megatron benchmark's stand-in
-# chunks (testing/megatron_standin.py takes no fed embedding)
+# holds a shard (it reports the loss through the framework's own loss function); Megatron's and DeepSpeed's runners
+# also split the embedding (adapters/megatron/split_embedding.py, adapters/deepspeed/head_split.py), the Megatron
+# benchmark's stand-in chunks not (testing/megatron_standin.py takes no fed embedding)
 FRAMEWORK_SPLITS = MappingProxyType({
     "megatron": MappingProxyType({"owner_shard": True, "split_embedding": True}),
     "megatron-stand-in": MappingProxyType({"owner_shard": True, "split_embedding": False}),
-    "deepspeed": MappingProxyType({"owner_shard": True, "split_embedding": False}),
+    "deepspeed": MappingProxyType({"owner_shard": True, "split_embedding": True}),
 })
 
 

@@ -102,14 +102,15 @@ def test_split_embedding_off_keeps_the_embedding_whole_and_names_a_plan_that_spl
 
 
 def test_framework_splits_say_per_framework_what_its_runner_splits():
-    """One place: Megatron's runner splits the embedding too, DeepSpeed's and the Megatron stand-in benchmark's not;
+    """One place: Megatron's and DeepSpeed's runners split the embedding too, the Megatron stand-in benchmark's not;
     every framework's keeps a shard on the head's owner."""
     from octopipe_plugin.errors import OctoPipeError
     from octopipe_plugin.tuner.constraints import Constraints, framework_splits
 
     assert framework_splits("megatron") == {"owner_shard": True, "split_embedding": True}
-    assert not framework_splits("deepspeed")["split_embedding"]
+    assert framework_splits("deepspeed") == {"owner_shard": True, "split_embedding": True}
     assert not framework_splits("megatron-stand-in")["split_embedding"]
-    assert Constraints(**framework_splits("deepspeed")) == Constraints(owner_shard=True, split_embedding=False)
+    assert Constraints(**framework_splits("megatron-stand-in")) == Constraints(owner_shard=True,
+                                                                              split_embedding=False)
     with pytest.raises(OctoPipeError, match="framework 'torch': expected one of megatron"):
         framework_splits("torch")

@@ -22,6 +22,9 @@ rank holding it, and the head's entry (a forward_fn, no state_dict) in none, und
 as under DeepSpeed's engine. Its shards load their rows from that file; their optimizer state is
 recorded under the tied weight's name with the rows (`tied_embed.weight[0:5]`), so it maps by
 rows onto and from the whole weight's state (`tied_embed.weight`).
+
+A split embedding is saved the same way as an untied head: its layer file `layer_00-model_states.pt` whole,
+gathered on stage 0's rank (which need not hold rows), its optimizer state per shard as `layer_00.weight[lo:hi]`.
 """
 
 from __future__ import annotations
@@ -51,42 +54,49 @@ def parameter_names(module) -> dict[int, str]:
     for key, sub in module.tied_modules.items():
         for pn, p in sub.named_parameters():
             names[id(p)] = f"tied_{key}.{pn}"
-    head, shard = getattr(module, "octopipe_head", None), getattr(module, "head_shard", lambda: None)()
-    if head is not None and shard is not None:
-        lo, hi = shard.rows
-        base = f"tied_{head.tied.key}.{head.tied.attr}" if head.tied is not None else f"layer_{head.index:02d}.weight"
-        names[id(shard.weight)] = f"{base}[{lo}:{hi}]"
+    for head, shard in ((getattr(module, "octopipe_head", None), getattr(module, "head_shard", lambda: None)()),
+                        (getattr(module, "octopipe_embedding", None),
+                         getattr(module, "embedding_shard", lambda: None)())):
+        if head is not None and shard is not None:
+            lo, hi = shard.rows
+            base = (f"tied_{head.tied.key}.{head.tied.attr}" if head.tied is not None
+                    else f"layer_{head.index:02d}.weight")
+            names[id(shard.weight)] = f"{base}[{lo}:{hi}]"
     return names
 
 
 # ---- a split head's layer file ----------------------------------------------------------------------------
-def save_head(module, save_dir: str, checkpoint_engine) -> None:
+def save_head(module, save_dir: str, checkpoint_engine, head=None, shard=None) -> None:
     """Write a split head's layer file as DeepSpeed's own (the whole weight), gathered on the owner's rank of
-    data-parallel replica 0 (every rank of that pipeline calls this; the others return)."""
-    head = module.octopipe_head
+    data-parallel replica 0 (every rank of that pipeline calls this; the others return). `head`, `shard`: another
+    split layer's placement and this rank's shard of it (the embedding's: gathered on stage 0's rank)."""
+    if head is None:
+        head, shard = module.octopipe_head, module.head_shard()
+    owner = head.owner_device if head is not None else None
     if head is None or head.tied is not None or module._grid.data_parallel_id != 0 \
-            or module.stage_id not in head.split.devices:
+            or (module.stage_id not in head.split.devices and module.stage_id != owner):
         return  # a tied head: the tied weight's holder wrote its file as DeepSpeed does
-    w = module.head_shard().weight.detach()
-    owner = head.owner_device
     if module.stage_id != owner:
-        tdist.send(w.contiguous(), dst=module._grid.stage_to_global(owner))
+        tdist.send(shard.weight.detach().contiguous(), dst=module._grid.stage_to_global(owner))
         return
-    full = torch.empty((head.vocab, head.hidden), dtype=w.dtype, device=w.device)
+    dtype, device = module.shard_dtype_device(head)
+    full = torch.empty((head.vocab, head.hidden), dtype=dtype, device=device)
     for d in head.split.devices:  # in the split's device order, the order the shards send in
         lo, hi = row_range(head.split, head.vocab, d)
         if d == owner:
-            full[lo:hi] = w
+            full[lo:hi] = shard.weight.detach()
         else:
-            buf = torch.empty((hi - lo, head.hidden), dtype=w.dtype, device=w.device)
+            buf = torch.empty((hi - lo, head.hidden), dtype=full.dtype, device=full.device)
             tdist.recv(buf, src=module._grid.stage_to_global(d))
             full[lo:hi] = buf
-    checkpoint_engine.save(state_dict={"weight": full}, path=_head_path(module, save_dir))
+    checkpoint_engine.save(state_dict={"weight": full}, path=_head_path(module, save_dir, head))
 
 
-def load_head(module, load_dir: str, checkpoint_engine) -> None:
-    """This rank's rows of a split head from the head's layer file (written by any plan or DeepSpeed itself)."""
-    head, shard = module.octopipe_head, module.head_shard()
+def load_head(module, load_dir: str, checkpoint_engine, head=None, shard=None) -> None:
+    """This rank's rows of a split head from the head's layer file (written by any plan or DeepSpeed itself);
+    `head`, `shard`: another split layer's (the embedding's)."""
+    if head is None:
+        head, shard = module.octopipe_head, module.head_shard()
     if head is None or shard is None:
         return
     entry, field = head.index, "weight"
@@ -99,21 +109,25 @@ def load_head(module, load_dir: str, checkpoint_engine) -> None:
                                 "unsplit plan")
     files = sorted(glob.glob(os.path.join(load_dir, f"layer_{entry:02d}-*model_states.pt")))
     if not files:
-        raise OctoPipeError(f"{load_dir}: no layer_{entry:02d}-model_states.pt for the split LM head (list "
+        raise OctoPipeError(f"{load_dir}: no layer_{entry:02d}-model_states.pt for the split {_what(head)} (list "
                             f"entry {entry}); the checkpoint was written for another layer list")
     w = checkpoint_engine.load(files[0], map_location="cpu").get(field)
     if w is None or tuple(w.shape) != (head.vocab, head.hidden):
         got = None if w is None else tuple(w.shape)
-        raise OctoPipeError(f"{files[0]}: field {field}: expected the head's [{head.vocab}, {head.hidden}] weight, "
-                            f"got {got} (a checkpoint of another model)")
+        raise OctoPipeError(f"{files[0]}: field {field}: expected the {_what(head)}'s [{head.vocab}, {head.hidden}] "
+                            f"weight, got {got} (a checkpoint of another model)")
     lo, hi = shard.rows
     with torch.no_grad():
         shard.weight.copy_(w[lo:hi])
 
 
-def _head_path(module, save_dir: str) -> str:
+def _what(head) -> str:
+    return "LM head" if head.side == "output" else "embedding"
+
+
+def _head_path(module, save_dir: str, head) -> str:
     # DeepSpeed's own name of the entry's file (ckpt_layer_path adds the active stage's start back)
-    return module.ckpt_layer_path(save_dir, module.octopipe_head.index - module._local_start)
+    return module.ckpt_layer_path(save_dir, head.index - module._local_start)
 
 
 _ROWS = re.compile(r"^(?P<base>.+)\[(?P<lo>\d+):(?P<hi>\d+)\]$")

@@ -51,6 +51,7 @@ class OctoPipeEngine(PipelineEngine):
 
     def __init__(self, *args, **kwargs):
         self._octopipe_ready = False  # PipelineEngine.__init__ warms p2p up by topological stage ids
+        self._step_tokens = None  # a split embedding's token ids of the step on its shard ranks ([m, mbs, seq])
         super().__init__(*args, **kwargs)
         release_shm_buffers()  # DeepSpeed's CPU shm all-reduce buffers out of /dev/shm, every rank having mapped them
         if not isinstance(self.module, OctoPipePipelineModule) or self.module.octopipe_plan is None:
@@ -106,10 +107,44 @@ class OctoPipeEngine(PipelineEngine):
                 shards.report = lambda mb, per_token, coef: self._runner.report(mb, per_token, coef)
             return shards
         head, shard = self.module.octopipe_head, self.module.head_shard()
-        # the head input's meta is learned per step (the shard ranks see no data); J reports through the runner
-        return VocabShards(plan=self.plan, rank=self.module.stage_id, vocab_size=head.vocab,
+        emb, emb_shard = self.module.octopipe_embedding, self.module.embedding_shard()
+        # the head input's meta is learned per step (the shard ranks see no data), the embedding's lookups' from the
+        # step's token ids (_exchange_tokens); J reports through the runner
+        return VocabShards(plan=self.plan, rank=self.module.stage_id, vocab_size=(head or emb).vocab,
                            head_weight=shard.weight if shard is not None else None,
+                           head_rows=head.rows if head is not None else None,
+                           embedding_weight=emb_shard.weight if emb_shard is not None else None,
+                           embedding_rows=emb.rows if emb is not None else None,
+                           tokens=lambda mb: self._step_tokens[mb],
                            report=lambda mb, per_token, coef: self._runner.report(mb, per_token, coef))
+
+    def _exchange_tokens(self, num_microbatches: int) -> None:
+        """A split embedding: the step's token ids read on stage 0's rank (every micro-batch's batch[0], ahead of
+        the step) and sent to the embedding's shards (executor/token_exchange.py: a refusal there ends every
+        pipeline rank with its line); the lookups' meta [mbs, seq, hidden] from their shape."""
+        from ...executor.interface import TensorMeta
+        from ...executor.token_exchange import exchange_tokens
+
+        emb = self.module.octopipe_embedding
+        self._step_tokens = None
+        if emb is None:
+            return
+        owner = self.plan.stages[0].device
+        read = []
+
+        def stage0_tokens():
+            read.append(self._runner.step_tokens(num_microbatches, emb.vocab))
+            return read[0]
+
+        got = exchange_tokens(emb.split, owner=owner, rank=self.module.stage_id, group=self._pipe_group,
+                              read=stage0_tokens if self.module.stage_id == owner else None, shape=None,
+                              num_microbatches=num_microbatches, device=self.device)
+        tokens = read[0] if read else got
+        if tokens is None:  # a rank off the embedding's shards and off stage 0 sends and receives no lookup
+            return
+        self._step_tokens = got
+        dtype, _ = self.module.shard_dtype_device(emb)
+        self._runner.shards.embedding_meta = TensorMeta(shape=(*tokens.shape[1:], emb.hidden), dtype=dtype)
 
     # ---- which rank plays which role -----------------------------------------------------------------
     def is_first_stage(self):
@@ -226,6 +261,7 @@ class OctoPipeEngine(PipelineEngine):
                   keep_outputs: bool = False):
         """One executor step; leaves the last-stage rank's summed, unscaled loss in `total_loss`."""
         self._runner.begin_step(num_microbatches, compute_loss=compute_loss, keep_outputs=keep_outputs)
+        self._exchange_tokens(num_microbatches)
         executor = self._forward_executor(num_microbatches) if forward_only else self._executor
         result = executor.run_step(forward_only=forward_only)
         if self._runner.pending():

@@ -17,6 +17,14 @@ the build order of each partition, and so do the shards'. Tied: the rows of the 
 DeepSpeed synchronises it (its tied broadcast), copied onto the shards and their gradients summed
 with the whole weight's by `executor/tied_rows.py` (module.py, engine.py); the whole weight must be
 held by one pipeline rank (the tie has one full side).
+
+A split input embedding (layer 0) is exactly list entry 0, a `LayerSpec(nn.Embedding, vocab, hidden)`
+(a subclass keeping Embedding's forward, without padding_idx, max_norm, scale_grad_by_freq or sparse:
+the shards' lookup and gradient are the plain row gather and scatter); a TiedLayerSpec embedding is
+refused (its tie to the head, as under Megatron). Its shards hold rows `row_range` of its weight,
+built under the same seed rule (base_seed + 0); stage 0 is built without the entry and takes the
+shards' summed lookups as its input (`EMBEDDING_SHARD_NAME`, module.py), stage 0's rank need not hold
+a shard.
 """
 
 from __future__ import annotations
@@ -31,19 +39,23 @@ from ...formats.splits import SplitLayer, row_range, side_of
 from .partition import layer_starts
 
 SHARD_NAME = "octopipe_head_shard"  # the attribute (child module) of the rank's shard in the PipelineModule
+EMBEDDING_SHARD_NAME = "octopipe_embedding_shard"  # the same of a split embedding's shard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HeadPlacement:
-    """A split LM head in a PipelineModule: its list entry, shape, split, and the rows this rank holds."""
+    """A split LM head (or, `side` "input", the split embedding) in a PipelineModule: its list entry, shape, split,
+    and the rows this rank holds."""
 
     index: int  # the head's entry in the layer list (its checkpoint file is layer_{index:02d})
     vocab: int
     hidden: int
     split: SplitLayer
-    owner_device: int  # the pipeline rank of the stage feeding the head (DeepSpeed's loss rank)
+    owner_device: int  # the pipeline rank of the stage feeding the head (DeepSpeed's loss rank); the embedding's: 0's
     rows: tuple[int, int] | None  # this rank's rows [lo, hi), None when it holds no shard
     tied: TiedHead | None = None  # the weight it shares with the embedding (None: an untied Linear head)
+    side: str = "output"  # "output": the LM head, "input": the embedding
+    dtype: torch.dtype = torch.float32  # the weight's dtype as built (an embedding's lookups have it)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,10 +83,10 @@ def head_entry(plan, layer_of_spec) -> int | None:
     """The list index of the plan's split LM head (None: the head is not split), refusing what cannot split."""
     n = plan.stages[-1].end
     heads = [sp for sp in plan.splits if side_of(sp, n) == "output"]
-    others = [sp.layer for sp in plan.splits if side_of(sp, n) != "output"]
+    others = [sp.layer for sp in plan.splits if side_of(sp, n) not in ("output", "input")]
     if others:
         raise OctoPipeError(f"plan splits layer {others[0]}: under DeepSpeed only the LM head (the last layer, "
-                            f"{n - 1}) can be split so far (drop that layer's split)")
+                            f"{n - 1}) and the embedding (layer 0) can be split (drop that layer's split)")
     if not heads:
         return None
     starts = layer_starts(layer_of_spec, n) if layer_of_spec is not None else list(range(n + 1))
@@ -110,13 +122,92 @@ def head_placement(plan, specs, layer_of_spec, rank: int) -> HeadPlacement | Non
                          rows=rows, tied=tied)
 
 
+def embedding_entry(plan, layer_of_spec) -> int | None:
+    """The list index of the plan's split embedding (0; None: the embedding is not split), refusing a layer 0 that
+    layer_of_spec maps onto other entries than entry 0 alone."""
+    n = plan.stages[-1].end
+    if not any(side_of(sp, n) == "input" for sp in plan.splits):
+        return None
+    starts = layer_starts(layer_of_spec, n) if layer_of_spec is not None else list(range(n + 1))
+    entries = list(range(starts[0], starts[1]))
+    if entries != [0]:
+        raise OctoPipeError(f"plan splits layer 0 (the embedding), which layer_of_spec maps onto list entries "
+                            f"{entries}; a split embedding must be exactly one entry, the first of the list")
+    return 0
+
+
+def embedding_placement(plan, specs, layer_of_spec, rank: int) -> HeadPlacement | None:
+    """The plan's split embedding in the list `specs` and this rank's rows of it (None: the embedding is not split)."""
+    index = embedding_entry(plan, layer_of_spec)
+    if index is None:
+        return None
+    n = plan.stages[-1].end
+    split = next(sp for sp in plan.splits if side_of(sp, n) == "input")
+    vocab, hidden, dtype = _embedding_shape(specs[index])
+    if any(hi <= lo for lo, hi in (row_range(split, vocab, d) for d in split.devices)):
+        raise OctoPipeError(f"plan's split of the embedding gives a device no rows of the {vocab}-row vocabulary "
+                            "(raise its share or drop it from the split)")
+    return HeadPlacement(index=index, vocab=vocab, hidden=hidden, split=split, owner_device=plan.stages[0].device,
+                         rows=row_range(split, vocab, rank), side="input", dtype=dtype)
+
+
 def split_problem(plan, specs, layer_of_spec) -> str | None:
     """Why OctoPipeEngine cannot run `plan`'s split layers on the layer list `specs` (one sentence), or None."""
     try:
         head_placement(plan, specs, layer_of_spec, -1)
+        embedding_placement(plan, specs, layer_of_spec, -1)
     except OctoPipeError as exc:
         return str(exc)
     return None
+
+
+def splittable_embedding(spec) -> bool:
+    """Whether a list entry, as the first of the list, can be a split embedding (the rule of `_embedding_shape`)."""
+    try:
+        _embedding_shape(spec)
+    except OctoPipeError:
+        return False
+    return True
+
+
+def embedding_splits(specs, layer_of_spec) -> bool:
+    """Whether OctoPipeEngine can split this layer list's embedding in any plan (layer 0 is entry 0 alone, a
+    `_embedding_shape` embedding): what the split search may try for it."""
+    owners = list(layer_of_spec) if layer_of_spec is not None else list(range(len(specs)))
+    alone = bool(owners) and owners[0] == 0 and (len(owners) == 1 or owners[1] != 0)
+    return alone and splittable_embedding(specs[0])
+
+
+_EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")  # each changes lookup or gradient
+
+
+def _embedding_shape(spec) -> tuple[int, int, torch.dtype]:
+    """(vocab, hidden, dtype) of a split embedding's LayerSpec, or the refusal naming what it is instead."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    what = "list entry 0 (the split embedding)"
+    if isinstance(spec, TiedLayerSpec):
+        raise OctoPipeError(f"{what} is TiedLayerSpec {spec.key!r}: a split embedding tied to the LM head is not "
+                            "supported; make it LayerSpec(nn.Embedding, vocab, hidden) with an untied head, or drop "
+                            "the embedding's split")
+    typ = getattr(spec, "typename", None)
+    if not (isinstance(spec, LayerSpec) and isinstance(typ, type) and issubclass(typ, nn.Embedding)
+            and typ.forward is nn.Embedding.forward):
+        name = typ.__name__ if isinstance(typ, type) else type(spec).__name__
+        raise OctoPipeError(f"{what} is {name}: a split embedding is a LayerSpec(nn.Embedding, vocab, hidden) (its "
+                            "rows are what the shards hold); drop the embedding's split for another first layer")
+    try:
+        with torch.device("meta"):  # no memory, no init compute: only the options, shape and dtype are read
+            module = spec.build()
+    except Exception as exc:  # noqa: BLE001 - the refusal names it
+        raise OctoPipeError(f"{what}: building {typ.__name__} on the meta device failed ({type(exc).__name__}: "
+                            f"{exc}); drop the embedding's split") from None
+    used = [o for o in _EMBEDDING_OPTIONS if getattr(module, o, None) is not None and getattr(module, o) is not False]
+    if used:
+        raise OctoPipeError(f"{what} is an nn.Embedding with {used[0]}={getattr(module, used[0])!r}: the shards "
+                            f"look rows up and add their gradients as a plain nn.Embedding; drop {used[0]} or the "
+                            "embedding's split")
+    return int(module.num_embeddings), int(module.embedding_dim), module.weight.dtype
 
 
 def splittable_head(spec) -> bool:
@@ -247,13 +338,14 @@ def _probe_projection(spec, attr: str, what: str) -> tuple[int, int, torch.dtype
     return vocab, hidden, weight.dtype
 
 
-def build_shard(module, placement: HeadPlacement) -> HeadShard:
-    """This rank's HeadShard: the head built whole under DeepSpeed's seed rule, cut to the rank's rows; of a tied
-    head, its rows of the tied weight (filled by the module from the weight's holder after DeepSpeed's tied sync)."""
+def build_shard(module, placement: HeadPlacement) -> HeadShard | None:
+    """This rank's HeadShard: the head (or embedding) built whole under DeepSpeed's seed rule, cut to the rank's rows
+    (None where it holds none: a rank that builds the entry only for its random draws); of a tied head, its rows of
+    the tied weight (filled by the module from the weight's holder after DeepSpeed's tied sync)."""
     from deepspeed.runtime import utils as ds_utils
 
-    lo, hi = placement.rows
     if placement.tied is not None:
+        lo, hi = placement.rows
         shard = HeadShard(torch.zeros((hi - lo, placement.hidden), dtype=placement.tied.dtype), (lo, hi))
         for p in shard.parameters():
             p.ds_pipe_replicated = True  # copies of the tied weight's rows: the whole weight counts them in norms
@@ -262,6 +354,9 @@ def build_shard(module, placement: HeadPlacement) -> HeadShard:
         seed = module.base_seed + placement.index
         (module.seed_fn or ds_utils.set_random_seed)(seed)
     full = module._layer_specs[placement.index].build()
+    if placement.rows is None:
+        return None
+    lo, hi = placement.rows
     shard = HeadShard(full.weight[lo:hi], (lo, hi))
     for p in shard.parameters():
         p.ds_pipe_replicated = False  # as PipelineModule._build marks every pipeline parameter

@@ -50,7 +50,7 @@ def apply_plan_memory(module, plan):
     for s in module.local_stages:
         funcs = module._stage_funcs[s]
         for k, f in enumerate(funcs):
-            spec = module.parts[s] + k
+            spec = module._stage_starts[s] + k  # stage 0 of a split embedding starts at entry 1
             layer = owners[spec] if owners is not None else spec
             choice = memory.get(layer)
             if choice is None:

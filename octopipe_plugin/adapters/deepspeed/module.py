@@ -11,6 +11,9 @@ A split head tied to the embedding (head_split.py) leaves DeepSpeed's tie: its e
 of the tie groups (the owner stage is built without it), and its shards are tied to the whole
 weight's holder by `executor/tied_rows.py` instead: rows copied after DeepSpeed's tied broadcast at
 construction (`head_tie`), gradients summed at the engine's tied-gradient step (engine.py).
+
+A split embedding (head_split.py) is built as this rank's rows of it (`embedding_shard`), not in stage 0: stage 0's
+layers start at entry 1 and take the shards' summed lookups as their input (engine.py feeds the shards the tokens).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from ...executor.tied_rows import TiedRows, copy_rows
 from ...formats.splits import row_range
 from .checkpoint import load_head, save_head
 from .config import refused
-from .head_split import SHARD_NAME, build_shard, head_entry, head_placement
+from .head_split import (EMBEDDING_SHARD_NAME, SHARD_NAME, build_shard, embedding_entry, embedding_placement,
+                         head_entry, head_placement)
 from .partition import layer_starts
 from .versions import check_installed
 
@@ -62,6 +66,7 @@ class OctoPipePipelineModule(PipelineModule):
         self.octopipe_plan = None
         self.octopipe_block = None
         self.octopipe_head = None  # a split LM head's placement (head_split.HeadPlacement), set by the partition
+        self.octopipe_embedding = None  # a split embedding's placement (the same, side "input")
         self.octopipe_shards = shards  # None: OctoPipeEngine runs the head shards' real math
         self._octopipe_owners = None
         self._head_index = None  # list index of a split head (not built in the owner stage)
@@ -78,8 +83,13 @@ class OctoPipePipelineModule(PipelineModule):
                 pipe_size=topo.get_dim("pipe") if topo is not None else None)
             try:  # a split head that cannot run is refused before anything is built (rank -1: no rows asked)
                 head_entry(self.octopipe_plan, owners)
+                emb = embedding_entry(self.octopipe_plan, owners)
                 if shards is None:
                     head_placement(self.octopipe_plan, layers, owners, -1)
+                    embedding_placement(self.octopipe_plan, layers, owners, -1)
+                elif emb is not None:
+                    raise OctoPipeError("plan splits the embedding, but stand-in shards (shards=) run a split LM "
+                                        "head only; drop the embedding's split or the stand-ins")
             except OctoPipeError as exc:
                 raise refused(exc) from None
             self._octopipe_owners = owners
@@ -119,9 +129,14 @@ class OctoPipePipelineModule(PipelineModule):
             self._head_index = head_entry(plan, self._octopipe_owners)
             if self.octopipe_shards is None:  # stand-in shards: no real rows
                 self.octopipe_head = head_placement(plan, self._layer_specs, self._octopipe_owners, self.stage_id)
+                self.octopipe_embedding = embedding_placement(plan, self._layer_specs, self._octopipe_owners,
+                                                              self.stage_id)
         self.local_stages = tuple(s for s, d in enumerate(self.stage_devices) if d == self.stage_id)
         self._stage_funcs: dict[int, list] = {}
         self._stage_layers: dict[int, list] = {}
+        # each stage's first built entry: stage 0 of a split embedding starts after it (checkpoint names, seeds)
+        self._stage_starts = {s: parts[s] + (s == 0 and self.octopipe_embedding is not None)
+                              for s in range(len(parts) - 1)}
         self._stage_checkpointable: dict[int, list] = {}
         self.active_stage = self.local_stages[0] if self.local_stages else None
         first = self.active_stage if self.active_stage is not None else 0
@@ -180,12 +195,17 @@ class OctoPipePipelineModule(PipelineModule):
     def _build(self) -> None:
         """Build every local stage's layers (tied modules are built once per rank and shared), and this rank's
         shard of a split head (a child module, so the optimizer and DeepSpeed's gradient paths see it)."""
-        head = self.octopipe_head
+        head, emb = self.octopipe_head, self.octopipe_embedding
         last = len(self.parts) - 2
+        emb_shard = None
         for s in self.local_stages:
+            if s == 0 and emb is not None and (emb.rows is not None or not self.seed_layers):
+                # the embedding drawn where the unsplit stage 0 draws it (first), so without seed_layers the layers
+                # after it draw what they draw unsplit; a rank holding no rows only draws
+                emb_shard = build_shard(self, emb)
             # the owner of a split head is built without it: its rows live in the shards
             stop = self._head_index if self._head_index is not None and s == last else self.parts[s + 1]
-            self._set_bounds(self.parts[s], stop)
+            self._set_bounds(self._stage_starts[s], stop)
             self.forward_funcs = []
             super()._build()
             self._stage_funcs[s] = self.forward_funcs
@@ -193,6 +213,10 @@ class OctoPipePipelineModule(PipelineModule):
             self._stage_layers[s] = list(self.forward_funcs)
         if head is not None and head.rows is not None:
             setattr(self, SHARD_NAME, build_shard(self, head))
+        if emb is not None and emb.rows is not None and 0 not in self.local_stages:
+            emb_shard = build_shard(self, emb)
+        if emb_shard is not None:
+            setattr(self, EMBEDDING_SHARD_NAME, emb_shard)
         if self.local_stages:
             self.activate_stage(self.local_stages[0])
 
@@ -203,7 +227,7 @@ class OctoPipePipelineModule(PipelineModule):
         self.active_stage = stage
         self.forward_funcs = self._stage_funcs[stage]
         self.is_checkpointable_results = self._stage_checkpointable.get(stage, [])
-        self._local_start, self._local_stop = self.parts[stage], self.parts[stage + 1]
+        self._local_start, self._local_stop = self._stage_starts[stage], self.parts[stage + 1]
 
     def run_stage(self, stage: int, inputs):
         """Stage `stage`'s forward on `inputs` (PipelineModule.forward, with activation checkpointing)."""
@@ -228,11 +252,12 @@ class OctoPipePipelineModule(PipelineModule):
 
     def save_state_dict(self, *args, **kwargs) -> None:
         """Write every local stage's layers (files named by global layer index, as DeepSpeed does), and a split
-        head's file whole (gathered from its shards)."""
+        head's and embedding's files whole (gathered from their shards)."""
         for _ in self._each_stage():
             super().save_state_dict(*args, **kwargs)
         save_dir, engine = _dir_and_engine(args, kwargs, "save_dir")
         save_head(self, save_dir, engine)
+        save_head(self, save_dir, engine, self.octopipe_embedding, self.embedding_shard())
 
     def load_state_dir(self, *args, **kwargs) -> None:
         """Load every local stage's layers from global layer files (any partition wrote them), and this rank's rows
@@ -246,6 +271,7 @@ class OctoPipePipelineModule(PipelineModule):
         self._synchronize_tied_weights()
         load_dir, engine = _dir_and_engine(args, kwargs, "load_dir")
         load_head(self, load_dir, engine)
+        load_head(self, load_dir, engine, self.octopipe_embedding, self.embedding_shard())
 
     def compile(self, *args, **kwargs) -> None:
         """torch.compile every local stage's layers."""
@@ -256,6 +282,25 @@ class OctoPipePipelineModule(PipelineModule):
     def head_shard(self):
         """This rank's HeadShard of a split LM head, or None."""
         return getattr(self, SHARD_NAME, None)
+
+    def embedding_shard(self):
+        """This rank's HeadShard of a split embedding (its rows of the embedding's weight), or None."""
+        return getattr(self, EMBEDDING_SHARD_NAME, None)
+
+    def shard_dtype_device(self, placement) -> tuple[torch.dtype, torch.device]:
+        """(dtype, device) of a split layer's shard weights as the engine holds them, also on a rank holding none
+        (stage 0's of a split embedding, which receives the lookups): DeepSpeed casts every parameter to one dtype
+        under bf16/fp16 and moves them to its device, so any parameter of the rank tells; none: as built, on the
+        accelerator."""
+        shard = self.head_shard() if placement.side == "output" else self.embedding_shard()
+        if shard is not None:
+            return shard.weight.dtype, shard.weight.device
+        p = next((p for p in self.parameters() if p.is_floating_point()), None)
+        if p is not None:
+            return p.dtype, p.device
+        from deepspeed.accelerator import get_accelerator
+
+        return placement.dtype, torch.device(get_accelerator().current_device_name())
 
     def head_shard_parameters(self) -> list[torch.nn.Parameter]:
         """The trainable parameters of this rank's head shard (none without one)."""

@@ -21,6 +21,9 @@ gradient sink): this class only says where DeepSpeed differs.
   gradients reach DeepSpeed's bf16 masters after every K (`_shard_grad`); the micro-batch's
   unscaled loss (for `total_loss`) is reported by the owner's own shard (`report`). With stand-in
   shards (no real head) the owner hands on (hidden, None, None).
+- Split embedding: stage 0 (built without the embedding) takes the shards' summed lookups as its input; the
+  token ids they look up are every micro-batch's `batch[0]`, read ahead of the step on stage 0's rank
+  (`step_tokens`, the engine sends them to the shards), so the data contract above holds.
 """
 
 from __future__ import annotations
@@ -88,6 +91,26 @@ class DeepSpeedStages(TorchStages):
         if torch.is_tensor(value):
             return value.to(self.engine.device)
         return type(value)(self._to_device(v) for v in value)
+
+    def step_tokens(self, num_microbatches: int, vocab: int) -> torch.Tensor:
+        """The step's token ids [m, mbs, seq] of a split embedding: each micro-batch's batch[0] (read ahead), refused
+        in one line unless they are integer ids of one shape within the vocabulary."""
+        ids = [self.batch(mb)[0] for mb in range(num_microbatches)]
+        bad = next((i for i in ids if not torch.is_tensor(i) or i.dim() != 2 or i.is_floating_point()), False)
+        if bad is not False:
+            got = tuple(bad.shape) if torch.is_tensor(bad) else type(bad).__name__
+            raise OctoPipeError(f"plan splits the embedding: a micro-batch's inputs (batch[0]) are {got}, expected "
+                                f"token ids [micro-batch size, sequence] (one integer tensor); feed the ids alone "
+                                f"or drop the embedding's split")
+        if len({tuple(i.shape) for i in ids}) > 1:
+            raise OctoPipeError(f"plan splits the embedding: the step's token ids change shape "
+                                f"({sorted({tuple(i.shape) for i in ids})}); feed one micro-batch shape")
+        tokens = torch.stack(ids).to(device=self.engine.device, dtype=torch.int64)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise OctoPipeError(f"plan splits the embedding: token ids span [{lo}, {hi}], outside the embedding's "
+                                f"{vocab} rows; feed ids in [0, {vocab})")
+        return tokens
 
     def first_input(self, mb: int):
         """Stage 0's input of micro-batch `mb` (batch[0], a tensor or a tuple of them) on the engine's device."""

@@ -55,9 +55,10 @@ def cost_model():
               output_bytes=0) for i, k in enumerate(kinds)))
 
 
-def split_plan_doc(stage_devices, bounds, num_devices: int, m: int, seed: int, devices, shares) -> dict:
-    """A random valid order with split backward on the given stages, the head split over `devices`, its shard
-    actions placed by the split scheduler."""
+def split_plan_doc(stage_devices, bounds, num_devices: int, m: int, seed: int, devices, shares,
+                   embedding=None) -> dict:
+    """A random valid order with split backward on the given stages, the head split over `devices` (None: not
+    split), `embedding` (devices, shares) the embedding's split, their shard actions placed by the split scheduler."""
     from octopipe_plugin.executor import check_runnable
     from octopipe_plugin.executor.dryrun import zero_cost_cluster
     from octopipe_plugin.formats import plan_to_dict
@@ -68,9 +69,11 @@ def split_plan_doc(stage_devices, bounds, num_devices: int, m: int, seed: int, d
     sched = sample_schedule(stage_devices, num_devices, m, random.Random(seed), split_prob=0.5)
     plan = make_plan(stage_devices=stage_devices, bounds=bounds, num_devices=num_devices, num_microbatches=m,
                      schedule=sched)
-    split = SplitLayer(layer=HEAD, devices=tuple(devices), shares=tuple(shares), stats_bytes=0)
+    splits = () if devices is None else (SplitLayer(layer=HEAD, devices=tuple(devices), shares=tuple(shares)),)
+    if embedding is not None:
+        splits = (SplitLayer(layer=0, devices=tuple(embedding[0]), shares=tuple(embedding[1])),) + splits
     cluster = replace(zero_cost_cluster(num_devices), memory_bytes=1 << 40)
-    plan = insert_shards(cost_model(), cluster, replace(plan, splits=(split,)), ShardPolicy())
+    plan = insert_shards(cost_model(), cluster, replace(plan, splits=splits), ShardPolicy())
     assert plan is not None, "could not place the shard actions"
     check_runnable(plan)
     return plan_to_dict(plan)
@@ -137,6 +140,8 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     report["weights"] = _weights(engine.module)
     shard = engine.module.head_shard() if hasattr(engine.module, "head_shard") else None
     report["shard"] = None if shard is None else (shard.rows, shard.weight.detach().float().clone())
+    emb = engine.module.embedding_shard() if hasattr(engine.module, "embedding_shard") else None
+    report["emb_shard"] = None if emb is None else (emb.rows, emb.weight.detach().float().clone())
     report["dp"] = dp_rank
     torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))
 
@@ -146,15 +151,15 @@ def run_all(scenarios: list, world: int, out_dir: str) -> None:
     H.run_all(scenarios, world, out_dir, run=run_scenario)
 
 
-def head_weight(reports) -> torch.Tensor:
+def head_weight(reports, index: int = HEAD, field: str = "shard") -> torch.Tensor:
     """The head's [VOCAB, HID] weight: the unsplit run's layer file entry, or the shards' rows put together
-    (rows held twice, by data-parallel copies, must be equal)."""
+    (rows held twice, by data-parallel copies, must be equal); `index` 0, `field` "emb_shard": the embedding's."""
     full = None
     for rep in reports:
-        if str(HEAD) in rep["weights"]:
-            return rep["weights"][str(HEAD)]["weight"]
-        if rep["shard"] is not None:
-            (lo, hi), w = rep["shard"]
+        if str(index) in rep["weights"]:
+            return rep["weights"][str(index)]["weight"]
+        if rep.get(field) is not None:
+            (lo, hi), w = rep[field]
             full = torch.full((H.VOCAB, H.HID), float("nan")) if full is None else full
             if not torch.isnan(full[lo:hi]).all():
                 assert torch.equal(full[lo:hi], w), f"copies of head rows [{lo}, {hi}) differ"
@@ -190,6 +195,7 @@ def all_weights(reports) -> dict:
     """Layer index -> weights (every copy identical), the head included whichever way it is held."""
     merged = H.merged_weights(reports)
     merged[str(HEAD)] = {"weight": head_weight(reports)}
+    merged["0"] = {"weight": head_weight(reports, 0, "emb_shard")}
     return merged
 
 

@@ -52,8 +52,26 @@ def test_the_head_is_the_last_list_entry_an_untied_linear_without_bias():
         head_entry(_plan(3), [0, 1, 2, 2])
     with pytest.raises(OctoPipeError, match="without the device 1 of its owner stage"):
         head_entry(_plan(4, split_devices=(0,), shares=(1.0,)), None)
-    with pytest.raises(OctoPipeError, match="only the LM head"):
-        head_entry(_plan(4, layer=0), None)
+    assert head_entry(_plan(4, layer=0), None) is None  # the embedding's split: embedding_placement's
+
+
+def test_the_embedding_is_the_first_list_entry_an_untied_plain_embedding():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from octopipe_plugin.adapters.deepspeed.head_split import embedding_entry, embedding_placement
+
+    plan, head = _plan(4, split_devices=(1,), shares=(1.0,), layer=0), LayerSpec(nn.Linear, HID, V, bias=False)
+    place = embedding_placement(plan, _specs(head), None, 1)
+    assert (place.index, place.vocab, place.hidden, place.rows, place.owner_device, place.side) == (
+        0, V, HID, (0, V), 0, "input")
+    assert embedding_placement(plan, _specs(head), None, 0).rows is None  # stage 0's rank need not hold rows
+    for first, why in ((TiedLayerSpec("embed", nn.Embedding, V, HID), "tied to the LM head is not supported"),
+                       (LayerSpec(nn.Embedding, V, HID, padding_idx=0), "with padding_idx=0"),
+                       (LayerSpec(nn.Linear, V, HID), "is Linear")):
+        with pytest.raises(OctoPipeError, match=why):
+            embedding_placement(plan, [first, *_specs(head)[1:]], None, 0)
+    with pytest.raises(OctoPipeError, match=r"list entries \[0, 1\]"):
+        embedding_entry(_plan(3, layer=0), [0, 0, 1, 2])
 
 
 def _tied(forward_fn, **kwargs):
