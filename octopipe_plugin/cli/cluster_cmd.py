@@ -14,7 +14,8 @@ def add_parser(subparsers) -> None:
         "cluster", help="measure this machine's links and memory into an octopipe-cluster/1 file (or show a cluster)",
         description="With --measure: send point-to-point messages of a few sizes between ranks, local processes "
                     "over gloo (--ranks N) or the ranks of the torchrun launch this runs under (NCCL on GPUs), for "
-                    "pairs inside a node and across nodes, fit each link class's bandwidth and latency, and write "
+                    "pairs inside a node and across nodes, fit each link class's bandwidth and latency, time each "
+                    "rank's device<->host copies (host_link_gb_per_s, what offloads are priced with), and write "
                     "an octopipe-cluster/1 file with them and the device's memory (a GPU's total memory; on CPU the "
                     "host memory available, shared by its ranks), which `plan`, `simulate` and `dryrun` take as "
                     "--cluster. Without --measure: print (or write with -o) the figures of a named cluster or file.")
@@ -90,3 +91,5 @@ def _print(cluster, *, measured: bool) -> None:
     for label, link, real in (("intra-node", cluster.intra_node, True), ("inter-node", cluster.inter_node, nodes > 1)):
         note = "" if real or not measured else "  (one node: not measured, the intra-node figures)"
         print(f"{label:>10}: {link.bandwidth_gb_per_s:10.3f} GB/s  {link.latency_us:9.1f} us{note}")
+    if cluster.host_link_gb_per_s is not None:  # what offloads are priced with (device<->host, each way)
+        print(f"{'host link':>10}: {cluster.host_link_gb_per_s:10.3f} GB/s  (device<->host copies)")

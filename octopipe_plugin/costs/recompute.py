@@ -36,6 +36,15 @@ _OPS = {
 # Which parts a layer kind is made of (costs/analytic.py `kind_block`).
 _PARTS = {"dense": ("attention", "mlp"), "dense_local": ("attention", "mlp"), "vision": ("attention", "mlp"),
           "moe": ("attention", "moe"), "attention": ("attention",), "mlp": ("mlp",), "moe_mlp": ("moe",)}
+# The modules each part can hold (what `_freed_bytes` counts per part; shared_experts only where the arch has them).
+_PART_MODULES = {"attention": ("core_attn", "layernorm"), "mlp": ("layernorm", "mlp"),
+                 "moe": ("layernorm", "moe_act", "shared_experts", "moe")}
+
+
+def kind_modules(kind: str) -> tuple[str, ...]:
+    """The selective modules a layer of `kind` may have (its parts'; none for a kind without parts, e.g. a head):
+    what `octopipe profile` looks for in a built layer."""
+    return tuple(dict.fromkeys(m for part in _PARTS.get(kind, ()) for m in _PART_MODULES[part]))
 
 
 @dataclass(frozen=True, slots=True)

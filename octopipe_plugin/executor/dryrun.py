@@ -147,7 +147,7 @@ def dry_run(model, plan, cluster: Cluster | None = None, *, time_scale: float | 
     # wall clock: real bytes over the host's real links, so transfers keep the cluster's own times
     fast = host_links(cluster, links) if clock == "wall" else scaled_cluster(cluster, scale)
     if memory:  # the host link's copies are scaled as compute is
-        fast = replace(fast, host_link_gb_per_s=cluster.host_link / scale)
+        fast = replace(fast, host_link_gb_per_s=cluster.host_rate(model.host_link_gb_per_s) / scale)
     # a split plan's shard costs come from the (scaled) model, its stages' from `sc`; so do an overlapped pair's
     # phases (what it hides: simulator/pairs.py)
     pairs = bool(getattr(plan, "pairs", ()))

@@ -192,11 +192,17 @@ def checkpointed(forward, context_fn=None):
     return run
 
 
+def named_submodules(layer: nn.Module, module: str) -> list[nn.Module]:
+    """The sub-modules of `layer` a selective module checkpoints (`SUBMODULES`' attribute names; none: [])."""
+    names = SUBMODULES[module]
+    return [m for path, m in layer.named_modules() if path and path.rsplit(".", 1)[-1] in names]
+
+
 def checkpoint_submodules(layer: nn.Module, index: int, modules) -> None:
     """Checkpoint the sub-modules of `layer` the selective modules name (refused where it has none)."""
     for module in modules:
         names = SUBMODULES[module]
-        found = [m for path, m in layer.named_modules() if path and path.rsplit(".", 1)[-1] in names]
+        found = named_submodules(layer, module)
         if not found:
             raise PlanError(f"plan $.memory.{index}: selective:{module} on layer {index} "
                             f"({type(layer).__name__}), which has no sub-module named {' or '.join(names)}; fix: "

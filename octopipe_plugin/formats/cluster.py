@@ -51,11 +51,19 @@ class Cluster:
     @property
     def host_link(self) -> float:
         """Device<->host copy bandwidth of each device in GB/s (the field, else the GPU table's)."""
-        return self.host_link_gb_per_s if self.host_link_gb_per_s is not None else self._gpu_spec().host_link_gb_per_s
+        return self.host_rate()
 
-    def host_copy_ms(self, nbytes: float) -> float:
-        """Time to copy `nbytes` between a device and its host memory, either way (ms)."""
-        return nbytes / (self.host_link * 1e9) * 1000.0
+    def host_rate(self, profiled: float | None = None) -> float:
+        """The device<->host GB/s offloads are priced with, the one rule: this file's `host_link_gb_per_s` (said, or
+        measured by `cluster --measure`), else `profiled` (a profiled model's measured rate, Model.host_link_gb_per_s),
+        else the GPU table's figure."""
+        if self.host_link_gb_per_s is not None:
+            return self.host_link_gb_per_s
+        return profiled if profiled is not None else self._gpu_spec().host_link_gb_per_s
+
+    def host_copy_ms(self, nbytes: float, profiled: float | None = None) -> float:
+        """Time to copy `nbytes` between a device and its host memory, either way (ms), at `host_rate(profiled)`."""
+        return nbytes / (self.host_rate(profiled) * 1e9) * 1000.0
 
     def _gpu_spec(self):
         return GPUS[self.gpu or "H100-SXM"]

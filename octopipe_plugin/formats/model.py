@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field as dc_field, replace
 
 from .fields import check_format, check_value, field, load_json, objects, write_json
+from .memory import SELECTIVE_MODULES
 from .. import limits as L
 from ..errors import FormatError
 
@@ -36,6 +37,16 @@ class Phase:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SubmoduleCost:
+    """One sub-module of a profiled layer under selective recompute (docs/formats.md "Memory choices"): the
+    activation bytes its checkpoint frees and the ms its re-run adds to the backward, as measured."""
+
+    module: str  # a name of formats/memory.py SELECTIVE_MODULES
+    freed_bytes: int
+    rerun_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Layer:
     """One partitioning unit: its kind and its costs for one micro-batch (docs/formats.md)."""
 
@@ -49,6 +60,12 @@ class Layer:
     output_bytes: int
     # Activation memory when the layer is fully recomputed (input kept only); informational.
     recompute_activation_bytes: int | None = None
+    # What a full recompute of the layer adds to its backward, as measured (its forward re-run under the checkpoint,
+    # `octopipe profile`); None: its fwd_ms. simulator/costs.py `layer_memory` is the rule that reads both.
+    recompute_ms: float | None = None
+    # Per sub-module the profile found in the layer, what selective recompute of it frees and re-runs (measured);
+    # empty: the analytic model's shares where the model is analytic (costs/recompute.py `module_shares`).
+    selective: tuple[SubmoduleCost, ...] = ()
     # "measured" (profiled on a device) or "analytic" (cost model); None when not recorded.
     source: str | None = None
     # The fused backward B's measured time over bwd_ms + wgrad_ms (the split backward's second graph walk and
@@ -68,8 +85,10 @@ class Layer:
         """The layer with every duration (its phases' and its walk's too) times `factor`, plus `changes`."""
         walk = None if self.walk_ms_per_node is None else self.walk_ms_per_node * factor
         phases = tuple(replace(p, fwd_ms=p.fwd_ms * factor, bwd_ms=p.bwd_ms * factor) for p in self.phases)
+        rec = None if self.recompute_ms is None else self.recompute_ms * factor
+        sel = tuple(replace(c, rerun_ms=c.rerun_ms * factor) for c in self.selective)
         fields = {"fwd_ms": self.fwd_ms * factor, "bwd_ms": self.bwd_ms * factor, "wgrad_ms": self.wgrad_ms * factor,
-                  "walk_ms_per_node": walk, "phases": phases}
+                  "walk_ms_per_node": walk, "phases": phases, "recompute_ms": rec, "selective": sel}
         return replace(self, **{**fields, **changes})
 
     @property
@@ -96,6 +115,9 @@ class Model:
     meta: dict = dc_field(default_factory=dict)
     # Pairs of layers sharing one weight (a tied embedding and LM head); empty: none (docs/formats.md).
     tied: tuple[tuple[int, int], ...] = ()
+    # Device<->host copy rate (GB/s) measured where the layers were profiled (`octopipe profile`); offloads are
+    # priced with it where the cluster file gives none (formats/cluster.py `Cluster.host_rate`). None: not measured.
+    host_link_gb_per_s: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -138,9 +160,11 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
                             default=None)
         nodes = field(raw, "graph_nodes", src, path, int, minimum=0, maximum=L.MAX_GRAPH_NODES, default=None)
         walk = field(raw, "walk_ms_per_node", src, path, float, minimum=0, maximum=L.MAX_LAYER_MS, default=None)
+        recompute_ms = field(raw, "recompute_ms", src, path, float, minimum=0, maximum=L.MAX_LAYER_MS, default=None)
         if source is not None and source not in SOURCES:
             raise FormatError(src, f"{path}.source", " or ".join(repr(x) for x in SOURCES), source)
         phases = _read_phases(raw, src, path, costs)
+        selective = _read_selective(raw, src, path, sizes["activation_bytes"])
         layers.append(
             Layer(
                 name=field(raw, "name", src, path, str, default=f"layer{i}"),
@@ -150,6 +174,8 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
                 fused_ratio=fused_ratio,
                 graph_nodes=nodes,
                 walk_ms_per_node=walk,
+                recompute_ms=recompute_ms,
+                selective=selective,
                 phases=phases,
                 **costs,
                 **sizes,
@@ -157,7 +183,25 @@ def model_from_dict(data: dict, src: str = "<dict>") -> Model:
         )
     inputs = _read_inputs(data, src, len(layers))
     meta = field(data, "meta", src, "$", dict, default={})
-    return Model(name=name, layers=tuple(layers), inputs=inputs, meta=meta, tied=_read_tied(data, src, len(layers)))
+    host = field(data, "host_link_gb_per_s", src, "$", float, positive=True, maximum=L.MAX_BANDWIDTH_GB_PER_S,
+                 default=None)
+    return Model(name=name, layers=tuple(layers), inputs=inputs, meta=meta, tied=_read_tied(data, src, len(layers)),
+                 host_link_gb_per_s=host)
+
+
+def _read_selective(raw: dict, src: str, path: str, activation: int) -> tuple[SubmoduleCost, ...]:
+    """The optional `selective` map of one layer: per sub-module its measured freed bytes and re-run ms."""
+    items = field(raw, "selective", src, path, dict, default={})
+    out = []
+    for module, cost in items.items():
+        mpath = f"{path}.selective.{module}"
+        if module not in SELECTIVE_MODULES:
+            raise FormatError(src, mpath, f"a sub-module of {', '.join(SELECTIVE_MODULES)}", module)
+        c = check_value(cost, src, mpath, dict)
+        out.append(SubmoduleCost(module=module,
+                                 freed_bytes=field(c, "freed_bytes", src, mpath, int, minimum=0, maximum=activation),
+                                 rerun_ms=field(c, "rerun_ms", src, mpath, float, minimum=0, maximum=L.MAX_LAYER_MS)))
+    return tuple(out)
 
 
 def _read_phases(raw: dict, src: str, path: str, costs: dict) -> tuple[Phase, ...]:
@@ -219,9 +263,15 @@ def model_to_dict(model: Model) -> dict:
     layers = []
     for layer in model.layers:
         d = asdict(layer)
-        for optional in ("recompute_activation_bytes", "source", "fused_ratio", "graph_nodes", "walk_ms_per_node"):
+        for optional in ("recompute_activation_bytes", "source", "fused_ratio", "graph_nodes", "walk_ms_per_node",
+                         "recompute_ms"):
             if d[optional] is None:
                 del d[optional]
+        if d["selective"]:
+            d["selective"] = {c.module: {"freed_bytes": c.freed_bytes, "rerun_ms": c.rerun_ms}
+                              for c in layer.selective}
+        else:
+            del d["selective"]
         if d["phases"]:
             d["phases"] = [dict(p) for p in d["phases"]]
         else:
@@ -234,6 +284,8 @@ def model_to_dict(model: Model) -> dict:
         doc["meta"] = model.meta
     if model.tied:
         doc["tied"] = [list(p) for p in model.tied]
+    if model.host_link_gb_per_s is not None:
+        doc["host_link_gb_per_s"] = model.host_link_gb_per_s
     return doc
 
 

@@ -22,9 +22,9 @@ from ..costs.analytic import layer_cost
 from ..costs.arch import Arch, layer_plan
 from ..errors import OctoPipeError
 from ..formats.model import Layer, Model
-from .device import gpu_spec_for
+from .device import gpu_spec_for, resolve_device
 from .layer import ProfileLayer
-from .profiler import ProfileResult, ProfileSettings, ProfileStats, profile_layers
+from .profiler import ProfileResult, ProfileSettings, ProfileStats, profile_layers, profiled_host_link
 from .torch_layers import hidden_input, token_input
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def profile_arch(arch: Arch, builders: Mapping[str, Callable[[], nn.Module]], *,
     for kind, rep in tqdm(reps.items(), desc=f"profile {arch.name}", unit="kind", leave=False,
                           disable=None if s.progress is None else not s.progress):
         try:
-            r = profile_layers([rep], name=arch.name, settings=replace(s, progress=False))
+            r = profile_layers([rep], name=arch.name, settings=replace(s, progress=False, host_link=False))
         except (RuntimeError, ValueError, TypeError, ImportError, AssertionError, NotImplementedError) as exc:
             failed[kind] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             log.warning("profile %s: %s layer of kind %s failed (%s): using the analytic model", arch.name, impl,
@@ -118,7 +118,8 @@ def profile_arch(arch: Arch, builders: Mapping[str, Callable[[], nn.Module]], *,
             "arch": asdict(arch), "gpu": spec.name if spec else info["device"],
             "profile": {**info, "layers": records, "analytic_kinds": missing, "analytic_scale": scale,
                         "failed_kinds": failed}}
-    model = Model(name=arch.name, layers=tuple(layers), inputs=_branches(arch), meta=meta)
+    model = Model(name=arch.name, layers=tuple(layers), inputs=_branches(arch), meta=meta,
+                  host_link_gb_per_s=profiled_host_link(resolve_device(s.device), s) if s.host_link else None)
     cached = sum(1 for _, _, rec in measured.values() if rec["cache"] == "hit")
     stats = ProfileStats(layers=len(layers), distinct=len(measured), measured=len(measured) - cached,
                          cache_hits=cached)

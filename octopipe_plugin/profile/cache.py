@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "OCTOPIPE_PROFILE_CACHE"
 # bump when the measurement method changes: old records then miss (4: Megatron I/W split; 5: W's graph walk,
-# graph_nodes and walk_ms_per_node)
-KEY_VERSION = 5
+# graph_nodes and walk_ms_per_node; 6: the memory choices' re-runs and freed bytes)
+KEY_VERSION = 6
 
 
 def default_cache_dir() -> Path:

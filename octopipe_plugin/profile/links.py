@@ -33,6 +33,9 @@ from .device import device_memory_bytes, device_name, gpu_spec_for
 # 4 KiB (latency-bound) to 32 MiB (bandwidth-bound, the size of one transformer activation)
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 MAX_PAIRS_PER_CLASS = 4  # a few pairs each: the class's figure is their median, a large launch stays quick
+# bytes each host-link copy moves: on a GPU enough to reach the PCIe rate; on a CPU well past the caches, yet small
+# beside the memory several local ranks share
+HOST_COPY_BYTES_CUDA, HOST_COPY_BYTES_CPU = 256 << 20, 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,22 +138,29 @@ def measure_ranks(rank: int, world: int, per_node: int, sizes, repeats: int,
     return [s for part in gathered for s in part]
 
 
-def measure_host_link(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
-    """Device<->host copy bandwidth in GB/s (the slower direction's median, pinned host memory), what an offloaded
-    activation's copies cost (docs/formats.md, "Memory choices"); None off CUDA (a CPU rank has no such link)."""
-    if device.type != "cuda":
-        return None
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def measure_host_link(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Device<->host copy bandwidth in GB/s (the slower direction's median), what an offloaded activation's copies
+    cost (docs/formats.md, "Memory choices"), copied as the executor's offload copies: on CUDA into pinned host
+    memory with non-blocking copies timed by events (256 MiB), on a CPU plain copies between host buffers (64 MiB)."""
+    cuda = device.type == "cuda"
+    nbytes = nbytes or (HOST_COPY_BYTES_CUDA if cuda else HOST_COPY_BYTES_CPU)
+    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
     rates = {"out": [], "in": []}
     for _ in range(repeats + 1):
         for way, (dst, src) in (("out", (host, dev)), ("in", (dev, host))):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            rates[way].append(nbytes / (start.elapsed_time(end) / 1000.0) / 1e9)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1000.0
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                seconds = time.perf_counter() - t0
+            rates[way].append(nbytes / max(seconds, 1e-9) / 1e9)
     return min(statistics.median(r[1:]) for r in rates.values())  # the first round warms up
 
 
@@ -192,9 +202,11 @@ def _local_worker(rank: int, world: int, port: int, per_node: int, sizes, repeat
 
     init_gloo(rank, world, port, timeout_s)
     samples = measure_ranks(rank, world, per_node, sizes, repeats, torch.device("cpu"))
+    host = [None] * world  # every rank at once, as offloads copy during training; the slowest counts
+    dist.all_gather_object(host, measure_host_link(torch.device("cpu")))
     if rank == 0:
         with open(os.path.join(out, "samples.json"), "w", encoding="utf-8") as fh:
-            json.dump([[s.src, s.dst, list(s.seconds)] for s in samples], fh)
+            json.dump({"samples": [[s.src, s.dst, list(s.seconds)] for s in samples], "host_link": min(host)}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -211,10 +223,11 @@ def measure_local(ranks: int, *, per_node: int | None = None, sizes=DEFAULT_SIZE
     with tempfile.TemporaryDirectory(prefix="octopipe-links-") as out:
         spawn(_local_worker, ranks, per_node, tuple(sizes), repeats, timeout_s, out)
         with open(os.path.join(out, "samples.json"), encoding="utf-8") as fh:
-            samples = [LinkSample(src=a, dst=b, seconds=tuple(t)) for a, b, t in json.load(fh)]
+            got = json.load(fh)
+        samples = [LinkSample(src=a, dst=b, seconds=tuple(t)) for a, b, t in got["samples"]]
     memory, gpu = _device_figures(torch.device("cpu"), ranks)
     return build_cluster(samples, ranks, per_node, tuple(sizes), memory, gpu,
-                         name or f"{socket.gethostname()}-gloo-x{ranks}")
+                         name or f"{socket.gethostname()}-gloo-x{ranks}", got["host_link"])
 
 
 def launched() -> bool:
@@ -247,8 +260,7 @@ def measure_launched(*, sizes=DEFAULT_SIZES, repeats: int = 5, timeout_s: float 
             return None
         memory, gpu = _device_figures(device, sum(h == hosts[0] for h in hosts))
         backend = "nccl" if cuda else "gloo"
-        link = min(hosts_link) if all(x is not None for x in hosts_link) else None
         return build_cluster(samples, world, per_node, tuple(sizes), memory, gpu,
-                             name or f"{hosts[0]}-{backend}-x{world}", link)
+                             name or f"{hosts[0]}-{backend}-x{world}", min(hosts_link))
     finally:
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .. import limits as L
 from ..errors import OctoPipeError
-from ..formats.model import Layer, Model
+from ..formats.model import Layer, Model, SubmoduleCost
 from .cache import ProfileCache, cache_key
 from .device import device_name, library_versions, resolve_device
 from .layer import ProfileLayer, module_signature, tensor_from_meta, tensor_meta
@@ -58,6 +58,7 @@ class ProfileSettings:
     use_cache: bool = True
     progress: bool | None = None  # None: a bar when stderr is a terminal
     statistic: str = "median"  # which figure of the samples the layers get (timing.STATISTICS; the cache keeps all)
+    host_link: bool = True  # measure the device<->host copy rate too (Model.host_link_gb_per_s)
 
 
 def fused_ratio(prof: LayerProfile, statistic: str = "median") -> float | None:
@@ -80,7 +81,27 @@ def profiled_layer(name: str, kind: str, prof: LayerProfile, statistic: str = "m
                  wgrad_ms=prof.wgrad.at(statistic), state_bytes=prof.state_bytes,
                  activation_bytes=prof.activation_bytes, output_bytes=prof.output_bytes, source="measured",
                  fused_ratio=fused_ratio(prof, statistic), graph_nodes=prof.graph_nodes,
-                 walk_ms_per_node=prof.walk_ms_per_node)
+                 walk_ms_per_node=prof.walk_ms_per_node,
+                 recompute_ms=prof.recompute.at(statistic) if prof.recompute is not None else None,
+                 selective=tuple(SubmoduleCost(module=m, freed_bytes=freed, rerun_ms=t.at(statistic))
+                                 for m, freed, t in prof.selective))
+
+
+def profiled_host_link(device: torch.device, settings: ProfileSettings) -> float:
+    """This device's device<->host copy rate in GB/s (profile/links.py `measure_host_link`, what offloads copy
+    at), cached like the layers' figures."""
+    from .links import measure_host_link
+
+    fields = {"host_link": "device<->host copy", "device": device_name(device),
+              "versions": library_versions(settings.versions_extra)}
+    cache = ProfileCache(settings.cache_dir) if settings.use_cache else None
+    rec = cache.get(cache_key(fields)) if cache is not None else None
+    if rec is not None and isinstance(rec.get("gb_per_s"), (int, float)) and rec["gb_per_s"] > 0:
+        return float(rec["gb_per_s"])
+    rate = measure_host_link(device)
+    if cache is not None:
+        cache.put(cache_key(fields), {"gb_per_s": rate}, fields)
+    return rate
 
 
 def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
@@ -132,7 +153,8 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
                 x = x if x is not None else tensor_from_meta(in_meta, device, seed=i)
                 bar.set_postfix_str(f"measuring {layer.name}")
                 log.info("profile: measuring %s (%s) on %s", layer.name, layer.kind, dev_name)
-                prof = measure_layer(module, x, device, warmup=s.warmup, repeats=s.repeats, dp=parallel.get("dp", 1))
+                prof = measure_layer(module, x, device, warmup=s.warmup, repeats=s.repeats, dp=parallel.get("dp", 1),
+                                     kind=layer.kind)
                 how = "miss"
                 measured += 1
                 if cache is not None:
@@ -154,6 +176,7 @@ def profile_layers(layers: Sequence[ProfileLayer], *, name: str = "profiled",
     info = {"device": dev_name, "device_type": device.type, "warmup": s.warmup, "repeats": s.repeats,
             "statistic": s.statistic,
             "parallel": parallel, "versions": versions, "layers": records}
-    model = Model(name=name, layers=model_layers, meta={"cost_model": "measured", **(meta or {}), "profile": info})
+    model = Model(name=name, layers=model_layers, meta={"cost_model": "measured", **(meta or {}), "profile": info},
+                  host_link_gb_per_s=profiled_host_link(device, s) if s.host_link else None)
     stats = ProfileStats(layers=len(layers), distinct=len(memo), measured=measured, cache_hits=hits)
     return ProfileResult(model=model, profiles=tuple(profiles), stats=stats)

@@ -181,12 +181,37 @@ def layer_memory(model, layer: int, choice, where: str = "plan") -> tuple[int, f
         if rec is None:  # the layer's input: what the previous layer sends on (layer 0 keeps what it saves)
             rec = model.layers[layer - 1].output_bytes if layer > 0 else act
         rec = min(rec, act)
-        return rec, lay.fwd_ms, act - rec, 0
+        # a profiled re-run (Layer.recompute_ms) takes precedence over the forward's time
+        return rec, lay.fwd_ms if lay.recompute_ms is None else lay.recompute_ms, act - rec, 0
     assert choice.kind == SELECTIVE
+    if lay.selective:  # profiled sub-modules take precedence over the analytic shares; a set sums its modules'
+        measured = {c.module: c for c in lay.selective}
+        missing = [m for m in choice.modules if m not in measured]
+        if missing:
+            raise PlanError(f"{path}: selective:{','.join(missing)} on layer {layer} ({lay.kind}), whose profile "
+                            f"measured no {', '.join(missing)}; expected modules it measured: "
+                            f"{', '.join(sorted(measured))}; fix: name those, or use recompute or offload")
+        freed = min(act, sum(measured[m].freed_bytes for m in choice.modules))
+        return act - freed, sum(measured[m].rerun_ms for m in choice.modules), freed, 0
     shares = _selective_shares(model, layer, path, choice)
     freed = min(act, int(round(sum(shares[m].freed for m in choice.modules) * act)))
     rerun = sum(shares[m].rerun for m in choice.modules) * lay.fwd_ms
     return act - freed, rerun, freed, 0
+
+
+def selective_modules(model, layer: int) -> tuple[str, ...]:
+    """The sub-modules selective recompute may name on a layer (what `layer_memory` prices): those its profile
+    measured, else its kind's in the analytic model (an analytic layer of an analytic model), else none."""
+    lay = model.layers[layer]
+    if lay.selective:
+        return tuple(sorted(c.module for c in lay.selective))
+    arch = _analytic_arch(model)
+    if arch is None or lay.source == "measured":
+        return ()
+    from ..costs.recompute import module_shares
+    from ..gpus import get_gpu
+
+    return tuple(sorted(module_shares(arch, lay.kind, get_gpu(model.meta.get("gpu", "H100")))))
 
 
 def _analytic_arch(model):
@@ -206,9 +231,9 @@ def _selective_shares(model, layer: int, path: str, choice):
     arch = _analytic_arch(model)
     if arch is None or lay.source == "measured":
         raise PlanError(f"{path}: {choice.text} on layer {layer} ({lay.kind}): what a sub-module frees and re-runs "
-                        f"is known for analytic layers only (this layer is "
-                        f"{'measured' if lay.source == 'measured' else 'not from the analytic model'}); "
-                        f"fix: use recompute or offload")
+                        f"is known for analytic layers and for profiled ones with sub-module figures only (this "
+                        f"layer is {'measured, without them' if lay.source == 'measured' else 'not from the analytic model'}"
+                        f"); fix: use recompute or offload, or profile it again (`octopipe profile` measures them)")
     from ..costs.recompute import module_shares
     from ..gpus import get_gpu
 
@@ -233,6 +258,7 @@ def memory_costs(model, plan, cluster=None, where: str = "plan") -> MemoryCosts:
     per_layer = {layer: layer_memory(model, layer, choice, where) for layer, choice in plan.memory}
     w_layers = {layer for layer, choice in plan.memory if choice.kind == OFFLOAD_W}
     kept, extra, remat_b, remat_i, off, copy, off_w, copy_w = [], [], [], [], [], [], [], []
+    rate = getattr(model, "host_link_gb_per_s", None)  # a profiled copy rate (Cluster.host_rate says which counts)
     for st in plan.stages:
         k = x = rb = ri = o = ow = 0
         for i in range(st.start, st.end):
@@ -252,9 +278,9 @@ def memory_costs(model, plan, cluster=None, where: str = "plan") -> MemoryCosts:
         remat_b.append(rb)
         remat_i.append(ri)
         off.append(o)
-        copy.append(cluster.host_copy_ms(o) if cluster is not None and o else 0.0)
+        copy.append(cluster.host_copy_ms(o, rate) if cluster is not None and o else 0.0)
         off_w.append(ow)
-        copy_w.append(cluster.host_copy_ms(ow) if cluster is not None and ow else 0.0)
+        copy_w.append(cluster.host_copy_ms(ow, rate) if cluster is not None and ow else 0.0)
     mc = MemoryCosts(tuple(kept), tuple(extra), tuple(remat_b), tuple(remat_i), tuple(off), tuple(copy),
                      tuple(off_w), tuple(copy_w))
     if cluster is not None and (any(off) or any(off_w)):

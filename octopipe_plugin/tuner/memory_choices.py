@@ -114,20 +114,14 @@ def layer_options(model, cluster, layer: int, levers: MemoryLevers) -> list[tupl
             front.append(o)
             best = o[0]
     if levers.offload == "auto" and act > 0:
-        front.append((act, 0.0, cluster.host_copy_ms(act), MemoryChoice(OFFLOAD)))
+        front.append((act, 0.0, cluster.host_copy_ms(act, model.host_link_gb_per_s), MemoryChoice(OFFLOAD)))
     return front
 
 
 def _selective_choices(model, layer: int) -> list[MemoryChoice]:
-    from ..costs.recompute import module_shares
-    from ..gpus import get_gpu
-    from ..simulator.costs import _analytic_arch
+    from ..simulator.costs import selective_modules
 
-    arch = _analytic_arch(model)
-    lay = model.layers[layer]
-    if arch is None or lay.source == "measured":
-        return []
-    mods = sorted(module_shares(arch, lay.kind, get_gpu(model.meta.get("gpu", "H100"))))
+    mods = list(selective_modules(model, layer))
     out = [MemoryChoice(SELECTIVE, (m,)) for m in mods]
     whole = [m for m in mods if not any(m in inner and outer in mods for outer, inner in CONTAINS.items())]
     if len(whole) > 1:
@@ -158,8 +152,9 @@ def _w_options(ev):
     """Per layer its one `offload_w` option (what W reads goes to the host between I and W), cached as `_options`."""
     got = ev._jobs.get("memory options w")
     if got is None:
-        got = [[(lay.activation_bytes, 0.0, ev.cluster.host_copy_ms(lay.activation_bytes), MemoryChoice(OFFLOAD_W))]
-               if lay.activation_bytes > 0 else [] for lay in ev.model.layers]
+        rate = ev.model.host_link_gb_per_s
+        got = [[(lay.activation_bytes, 0.0, ev.cluster.host_copy_ms(lay.activation_bytes, rate),
+                 MemoryChoice(OFFLOAD_W))] if lay.activation_bytes > 0 else [] for lay in ev.model.layers]
         ev._jobs["memory options w"] = got
     return got
 
