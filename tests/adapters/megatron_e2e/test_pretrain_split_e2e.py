@@ -90,7 +90,11 @@ def test_split_plan_logs_the_unsplit_losses(runs):
     losses = runs["losses"]
     meg, octo, split = losses["megatron"]["train"], losses["octopipe"]["train"], losses["split"]["train"]
     assert sorted(meg) == list(range(1, 7))
-    assert octo == meg
+    # the plain plan's random order (I/W split) sums the micro-batches' gradients in another order than
+    # Megatron's 1F1B: equal up to fp32 rounding, shown in the 7th digit of a logged loss (a 1% error fails)
+    assert sorted(octo) == sorted(meg)
+    for it in meg:
+        assert octo[it] == pytest.approx(meg[it], rel=1e-6, abs=0), f"iteration {it}: {octo[it]} vs {meg[it]}"
     assert sorted(split) == sorted(meg)
     for it in meg:
         assert split[it] == pytest.approx(meg[it], rel=1e-5, abs=0), f"iteration {it}: {split[it]} vs {meg[it]}"
