@@ -29,6 +29,7 @@ from .memory import activation_changes, choice_events, peak_live, timed_peak
 from .pairs import pair_ms, stage_phases
 from .overheads import delivery_of, overhead_ms
 from ..formats.overheads import Overheads
+from ..formats.memory import OFFLOAD, OFFLOAD_W
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
 
@@ -139,11 +140,12 @@ def simulate(model, cluster, plan, options: SimOptions | None = None, *, costs: 
     opts = options or SimOptions()
     # memory choices need the model's layers; a costs-only run (the deadlock check: no model) runs without them
     memory = getattr(plan, "memory", ()) if model is not None else ()
-    if memory and getattr(plan, "splits", ()):
+    if memory and getattr(plan, "splits", ()) and any(c.kind in (OFFLOAD, OFFLOAD_W) for _, c in memory):
         from ..errors import PlanError
 
-        raise PlanError("plan $.memory: memory choices on a plan with split layers (`splits`) are not simulated; "
-                        "fix: drop `memory` or `splits`")
+        # split.py prices recompute (list-order peaks, no host link): offload needs core.py's timed host link
+        raise PlanError("plan $.memory: offload choices on a plan with split layers (`splits`) are not simulated; "
+                        "fix: drop the offload entries, or `splits`")
     if getattr(plan, "splits", ()):
         from .split import simulate_split  # split layers: their own (slower) loop; plans without keep this one
 

@@ -100,6 +100,21 @@ def choice_events(row, times, mc, outs, ins) -> tuple[list[tuple[float, int]], l
     return dev, host
 
 
+def recompute_steps(kind: Kind, stage: int, mc) -> tuple[int, ...]:
+    """The changes, in order, one stage action makes to its device's live bytes under recompute choices (no
+    offload; `mc` a simulator.costs.MemoryCosts): F `kept`; B `remat_b` while it runs, then all of it freed; I
+    `remat_i`; W frees `kept` and `remat_i` (choice_events' rule without times, for list-order peaks)."""
+    if kind is Kind.F:
+        return (mc.kept[stage],)
+    if kind is Kind.B:
+        return (mc.remat_b[stage], -(mc.kept[stage] + mc.remat_b[stage]))
+    if kind is Kind.I:
+        return (mc.remat_i[stage],)
+    if kind is Kind.W:
+        return (-(mc.kept[stage] + mc.remat_i[stage]),)
+    return ()
+
+
 def timed_peak(events) -> int:
     """Peak of the running sum of (time, change) events in time order; at one instant frees count first (an action
     ending as the next starts, as the list order has it)."""

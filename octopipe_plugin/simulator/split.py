@@ -21,9 +21,9 @@ from ..errors import DeadlockError, PlanError
 from ..formats.model import microbatch_tokens
 from ..schedules.split_messages import SIDE_OF, split_messages
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
-from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, stage_costs
+from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, memory_costs, stage_costs
 from .overheads import delivery_of, overhead_ms, split_message_ms
-from .memory import activation_changes
+from .memory import activation_changes, recompute_steps
 from .pairs import pair_ms, stage_phases
 from .result import SimResult, Transfer, stuck_grid as _stuck_grid
 
@@ -155,9 +155,10 @@ class SplitGraph:
     """Each device's actions with their (producer key, delay) lists, durations and memory changes."""
 
     def __init__(self, cluster, plan, sc: StageCosts, splits: list[SplitCosts], launch_ms: float, extra=None,
-                 delivery=None, overheads=None):
+                 delivery=None, overheads=None, mc=None):
         # delivery: the busy sender's in-flight delay (formats.overheads.MessageCost), charged as hop_times does
         self.plan, self.cluster, self.launch, self.delivery = plan, cluster, launch_ms, delivery
+        self.mc = mc  # the plan's recompute choices (simulator.costs.MemoryCosts), None without
         self.dev_of = [st.device for st in plan.stages]
         self.ns = len(self.dev_of)
         self.hop = hop_times(cluster, self.dev_of, sc.output, launch_ms, delivery)
@@ -254,8 +255,15 @@ class SplitGraph:
         """Change of device d's live activation bytes when `a` runs."""
         rule = RULES[a.kind]
         if rule.side is None:
-            return self.change[a.kind][a.stage]
+            return self.change[a.kind][a.stage] if self.mc is None else sum(recompute_steps(a.kind, a.stage, self.mc))
         return self.by_side[rule.side].live(a.kind, d)
+
+    def steps(self, a: Action, d: int) -> tuple[int, ...]:
+        """The changes, in order, `a` makes to device d's live bytes (a B under recompute: what it brings back, then
+        all freed), their sum `live`."""
+        if self.mc is not None and RULES[a.kind].side is None:
+            return recompute_steps(a.kind, a.stage, self.mc)
+        return (self.live(a, d),)
 
 
 def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = None, detail: bool = True):
@@ -265,9 +273,13 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
         check_model_splits(model, plan.splits)
     splits = split_costs(model, plan)
     sc = costs if costs is not None else stage_costs(without_split_layers(model, plan.splits), plan.stages)
+    mc = None
+    if model is not None and getattr(plan, "memory", ()):  # recompute choices (core.py refuses offload here)
+        mc = memory_costs(without_split_layers(model, plan.splits), plan, cluster)
+        sc = mc.apply(sc)
     g = SplitGraph(cluster, plan, sc, splits, options.launch_ms,
                    overhead_ms(options.overheads, [st.device for st in plan.stages], sc.output),
-                   delivery_of(options.overheads), options.overheads)
+                   delivery_of(options.overheads), options.overheads, mc=mc)
     nd = plan.num_devices
     rows = [[(a, g.key(a, d), g.deps(a, d), g.duration(a, d)) for a in row] for d, row in enumerate(plan.schedule)]
     if plan.pairs:
@@ -325,8 +337,9 @@ def simulate_split(model, cluster, plan, options, *, costs: StageCosts | None = 
     for d, row in enumerate(plan.schedule):
         cur = peak = 0
         for a in row:
-            cur += g.live(a, d)
-            peak = max(peak, cur)
+            for c in g.steps(a, d):
+                cur += c
+                peak = max(peak, cur)
         peak_act.append(peak)
     step = max(free) if free else 0.0
     bubble = 1.0 - sum(busy) / (step * nd) if step > 0 else 0.0

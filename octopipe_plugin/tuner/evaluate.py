@@ -18,7 +18,7 @@ from ..simulator.memory import least_live
 from ..simulator.pairs import communicates
 from .pairing import with_adjacent_pairs
 from .memory_choices import NONE, MemoryLevers, full_job, full_recompute, repair as memory_repair
-from .layout import Layout, device_work, make_job
+from .layout import Layout, comm_prefix, device_link, device_work, make_job
 from .listsched import Policy, build_schedule, schedule_units
 from .encoded import action_count
 
@@ -72,6 +72,8 @@ class Evaluator:
         self._seen: dict[tuple, Outcome | None] = {}
         # pairs can hide a layer's communication (tuner/pairing.py)
         self.pairing = communicates(model)
+        self._floors: dict[Layout, float] = {}  # work_floor per layout (the search asks again for most it meets)
+        self._comm = comm_prefix(model) if self.pairing else None
         # explicit orders judged with their adjacent F and B paired too: set by the search once it has run as it
         # does without pairs (tuner/search.py `_pair_elite`)
         self.pair_orders = False
@@ -111,16 +113,20 @@ class Evaluator:
 
     def work_floor(self, layout: Layout) -> float:
         """The busiest device's compute time (where pairs pay: its compute or link time): no schedule is faster."""
+        got = self._floors.get(layout)
+        if got is None:
+            got = self._floors[layout] = self._work_floor(layout)
+        return got
+
+    def _work_floor(self, layout: Layout) -> float:
         _, sc, _ = self.job(layout)
         work = device_work(sc, layout.devices, self.cluster.num_devices, self.m)
         if not self.pairing:
             return max(work)
         # a pair hides communication behind the other half's compute: the floor is each device's compute, or its
         # link time where that is longer (with the all-to-alls counted, layouts that pair well were never tried)
-        comm = [0.0] * len(work)
-        for (a, b), d in zip(layout.bounds, layout.devices):
-            comm[d] += self.m * sum(sum(layer.comm_ms) for layer in self.model.layers[a:b])
-        return max(max(w - c, c) for w, c in zip(work, comm))
+        link = device_link(self._comm, layout, self.cluster.num_devices, self.m)
+        return max(max(w - c, c) for w, c in zip(work, link))
 
     def static_fits(self, layout: Layout) -> bool:
         """Whether every device can hold its stages' state and one activation of each."""

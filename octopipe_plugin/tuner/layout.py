@@ -84,3 +84,19 @@ def device_work(sc: StageCosts, devices, num_devices: int, num_microbatches: int
     for s, d in enumerate(devices):
         out[d] += (sc.fwd[s] + sc.bwd[s] + sc.wgrad[s]) * num_microbatches
     return out
+
+
+def comm_prefix(model) -> tuple[float, ...]:
+    """prefix[i]: the F + I communication phases of layers [0, i) for one micro-batch."""
+    acc = [0.0]
+    for layer in model.layers:
+        acc.append(acc[-1] + sum(layer.comm_ms))
+    return tuple(acc)
+
+
+def device_link(prefix, layout: Layout, num_devices: int, num_microbatches: int) -> list[float]:
+    """Communication time each device's stages put on its link in a step (`prefix`: comm_prefix of the model)."""
+    out = [0.0] * num_devices
+    for (a, b), d in zip(layout.bounds, layout.devices):
+        out[d] += (prefix[b] - prefix[a]) * num_microbatches
+    return out

@@ -233,9 +233,33 @@ def test_plan_and_cluster_round_trip():
     assert plain.host_link == 25.0 and plain.host_memory == 128 << 30
 
 
-def test_split_plans_refuse_memory_choices():
+def test_split_plans_refuse_offload_choices():
     from octopipe_plugin.formats.splits import SplitLayer
 
     p = replace(plan(LIFO, 3, [(0, "offload")]), splits=(SplitLayer(layer=0, devices=(0,), shares=(1.0,)),))
-    with pytest.raises(PlanError, match="split layers .* fix: drop `memory` or `splits`"):
+    with pytest.raises(PlanError, match="offload choices on a plan with split layers .* fix: drop the offload"):
         simulate(one_layer(), cluster(), p)
+
+
+def test_split_plan_prices_recompute_by_the_reference_rule():
+    """A split head over both devices, the dense layer of stage 0 recomputed. Device 0's list order: 0F0 0F1 keep 10
+    each (20), the head shards' 1H0 and 1H1 add 50 each (120), 0B0 brings 90 back while it runs (210) and frees 100,
+    0B1 the same (200, then 100), 1K0 1K1 free the shards'; without the choice 100 + 100 + 50 + 50 = 300. Each B of
+    stage 0 re-runs the dense F (1 ms): device 0, last to end, ends 2 ms later."""
+    from octopipe_plugin.formats.splits import SplitLayer
+
+    def lay(kind, f, act=0, rec=None):
+        return Layer(name=kind, kind=kind, fwd_ms=f, bwd_ms=f, wgrad_ms=f, state_bytes=0, activation_bytes=act,
+                     output_bytes=0, recompute_activation_bytes=rec)
+
+    model = Model(name="m", layers=(lay("embedding", 0), lay("dense", 1, 100, 10), lay("lm_head", 2, 100)))
+    rows = [["0F0", "0F1", "1H0", "1J0", "1H1", "1J1", "0B0", "0B1", "1K0", "1K1"],
+            ["1F0", "1F1", "1H0", "1J0", "1H1", "1J1", "1B0", "1B1", "1K0", "1K1"]]
+    keep = Plan(model="m", num_devices=2, num_microbatches=2,
+                stages=(Stage(start=0, end=2, device=0), Stage(start=2, end=3, device=1)),
+                schedule=parse_schedule(rows), splits=(SplitLayer(layer=2, devices=(0, 1), shares=(0.5, 0.5)),))
+    rec = replace(keep, memory=((1, parse_choice("recompute")),))
+    a, b = simulate(model, cluster(2), keep), simulate(model, cluster(2), rec)
+    assert a.peak_activation_bytes == [300, 100] and b.peak_activation_bytes == [210, 100]
+    assert b.step_time_ms == pytest.approx(a.step_time_ms + 2.0)
+    assert [e for _, _, e in b.timeline[0]][-1] == pytest.approx(b.step_time_ms)
