@@ -104,13 +104,17 @@ class Transport:
     `positions`: the plan's `schedules.messages.device_positions` (None: sends are dropped only by `reap` and
     `finish`); with it, a lane whose sends cannot be polled drops them once the peer has visibly consumed them.
     `yield_after_send`: give the core up once after posting sends (None: the backend's default, `YIELD_AFTER_SEND`).
+    `gather_groups`: a split head's shard devices (sorted) -> (their process group, the device of each group rank):
+    where the statistics' all-gathers run (`start_gather`, `gathered`; comm_cache.CommCache.gather_groups).
     """
 
     def __init__(self, *, rank: int, num_stages: int, recv_order: dict, send_order: dict, device: torch.device,
                  timeout_s: float, group=None, pair_groups: dict | None = None, tags: bool = True,
                  buffers: dict | None = None, exchange: str | None = None, positions: dict | None = None,
-                 yield_after_send: bool | None = None):
+                 yield_after_send: bool | None = None, gather_groups: dict | None = None):
         self.rank = rank
+        self.gather_groups = gather_groups or {}
+        self.gathers: dict = {}  # StatsGather -> (its Transfer, the wire tensor it reads) until its J takes it
         # (device, action) -> position in that device's list of the step's plan: tells which sends a peer has
         # consumed (per device: a shard action of a split layer runs on several)
         self.positions = positions
@@ -183,6 +187,7 @@ class Transport:
         self.meta_arrived.clear()
         self.in_flight.clear()
         self.queued.clear()
+        self.gathers.clear()
 
     def close(self) -> None:
         """Stop the lane's background work (the watchdog thread on CUDA)."""
@@ -392,6 +397,49 @@ class Transport:
             self.yields += 1
             give_way(True)
 
+    # ----- the statistics' all-gathers (schedules.split_messages.StatsGather)
+
+    def start_gather(self, g, value, action) -> None:
+        """Post the all-gather `g` of this shard's statistics `value`, return at once (its J takes it: `gathered`)."""
+        self._check_watchdog(action)
+        got = self.gather_groups.get(g.devices)
+        if got is None:
+            raise ExecutorError(f"rank {self.rank}: {action}: no process group for {g} (the executor makes one per "
+                                f"split head at construction: comm_cache.CommCache.gather_groups)",
+                                rank=self.rank, action=str(action), awaited=str(g))
+        if not isinstance(value, torch.Tensor):
+            raise ExecutorError(f"rank {self.rank}: {action} produced {type(value).__name__} for {g}: expected its "
+                                f"statistics as one tensor", rank=self.rank, action=str(action), awaited=str(g))
+        self._check_devices([value], g, action, "tensor to gather")
+        wire = self.lane.send_wire(value)
+        work, outs = self.lane.issue_gather(wire, got[0], len(g.devices))
+        t = Transfer(g, tuple(outs), ())
+        t.works = (work,)
+        self.gathers[g] = (t, wire)  # the wire lives until the gather completed
+
+    def gathered(self, g, action) -> tuple:
+        """Every other shard's statistics of the all-gather `g`, in shard-device order (what their messages gave)."""
+        held = self.gathers.pop(g, None)
+        if held is None:
+            raise ExecutorError(f"rank {self.rank}: {action}: {g} was not started on this rank (its H runs first)",
+                                rank=self.rank, action=str(action), awaited=str(g))
+        t = held[0]
+        self._wait_gather(t, action)
+        members = self.gather_groups[g.devices][1]
+        tensors = self.lane.received(t)
+        self._check_devices(tensors, g, action, "gathered buffer")
+        return tuple(x.detach() for d, x in sorted(zip(members, tensors), key=lambda p: p[0]) if d != self.rank)
+
+    def _wait_gather(self, t: Transfer, action) -> None:
+        start = time.monotonic()
+        try:
+            self.lane.wait_gather(t.works[0])
+        except Exception as exc:  # gloo raises RuntimeError for both a timeout and a dead peer
+            raise ExecutorError(f"rank {self.rank}: {action}: {t.msg} failed after {time.monotonic() - start:.1f} s "
+                                f"(timeout {self.timeout_s:g} s): {_reason(exc)}", rank=self.rank, action=str(action),
+                                awaited=str(t.msg)) from exc
+        self._check_watchdog(action)
+
     def _split_known(self, msg, action):
         """The meta of a split message: declared, or learned this step (None while the head input's handshake has
         not arrived); refused by name where it can be neither."""
@@ -548,6 +596,8 @@ class Transport:
             sends = self.in_flight.pop(peer)
             while sends:
                 self._wait(sends.pop(0), action, "send")
+        while self.gathers:  # none is left by a complete step: every J took its micro-batch's
+            self._wait_gather(self.gathers.pop(next(iter(self.gathers)))[0], action)
         self._check_watchdog(action)
 
     # ----- waits

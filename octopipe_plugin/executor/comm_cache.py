@@ -19,6 +19,12 @@ yet warmed always has both its ranks waiting on it: the warm-up cannot deadlock.
 operations the transport lanes use are warmed: a plain isend/irecv (NCCL's per-pair
 communicator) and a `batch_isend_irecv` (the group's own communicator, the batched lane).
 
+`CommCache.gather_groups` gives each split head's shard devices one process group, on which
+their statistics' all-gathers run (schedules/split_messages.py `StatsGather`): made the same way
+(the world's sets gathered, the union made in one sorted order, never made twice) and warmed at
+once by one all-gather on each, in that order (the smallest set not yet warmed always has every
+member waiting on it), so no group is created or connected inside a step.
+
 Receive buffers are kept per (plan, process group) and message, and reused by the next
 step when the shape and dtype still fit.
 """
@@ -32,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ExecutorError
+from ..schedules.split_messages import stats_gathers
 from .lowered import plan_key, plan_pairs
 
 __all__ = ["CommCache", "default_cache", "group_key", "plan_key", "reusable"]
@@ -52,6 +59,7 @@ class CommCache:
     def __init__(self):
         self._world = None
         self.groups: dict[tuple[int, int], object] = {}
+        self.shard_sets: dict[tuple[int, ...], object] = {}  # sorted global ranks of a split head's shards -> group
         self.buffers: dict[tuple, dict] = {}
         self.groups_created = 0
         self.warmed: list[tuple[int, int]] = []  # global (src, dst) pairs this rank warmed, in warm-up order
@@ -62,6 +70,7 @@ class CommCache:
         if world is not self._world:
             self._world = world
             self.groups.clear()
+            self.shard_sets.clear()
             self.buffers.clear()
             self.warmed.clear()
 
@@ -94,6 +103,39 @@ class CommCache:
                     _warm(self.groups[pair], pair, me, device, timeout_s)
                     self.warmed.append(pair)
         return {pair: self.groups[tuple(_global(group, r) for r in pair)] for pair in pairs}
+
+
+    def gather_groups(self, plan, group=None, *, device="cpu",
+                      timeout_s: float = WARM_UP_TIMEOUT_S) -> dict[tuple[int, ...], tuple[object, tuple[int, ...]]]:
+        """A split head's shard devices (group ranks, sorted) -> (their process group, the group rank of each of its
+        members in its rank order), made and warmed now. Collective over the default group, as `direction_groups`:
+        every rank of the world calls it at the same point (nothing happens for a plan without statistics to
+        gather, which every rank of the world then runs alike)."""
+        self._check_world()
+        sets = sorted({g.devices for g in stats_gathers(plan)})
+        if not sets:
+            return {}
+        mine = sorted(tuple(sorted(_global(group, r) for r in devs)) for devs in sets)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        me, made = dist.get_rank(), []
+        for ranks in sorted({tuple(s) for got in everyone for s in got}):
+            if ranks not in self.shard_sets:
+                self.shard_sets[ranks] = dist.new_group(ranks=list(ranks))
+                self.groups_created += 1
+                made.append(ranks)
+        for ranks in made:  # one order on every rank (module docstring): the smallest set first
+            if me in ranks:
+                g = self.shard_sets[ranks]
+                buf = torch.zeros(1, device=torch.device("cpu") if dist.get_backend(g) == "gloo" else device)
+                dist.all_gather([torch.empty_like(buf) for _ in ranks], buf, group=g, async_op=True).wait(
+                    timeout=datetime.timedelta(seconds=timeout_s))
+        out = {}
+        for devs in sets:
+            ranks = tuple(sorted(_global(group, r) for r in devs))
+            out[devs] = (self.shard_sets[ranks], tuple(dist.get_group_rank(group, r) if group is not None else r
+                                                       for r in ranks))
+        return out
 
 
 def _warm(g, pair: tuple[int, int], me: int, device, timeout_s: float) -> None:

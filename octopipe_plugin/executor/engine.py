@@ -145,6 +145,8 @@ class PipelineExecutor:
         self.pair_groups = (self.cache.direction_groups(plan, group, warm_up=self.options.eager_comms,
                                                         device=self.device, timeout_s=self.options.timeout_s)
                             if use_pairs else None)
+        # a split head's statistics travel by one all-gather per micro-batch over its shards: their group made now
+        self.gather_groups = self.cache.gather_groups(plan, group, device=self.device, timeout_s=self.options.timeout_s)
         self.buffers = self.cache.buffers_of(plan, group) if self.options.reuse_buffers else None
         self._transports: dict[tuple[bool, int], Transport] = {}
 
@@ -177,7 +179,7 @@ class PipelineExecutor:
                 send_order=prog.send_order, device=self.device, timeout_s=self.options.timeout_s, group=self.group,
                 pair_groups=self.pair_groups, tags=self.options.tags, buffers=self.buffers,
                 exchange=self.options.exchange, positions=device_positions(low.plan),
-                yield_after_send=self.options.yield_after_send)
+                yield_after_send=self.options.yield_after_send, gather_groups=self.gather_groups)
         return tp
 
     def run_step(self, data=None, *, forward_only: bool = False, num_microbatches: int | None = None) -> StepResult:
@@ -242,7 +244,9 @@ class PipelineExecutor:
             key = local_input_key(a, ns)
             inp = local.pop(key) if key is not None else None
         takes = step.shard.takes if step.shard is not None else ()
-        if takes or a.kind is Kind.J:  # a J of the only shard takes no peer statistics
+        if step.shard is not None and step.shard.awaits is not None:
+            inp = tp.gathered(step.shard.awaits, a)  # a J: every other shard's statistics, in shard-device order
+        elif takes or a.kind is Kind.J:  # a J of the only shard takes no peer statistics
             inp = taken(a, [tp.recv(t.msg, a) if t.msg is not None else local.pop(t.key) for t in takes])
         return inp
 
@@ -253,6 +257,8 @@ class PipelineExecutor:
             out, loss = out
             result.outputs[a.microbatch] = _loss_output(loss, self.rank, a)
         if step.shard is not None:
+            if step.shard.starts is not None:  # an H: its statistics into the micro-batch's all-gather
+                tp.start_gather(step.shard.starts, out, a)
             for msg in step.shard.sends:
                 tp.send(msg, out, a)
             for key in step.shard.keeps:

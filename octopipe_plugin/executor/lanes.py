@@ -17,7 +17,8 @@ here and nowhere else):
   wait (and sees a dead peer by its heartbeat) instead of a polling loop.
 
 Each lane issues a message's requests one by one (`issue`) or, for the batched exchange, as
-one `batch_isend_irecv` (`issue_batch`, comm.py decides what goes in one batch).
+one `batch_isend_irecv` (`issue_batch`, comm.py decides what goes in one batch), and a split
+head's statistics as one all-gather (`issue_gather`: its buffers are received like a message's).
 """
 
 from __future__ import annotations
@@ -104,7 +105,23 @@ class PlainLane:
             ops = [dist.P2POp(_op(r), r.wire, group=r.group, tag=r.tag, group_peer=r.peer) for r in requests]
             return tuple(dist.batch_isend_irecv(ops))
 
+    def issue_gather(self, wire: torch.Tensor, group, size: int) -> tuple:
+        """Start an all-gather of `wire` over `group` (`size` members): (its work, a buffer per member in group rank
+        order, made like receive buffers)."""
+        with self.issuing():
+            self._after_compute()
+            outs = [torch.empty_like(wire) for _ in range(size)]
+            return dist.all_gather(outs, wire, group=group, async_op=True), outs
+
+    def wait_gather(self, work) -> None:
+        """Wait for an all-gather's work, at most the timeout."""
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+
     def _before_sends(self, requests) -> None:
+        if any(r.send for r in requests):
+            self._after_compute()
+
+    def _after_compute(self) -> None:
         pass
 
     def begin(self) -> None:
@@ -175,11 +192,14 @@ class CudaLane(PlainLane):
         """Buffers are made, and operations issued, on the side stream."""
         return torch.cuda.stream(self.stream)
 
-    def _before_sends(self, requests) -> None:
-        if any(r.send for r in requests):
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            self.stream.wait_event(ready)  # the side stream reads the tensor only once the compute stream made it
+    def _after_compute(self) -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)  # the side stream reads the tensor only once the compute stream made it
+
+    def wait_gather(self, work) -> None:
+        """The compute stream waits on the all-gather (no host block; NCCL's own timeout bounds it)."""
+        work.wait()
 
     def send_wire(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor itself (kept alive by the transport until its send completed)."""

@@ -76,7 +76,7 @@ class ShardCosts:
     bwd: float
     wgrad: float
     link_ms: tuple[tuple[float, ...], ...]  # [src][dst]: the owner <-> shard hand-over (0 on one device)
-    stats_ms: tuple[tuple[float, ...], ...]  # [src][dst]: one head shard's statistics to another
+    stats_ms: tuple[tuple[float, ...], ...]  # [src][dst]: one head shard's statistics to another (their all-gather)
     # [src][dst]: the head's input with its loss terms (simulator.split.message_bytes); empty: link_ms
     input_ms: tuple[tuple[float, ...], ...] = ()
 
@@ -574,17 +574,19 @@ def stage_live_outputs(model, stages) -> tuple[tuple[int, ...], ...]:
 
 def standin_shards(model, plan, cluster) -> tuple[ShardCosts, ...]:
     """The stand-in figures of `plan`'s split layers from the (scaled) model and cluster, as the simulator's."""
-    from ..simulator.split import message_bytes, split_costs
+    from ..simulator.split import gather_ms, message_bytes, split_costs
 
     nd = plan.num_devices
 
-    def times(nbytes: int) -> tuple[tuple[float, ...], ...]:
-        return tuple(tuple(0.0 if a == b else cluster.transfer_ms(a, b, nbytes) for b in range(nd))
-                     for a in range(nd))
+    def times(nbytes: int, ms=None) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(0.0 if a == b else ms if ms is not None else cluster.transfer_ms(a, b, nbytes)
+                           for b in range(nd)) for a in range(nd))
 
+    # the statistics: one all-gather after the last shard's H, as the simulator prices it
     return tuple(ShardCosts(side=c.side, owner=c.owner, devices=c.split.devices, shares=c.split.shares, fwd=c.fwd,
                             bwd=c.bwd, wgrad=c.wgrad, link_ms=times(message_bytes(c, "head-partial")),
-                            stats_ms=times(message_bytes(c, "stats")), input_ms=times(message_bytes(c, "head-input")))
+                            stats_ms=times(0, gather_ms(cluster, c.split.devices, message_bytes(c, "stats"))),
+                            input_ms=times(message_bytes(c, "head-input")))
                  for c in split_costs(model, plan))
 
 

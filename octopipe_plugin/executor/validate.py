@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from ..errors import PlanError
 from ..formats import Cluster, Link, validate_plan
+from ..schedules.split_messages import gather_order_problem
 from ..simulator import StageCosts, simulate
 from .lowered import is_forward_only
 from .nccl_rules import check_nccl_rules
@@ -13,6 +15,9 @@ __all__ = ["check_runnable", "check_model_runnable", "is_forward_only"]
 def check_runnable(plan, *, nccl: bool = False, eager_comms: bool = True, prefetch: int = 2) -> None:
     """Raise PlanError / DeadlockError unless every device of `plan` can run its whole list.
 
+    A split head's shard devices must run its H in one micro-batch order (`gather_order_problem`): each H starts
+    its micro-batch's statistics all-gather, and a collective pairs by its position on the group.
+
     `nccl`: also replay one step under NCCL's rules (`nccl_rules.check_nccl_rules`, per-direction
     communicators, created eagerly unless `eager_comms=False`, receives posted `prefetch` ahead).
 
@@ -22,6 +27,9 @@ def check_runnable(plan, *, nccl: bool = False, eager_comms: bool = True, prefet
     deadlock does not depend on durations.
     """
     validate_plan(plan, forward_only=is_forward_only(plan))
+    problem = gather_order_problem(plan)  # the statistics' all-gathers pair by their order on the shards' group
+    if problem is not None:
+        raise PlanError(problem)
     ns, nd = plan.num_stages, plan.num_devices
     ones = tuple(1.0 for _ in range(ns))
     zeros = tuple(0 for _ in range(ns))

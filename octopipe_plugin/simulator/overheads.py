@@ -10,10 +10,11 @@ The executor issues a send right after its producer and waits on a receive right
 consumer (executor/engine.py), so both host costs sit next to those actions. The in-flight
 costs — the fixed `launch_ms` and the busy sender's delivery delay (`delivery_of`) — are the
 transfer's (`costs.hop_times`), not a device's. A split layer's hand-overs (schedules/split_messages.py: the
-head's input to every shard, every shard's statistics to every other, the partials back) are messages
-too (`split_message_ms`): each costs its sender's send cost on the action that makes it and its
-receiver's on the action that takes it, so a shard's fan-out over n devices charges n - 1 of each per
-micro-batch (issue 36: at 16 ranks the statistics are ~80% of a shard rank's messages).
+head's input to every shard, the partials back) are messages too (`split_message_ms`): each costs its
+sender's send cost on the action that makes it and its receiver's on the action that takes it. The head
+shards' statistics are one all-gather per micro-batch (`stats_gathers`): each shard's H pays one send
+cost (posting it) and its J one receive cost of the n - 1 peers' bytes (waiting for it), where n - 1
+messages each way had cost 80% of a 16-rank shard's messages (issue 36).
 """
 
 from __future__ import annotations
@@ -51,18 +52,26 @@ def overhead_ms(overheads: Overheads | None, devices, output) -> dict[Kind, tupl
     return out
 
 
-def split_message_ms(overheads: Overheads | None, messages, nbytes) -> dict:
-    """(device, action) -> host ms of the split messages it sends and receives (empty when nothing is charged).
+def split_message_ms(overheads: Overheads | None, plan, nbytes) -> dict:
+    """(device, action) -> host ms of the split hand-overs it sends and receives (empty when nothing is charged).
 
-    `messages`: the plan's cross-device split messages (`schedules.split_messages.split_messages`, its
-    (position, message) pairs); `nbytes(msg)` the bytes one carries."""
-    if overheads is None or overheads.is_zero:
+    The plan's cross-device split messages (`schedules.split_messages.split_messages`) and its statistics'
+    all-gathers (`stats_gathers`: a post on each H, a wait for the n - 1 peers' bytes on each J); `nbytes(msg)`
+    the bytes one message carries (of a gather: one shard's part)."""
+    if overheads is None or overheads.is_zero or not plan.splits:
         return {}
+    from ..schedules.split_messages import split_messages, stats_gathers
+
     out: dict = {}
-    for _, msg in messages:
+    for _, msg in split_messages(plan):
         b = nbytes(msg)
         out[(msg.src, msg.producer)] = out.get((msg.src, msg.producer), 0.0) + overheads.send.ms(b)
         out[(msg.dst, msg.consumer)] = out.get((msg.dst, msg.consumer), 0.0) + overheads.recv.ms(b)
+    for g in stats_gathers(plan):
+        b = nbytes(g)
+        for d in g.devices:
+            out[(d, g.producer)] = out.get((d, g.producer), 0.0) + overheads.send.ms(b)
+            out[(d, g.consumer)] = out.get((d, g.consumer), 0.0) + overheads.recv.ms((len(g.devices) - 1) * b)
     return out
 
 
@@ -119,11 +128,9 @@ def host_share(plan, overheads: Overheads, step_ms: float, output=None, limit: f
     if extra is not None:
         for d, row in enumerate(plan.schedule):
             per_device[d] = sum(extra[a.kind][a.stage] for a in row)
-    if plan.splits:  # a split layer's hand-overs (stamps: fixed costs only), the statistics' fan-out most of them
-        from ..schedules.split_messages import split_messages
-
-        for (d, _), ms in split_message_ms(overheads, split_messages(plan), lambda msg: 0).items():
-            per_device[d] += ms
+    # a split layer's hand-overs and statistics' gathers (stamps: fixed costs only)
+    for (d, _), ms in split_message_ms(overheads, plan, lambda msg: 0).items():
+        per_device[d] += ms
     worst = max(range(plan.num_devices), key=lambda d: per_device[d])
     return HostShare(host_ms=per_device[worst], device=worst, step_ms=step_ms, limit=limit)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from ..actions import RULES, Action, Kind, pair_positions
 from ..errors import DeadlockError, PlanError
 from ..formats.model import microbatch_tokens
-from ..schedules.split_messages import SIDE_OF, split_messages
+from ..schedules.split_messages import SIDE_OF
 from ..formats.splits import SHARE_TOLERANCE, SplitLayer, check_model_splits, loss_terms_bytes, owner_stage, side_of
 from .costs import StageCosts, hop_times, in_flight_ms, kind_durations, memory_costs, stage_costs
 from .overheads import delivery_of, overhead_ms, split_message_ms
@@ -88,6 +88,17 @@ def message_bytes(c: SplitCosts, what: str) -> int:
     if what == "head-input":
         return c.link_bytes + loss_terms_bytes(c.split)
     return c.link_bytes
+
+
+def gather_ms(cluster, devices, nbytes: int, launch_ms: float = 0.0, delivery=None) -> float:
+    """The statistics' all-gather over `devices` (sorted: the group's rank order) once its last member has posted:
+    a ring of n - 1 rounds (gloo's and NCCL's all-gather), each as long as its slowest neighbour hop of one
+    shard's `nbytes` with its in-flight costs; 0 over one device."""
+    ring = sorted(devices)
+    if len(ring) < 2:
+        return 0.0
+    hop = max(cluster.transfer_ms(a, b, nbytes) for a, b in zip(ring, ring[1:] + ring[:1]))
+    return (len(ring) - 1) * (hop + in_flight_ms(launch_ms, delivery, nbytes))
 
 
 def split_costs(model, plan) -> list[SplitCosts]:
@@ -166,8 +177,11 @@ class SplitGraph:
         self.change = activation_changes(sc.activation)
         self.by_side = {c.side: c for c in splits}
         # the split messages' host costs on the actions that send and take them (simulator/overheads.py)
-        self.host = split_message_ms(overheads, split_messages(plan) if overheads is not None else (),
+        self.host = split_message_ms(overheads, plan,
                                      lambda msg: message_bytes(self.by_side[SIDE_OF[msg.what]], msg.what))
+        head = self.by_side.get("output")
+        self.gather = (0.0 if head is None else  # the statistics' all-gather, after the last shard's H
+                       gather_ms(cluster, head.split.devices, message_bytes(head, "stats"), launch_ms, delivery))
         self.ready, self.preset = self._before_step()
 
     def _before_step(self) -> tuple[list[float], dict]:
@@ -240,9 +254,8 @@ class SplitGraph:
             key = (Kind.F, c.owner, m) if rule.side == "output" else (GRAD, c.owner, m)
             out.append((key, self.move(own, d, message_bytes(c, "head-input" if rule.side == "output"
                                                               else "embedding-grad"))))
-        elif rule.takes == "peers":
-            out += [((rule.peer, c.owner, m, e), self.move(e, d, message_bytes(c, "stats")))
-                    for e in c.split.devices if e != d]
+        elif rule.takes == "peers":  # one all-gather of every shard's statistics (schedules.split_messages.StatsGather)
+            out += [((rule.peer, c.owner, m, e), self.gather) for e in c.split.devices if e != d]
         return out
 
     def duration(self, a: Action, d: int) -> float:

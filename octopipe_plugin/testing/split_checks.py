@@ -69,11 +69,25 @@ def embedding_split(devices, shares=None) -> SplitLayer:
 
 
 class RecordingSplitStages(SplitTorchStages):
-    """SplitTorchStages that records every shard weight-gradient action's hook call: (kind, last_backward)."""
+    """SplitTorchStages that records every shard weight-gradient action's hook call: (kind, last_backward), and, in
+    training steps, the statistics each H made and each J was given (mb -> tensor / tuple of the peers')."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.shard_grads: list = []
+        self.stats_made: dict = {}
+        self.stats_taken: dict = {}
+
+    def head_forward(self, stage: int, mb: int, hidden, *, forward_only: bool = False):
+        out = super().head_forward(stage, mb, hidden, forward_only=forward_only)
+        if not forward_only:
+            self.stats_made[mb] = out.clone()
+        return out
+
+    def head_backward_input(self, stage: int, mb: int, peer_stats, *, forward_only: bool = False):
+        if not forward_only:
+            self.stats_taken[mb] = tuple(p.clone() for p in peer_stats)
+        return super().head_backward_input(stage, mb, peer_stats, forward_only=forward_only)
 
     def _shard_grad(self, stage: int, kind, last_backward: bool):
         self.shard_grads.append((kind, last_backward))
@@ -125,6 +139,7 @@ def check_split_plan(rank: int, plan, spec: ToySpec, timeout_s: float = 60.0, ta
     executor = PipelineExecutor(plan, runner, options=opts)
     result = executor.run_step()
     _check_sends(executor, plan, rank, f"rank {rank}, plan {plan.meta.get('label', '')}")
+    _check_gathered(runner, plan, rank, f"rank {rank}, plan {plan.meta.get('label', '')}")
     ref = build_layers(spec)
     ref_loss = reference_step(spec, ref, plan.num_microbatches)
     off = off_loss = None
@@ -182,6 +197,29 @@ def _check_sends(executor, plan, rank: int, label: str) -> None:
     if tp.left_at_finish != kept:
         raise AssertionError(f"{label}: {tp.left_at_finish} sends held to the step's end, expected {kept} of "
                              f"{len(sent)}")
+
+
+def _check_gathered(runner, plan, rank: int, label: str) -> None:
+    """Every J was given, by the statistics' all-gather, exactly what each other shard's H made (bit for bit), in
+    shard-device order: what their point-to-point messages gave before (issue 36), so the loss and every gradient
+    are the same numbers. Collective over the world (every rank checks the same plans in turn)."""
+    from ..schedules.split_messages import stats_gathers
+
+    gathers = stats_gathers(plan)
+    if not gathers:
+        return
+    made: list = [None] * dist.get_world_size()
+    dist.all_gather_object(made, runner.stats_made)
+    devices = gathers[0].devices
+    if rank not in devices:
+        return
+    if sorted(runner.stats_taken) != list(range(plan.num_microbatches)):
+        raise AssertionError(f"{label}: J ran for micro-batches {sorted(runner.stats_taken)}")
+    for mb, got in runner.stats_taken.items():
+        want = [made[e][mb] for e in devices if e != rank]
+        if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want)):
+            raise AssertionError(f"{label}: the J of micro-batch {mb} was given other statistics than the shards' H made "
+                                 f"(devices {[e for e in devices if e != rank]}, in that order)")
 
 
 def _check_shard_hooks(runner, plan, rank: int, label: str) -> None:

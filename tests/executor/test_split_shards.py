@@ -21,7 +21,7 @@ from octopipe_plugin.executor.validate import check_runnable
 from octopipe_plugin.executor.vocab_shard import TensorParallel, VocabShards, shard_rows
 from octopipe_plugin.formats import Plan, Stage
 from octopipe_plugin.formats.splits import SplitLayer, loss_terms_bytes
-from octopipe_plugin.schedules.split_messages import split_messages
+from octopipe_plugin.schedules.split_messages import split_messages, stats_gathers
 
 V, H, TOKENS = 11, 5, 6
 DT = torch.float64
@@ -167,7 +167,10 @@ def test_forward_plans_of_split_plans_run_forwards_heads_losses_and_lookups_only
         assert FORWARD_KINDS >= {a.kind for row in ev.schedule for a in row}
         check_runnable(ev)  # complete as an evaluation plan, and deadlock-free
         whats = {msg.what for _, msg in split_messages(ev)}
-        assert whats == {"head-input", "stats"} | ({"embedding-partial"} if embedding else set())
+        assert whats == {"head-input"} | ({"embedding-partial"} if embedding else set())
+        # the statistics: one all-gather per micro-batch over the head's shards, not messages
+        gathers = [(g.microbatch, g.devices) for g in stats_gathers(ev)]
+        assert gathers == [(mb, (0, 1)) for mb in range(ev.num_microbatches)]
         low = lowered_plan(ev, 0)
         assert low.forward_only and not low.last_shard_backward
     train = lowered_plan(plan, 0)  # the rank's last K and G are told last_backward

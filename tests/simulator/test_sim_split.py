@@ -15,7 +15,7 @@ from octopipe_plugin.testing.plans import random_plan
 from octopipe_plugin.executor.validate import check_runnable
 from octopipe_plugin.formats import Cluster, Layer, Link, Model, Plan, Stage, plan_from_dict, plan_to_dict, validate_plan
 from octopipe_plugin.formats.splits import SplitLayer
-from octopipe_plugin.schedules.split_messages import pair_messages, split_messages
+from octopipe_plugin.schedules.split_messages import pair_messages, split_messages, stats_gathers
 from octopipe_plugin.simulator import SimOptions, simulate
 from octopipe_plugin.simulator.split import simulate_split
 
@@ -199,13 +199,59 @@ def test_split_options_other_than_launch_cost_are_refused():
 
 def test_split_messages_follow_the_sender_list_order():
     msgs = {str(m) for _, m in split_messages(head_plan())}
-    assert msgs == {"head-input[1F0->1H0] dev1->dev0", "stats[1H0->1J0] dev0->dev1", "stats[1H0->1J0] dev1->dev0",
-                    "head-partial[1J0->1B0] dev0->dev1"}
+    assert msgs == {"head-input[1F0->1H0] dev1->dev0", "head-partial[1J0->1B0] dev0->dev1"}
     pairs = pair_messages(head_plan())
-    assert [str(m) for m in pairs[(0, 1)]] == ["act[0F0->1F0] dev0->dev1", "stats[1H0->1J0] dev0->dev1",
-                                               "head-partial[1J0->1B0] dev0->dev1"]
-    assert [str(m) for m in pairs[(1, 0)]] == ["head-input[1F0->1H0] dev1->dev0", "stats[1H0->1J0] dev1->dev0",
-                                               "grad[1B0->0B0] dev1->dev0"]
+    assert [str(m) for m in pairs[(0, 1)]] == ["act[0F0->1F0] dev0->dev1", "head-partial[1J0->1B0] dev0->dev1"]
+    assert [str(m) for m in pairs[(1, 0)]] == ["head-input[1F0->1H0] dev1->dev0", "grad[1B0->0B0] dev1->dev0"]
+    # the statistics are no messages: one all-gather a micro-batch over the shard devices (issue 36)
+    assert [str(g) for g in stats_gathers(head_plan())] == ["stats[1H0->1J0] all-gather over dev0,1"]
+
+
+FOUR = Model(name="four", layers=(layer("embedding", 0, 0, 0),) + tuple(layer("dense", 1, 1, 1) for _ in range(3))
+             + (layer("lm_head", 2, 2, 2),))
+
+
+def four_plan(m: int = 2, orders=None) -> Plan:
+    """Four devices, one dense stage each (the last also owns the head), the head split over all four; each device
+    runs its stage's F, every H and J, its B, every K; `orders[d]`: device d's H micro-batch order."""
+    rows = []
+    for d in range(4):
+        row = [f"{d}F{mb}" for mb in range(m)]
+        for mb in (orders or {}).get(d, range(m)):
+            row += [f"3H{mb}", f"3J{mb}"]
+        row += [f"{d}B{mb}" for mb in range(m)] + [f"3K{mb}" for mb in range(m)]
+        rows.append(row)
+    stages = (Stage(start=0, end=2, device=0), Stage(start=2, end=3, device=1), Stage(start=3, end=4, device=2),
+              Stage(start=4, end=5, device=3))
+    return Plan(model="four", num_devices=4, num_microbatches=m, stages=stages, schedule=parse_schedule(rows),
+                splits=(SplitLayer(layer=4, devices=(0, 1, 2, 3), shares=(0.25,) * 4, stats_bytes=1000),))
+
+
+def test_statistics_all_gather_is_a_ring_over_the_shards_after_the_last_h():
+    """By hand, 4 shards over 2 nodes (1 GB/s and 10 us in a node, 0.1 GB/s and 10 us across): the ring 0-1-2-3-0
+    has two cross-node hops of 1000 bytes (0.02 ms), so the all-gather takes 3 rounds of 0.02 ms after the last
+    shard's H; each J starts then (n(n - 1) = 12 messages a micro-batch before)."""
+    from octopipe_plugin.simulator.split import gather_ms
+
+    fast, slow = Link(bandwidth_gb_per_s=1.0, latency_us=10.0), Link(bandwidth_gb_per_s=0.1, latency_us=10.0)
+    two_nodes = Cluster(num_devices=4, devices_per_node=2, memory_bytes=1 << 40, intra_node=fast, inter_node=slow)
+    assert gather_ms(two_nodes, (0, 1, 2, 3), 1000) == pytest.approx(3 * 0.02)
+    assert gather_ms(two_nodes, (0, 1), 1000) == pytest.approx(0.011) and gather_ms(two_nodes, (2,), 1000) == 0.0
+    res = simulate(FOUR, two_nodes, four_plan(1))
+    times = {(d, str(a)): (s, e) for d, row in enumerate(res.timeline) for a, s, e in row}
+    last_h = max(times[(d, "3H0")][1] for d in range(4))
+    for d in range(4):
+        assert times[(d, "3J0")][0] == pytest.approx(last_h + 0.06), d
+    assert len(stats_gathers(four_plan(1))) == 1 and not [m for _, m in split_messages(four_plan(1))
+                                                         if m.what == "stats"]
+
+
+def test_shard_devices_running_their_h_in_different_orders_are_refused_naming_them():
+    """A collective pairs by its order on the group: device 2 starting micro-batch 1's statistics where the others
+    start micro-batch 0's would gather the wrong shards' numbers, so the executor refuses it before running."""
+    check_runnable(four_plan(2))
+    with pytest.raises(PlanError, match=r"schedule\[2\]: .* micro-batch 1 where schedule\[0\] runs 0 .*fix: order"):
+        check_runnable(four_plan(2, orders={2: [1, 0]}))
 
 
 def test_memory_curve_of_a_split_plan_counts_the_shards():
@@ -253,3 +299,15 @@ def test_host_share_counts_the_split_messages():
     ov = Overheads(send=MessageCost(fixed_ms=0.1), recv=MessageCost(fixed_ms=0.2))
     assert host_share(head_plan(), ov, step_ms=10.0).host_ms == pytest.approx(0.9)
     assert host_share(head_plan(splits=()), ov, step_ms=10.0).host_ms == pytest.approx(0.3)
+
+
+def test_host_share_counts_one_post_and_one_wait_per_shard_for_the_statistics():
+    """By hand at 0.1 ms a send and 0.2 a receive, four_plan's busiest device is 3 (the head's owner): 3F0's receive
+    0.2, the head's input to three shards 0.3, its H's post 0.1, its J's wait 0.2, 3B0's three partials 0.6 and its
+    gradient out 0.1 = 1.5 ms; with the statistics as messages its H would send three and its J take three (2.1)."""
+    from octopipe_plugin.formats.overheads import MessageCost, Overheads
+    from octopipe_plugin.simulator.overheads import host_share
+
+    ov = Overheads(send=MessageCost(fixed_ms=0.1), recv=MessageCost(fixed_ms=0.2))
+    got = host_share(four_plan(1), ov, step_ms=10.0)
+    assert (got.device, got.host_ms) == (3, pytest.approx(1.5))
