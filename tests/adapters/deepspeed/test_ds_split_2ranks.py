@@ -12,6 +12,11 @@ The `tied_` scenarios run the model whose head is a TiedLayerSpec of the embeddi
 x @ W^T): the shards hold rows of the tied weight, tied to its holder by executor/tied_rows.py; against
 DeepSpeed's engine on the unsplit tied model (its tied all-reduce), every gradient handed to the optimizer
 (the tied weight's = embedding's + head's) and the weights after the steps, and a checkpoint round trip.
+
+The `both_v` scenario splits the embedding (list entry 0, `LayerSpec(nn.Embedding)`) as well as the head: losses,
+every gradient before the optimizer and the weights equal DeepSpeed's engine's (a 1% error on either fails), and
+its checkpoint (layer_00 and the head's file whole) resumes on DeepSpeed's engine; an embedding-only split resumes
+the unsplit run and writes layer_00 whole again.
 """
 
 import json
@@ -31,9 +36,10 @@ V_DEVICES, V_BOUNDS = [0, 1, 1, 0], [(0, 1), (1, 5), (5, 6), (6, S.NUM_LAYERS)]
 
 
 def _scenarios(tmp):
-    def plan(name, devices, bounds, seed, split_devices, shares):
+    def plan(name, devices, bounds, seed, split_devices, shares, embedding=None):
         path = tmp / f"{name}.json"
-        path.write_text(json.dumps(S.split_plan_doc(devices, bounds, 2, M, seed, split_devices, shares)))
+        path.write_text(json.dumps(S.split_plan_doc(devices, bounds, 2, M, seed, split_devices, shares,
+                                                    embedding=embedding)))
         return str(path)
 
     cfg = lambda path, **extra: H.ds_config(m=M, dp=1, lr=LR, momentum=MOMENTUM, clip=0.0,  # noqa: E731
@@ -41,6 +47,9 @@ def _scenarios(tmp):
     # seeds of random orders the shard inserter completes (it finds no place for H/J in many random orders)
     flat = plan("flat", [0, 1], FLAT_BOUNDS, 1, [0, 1], [0.3, 0.7])  # owner on device 1; rows [0,5) / [5,16)
     v = plan("v", V_DEVICES, V_BOUNDS, 0, [1, 0], [0.5, 0.5])  # owner (stage 3) on device 0
+    # the embedding split too (rows [0,4) on 0 with stage 0, [4,16) on 1), or alone (stage 0 then runs no layer)
+    both = plan("both", V_DEVICES, V_BOUNDS, 0, [1, 0], [0.5, 0.5], embedding=([0, 1], [0.25, 0.75]))
+    emb = plan("emb", V_DEVICES, V_BOUNDS, 0, None, None, embedding=([1, 0], [0.5, 0.5]))
     remote = plan("remote", [0, 1], FLAT_BOUNDS, 1, [1], [1.0])  # the whole head on the owner, none on the embedding's
     unsplit = tmp / "unsplit.json"
     unsplit.write_text(json.dumps(H.plan_doc(V_DEVICES, V_BOUNDS, 2, M, 7)))
@@ -79,6 +88,10 @@ def _scenarios(tmp):
         dict(name="stock_bf16", config=cfg(None, bf16={"enabled": True}), parts=[0, 4, S.NUM_LAYERS]),
         dict(name="split_bf16", config=cfg(v, bf16={"enabled": True})),
         dict(name="split_bf16_immediate", config=cfg(v, bf16={"enabled": True, "immediate_grad_update": True})),
+        # a split embedding: with the split head (DeepSpeed's engine resumes it), alone (resuming the unsplit run)
+        dict(name="both_v", config=cfg(both), grads=True, save=dict(dir=ck, tag="both")),
+        dict(name="stock_resumes_both", config=cfg(None), parts=[0, 4, S.NUM_LAYERS], **resume("both")),
+        dict(name="emb_resumes_unsplit", config=cfg(emb), save=dict(dir=ck, tag="emb"), **resume("unsplit")),
     ]
 
 
@@ -254,3 +267,61 @@ def test_a_tied_split_head_under_bf16_ties_the_fp32_master_gradients(runs):
         assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=2e-2)
     wa, wb = S.tied_weights(ours), S.tied_weights(stock)  # the shards bit-equal to their rows of the tied weight
     torch.testing.assert_close(wa["tied_embed"]["weight"], wb["tied_embed"]["weight"], atol=3e-2, rtol=3e-2)
+
+
+def _scaled_grads(reports, k):
+    """The reports with every recorded gradient scaled by `k` (the error the tolerance must see)."""
+    return [dict(r, grads=[{n: g * k for n, g in step.items()} for step in r["grads"]]) for r in reports]
+
+
+def _whole_layer_file(ck, tag, index):
+    """The weight in a checkpoint's layer file `layer_{index:02d}`, checked to be DeepSpeed's whole [VOCAB, HID]."""
+    sd = torch.load(ck / tag / f"layer_{index:02d}-model_states.pt", weights_only=False)
+    assert tuple(sd["weight"].shape) == (H.VOCAB, H.HID), (tag, index)
+    return sd["weight"].float()
+
+
+def _goes_on_unbroken(runs, name, engine):
+    """Scenario `name`, resumed after H.STEPS steps on `engine`: losses and weights as the straight 2 x H.STEPS run's
+    (DeepSpeed's engine)."""
+    ours, straight = _load(runs, name), _load(runs, "stock_long")
+    assert {r["engine"] for r in ours} == {engine}, name
+    for rep in ours:  # momentum followed its parameters (the shards' by rows): the run goes on unbroken
+        assert rep["losses"] == pytest.approx(straight[0]["losses"][H.STEPS:], rel=1e-5, abs=1e-5), name
+    wa, wb = S.all_weights(ours), S.all_weights(straight)
+    for idx in wb:
+        for k in wb[idx]:
+            torch.testing.assert_close(wa[idx][k], wb[idx][k], atol=5e-5, rtol=1e-5, msg=f"{name}: {idx}.{k}")
+
+
+@pytest.mark.timeout(60)
+def test_a_split_head_and_embedding_match_deepspeeds_engine(runs):
+    ours, stock = _load(runs, "both_v"), _load(runs, "stock")
+    # losses per step, every gradient before each optimizer step (layer_00's and the head's put together from
+    # the shards' rows) and every weight after the steps: DeepSpeed's engine's on the unsplit model
+    _same_run(ours, stock)
+    _same_grads(ours, stock)
+    assert [r["emb_shard"][0] for r in ours] == [(0, 4), (4, H.VOCAB)]  # shares 0.25 / 0.75
+    assert [r["shard"][0] for r in ours] == [(8, H.VOCAB), (0, 8)]
+    assert all("0" not in r["weights"] and str(S.HEAD) not in r["weights"] for r in ours), "a split layer built whole"
+    # the tolerances see a 1% error: of the gradients, and of the losses
+    with pytest.raises(AssertionError):
+        _same_grads(_scaled_grads(ours, 1.01), stock)
+    with pytest.raises(AssertionError):
+        _same_run([dict(r, losses=[x * 1.01 for x in r["losses"]]) for r in ours], stock)
+
+
+@pytest.mark.timeout(60)
+def test_a_split_embeddings_checkpoint_is_deepspeeds_own_both_ways(runs):
+    ck = runs / "ck"
+    # the head+embedding run's layer files are whole; DeepSpeed's engine resumes from them
+    both = _load(runs, "both_v")
+    assert torch.equal(_whole_layer_file(ck, "both", 0), S.head_weight(both, 0, "emb_shard"))
+    assert torch.equal(_whole_layer_file(ck, "both", S.HEAD), S.head_weight(both))
+    _goes_on_unbroken(runs, "stock_resumes_both", "PipelineEngine")
+    # an embedding-only split resumes the unsplit run (its rows cut from the whole layer_00 file) and writes the
+    # file whole again, gathered on stage 0's rank, which holds no layer of its own
+    emb = _load(runs, "emb_resumes_unsplit")
+    assert [r["emb_shard"][0] for r in emb] == [(8, H.VOCAB), (0, 8)] and all(r["shard"] is None for r in emb)
+    _goes_on_unbroken(runs, "emb_resumes_unsplit", "OctoPipeEngine")
+    assert torch.equal(_whole_layer_file(ck, "emb", 0), S.head_weight(emb, 0, "emb_shard"))
