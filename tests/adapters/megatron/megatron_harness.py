@@ -58,25 +58,26 @@ def init_process(rank: int, world: int, port: int) -> None:
 def spawn(fn, world: int, *args) -> None:
     """executor.launch.spawn (fn(rank, world, port, *args) on `world` ranks), the ranks forked from the session's
     forkserver, which imported the CPU shims and Megatron once (megatron_preload.py)."""
-    import multiprocessing
     import os
-    from multiprocessing import forkserver
 
     from octopipe_plugin.executor.launch import spawn as spawn_ranks
+    from octopipe_plugin.executor.launch import use_forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["megatron_preload"])
     # the server finds its preload on the PYTHONPATH it starts with (Python 3.11 drops the sys.path it is given;
     # a preload that fails to import is skipped, the ranks then import for themselves)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [old])])
     try:
-        forkserver.ensure_running()
+        use_forkserver(PRELOAD)
     finally:
         if old is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = old
-    spawn_ranks(fn, world, *args, start_method="forkserver")
+    spawn_ranks(fn, world, *args, preload=PRELOAD)
+
+
+PRELOAD = ["megatron_preload"]
 
 
 def _size(spec: TinyGPT, flag: str) -> int:
