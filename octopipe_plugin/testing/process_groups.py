@@ -27,7 +27,8 @@ def _reused() -> set:
     """Groups made once per process and reused by later scenarios."""
     from octopipe_plugin.executor import default_cache
 
-    kept = set(default_cache().groups.values())
+    cache = default_cache()
+    kept = set(cache.groups.values()) | set(cache.shard_sets.values())  # pair groups, split heads' gather groups
     groups = sys.modules.get("deepspeed.utils.groups")  # never imported here: a Megatron spawn has no DeepSpeed
     for value in vars(groups).values() if groups is not None else ():
         for group in (value.values() if isinstance(value, dict) else [value]):
