@@ -18,7 +18,8 @@ here and nowhere else):
 
 Each lane issues a message's requests one by one (`issue`) or, for the batched exchange, as
 one `batch_isend_irecv` (`issue_batch`, comm.py decides what goes in one batch), and a split
-head's statistics as one all-gather (`issue_gather`: its buffers are received like a message's).
+head's statistics as one all-gather (`issue_gather`: NCCL's all_gather; on gloo one all_to_all,
+whose parts travel at once where gloo's ring all_gather waits n - 1 rounds).
 """
 
 from __future__ import annotations
@@ -107,11 +108,14 @@ class PlainLane:
 
     def issue_gather(self, wire: torch.Tensor, group, size: int) -> tuple:
         """Start an all-gather of `wire` over `group` (`size` members): (its work, a buffer per member in group rank
-        order, made like receive buffers)."""
+        order, made like receive buffers). On gloo one all_to_all of `wire` to every member: its all_gather is a
+        ring whose n - 1 rounds each wait for the next rank to be scheduled (15 ranks on 2 cores: 22 ms against
+        5.5 ms for the all_to_all, the same bytes), where the all_to_all posts every part at once."""
         with self.issuing():
             self._after_compute()
-            outs = [torch.empty_like(wire) for _ in range(size)]
-            return dist.all_gather(outs, wire, group=group, async_op=True), outs
+            out = torch.empty((size * wire.numel(),), dtype=wire.dtype, device=wire.device)
+            work = dist.all_to_all_single(out, wire.reshape(-1).repeat(size), group=group, async_op=True)
+            return work, list(out.view(size, *wire.shape).unbind(0))
 
     def wait_gather(self, work) -> None:
         """Wait for an all-gather's work, at most the timeout."""
@@ -196,6 +200,13 @@ class CudaLane(PlainLane):
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(ready)  # the side stream reads the tensor only once the compute stream made it
+
+    def issue_gather(self, wire: torch.Tensor, group, size: int) -> tuple:
+        """Start NCCL's all-gather of `wire` over `group` on the side stream: (its work, a buffer per member)."""
+        with self.issuing():
+            self._after_compute()
+            outs = [torch.empty_like(wire) for _ in range(size)]
+            return dist.all_gather(outs, wire, group=group, async_op=True), outs
 
     def wait_gather(self, work) -> None:
         """The compute stream waits on the all-gather (no host block; NCCL's own timeout bounds it)."""

@@ -43,6 +43,9 @@ class Overheads:
     recv: MessageCost = MessageCost()
     launch_ms: float = 0.0
     delivery: MessageCost = MessageCost()
+    # one round of an all-gather (a ring's step: each member takes its neighbour's part and passes it on) beyond the
+    # link's time: a split head's statistics' gather waits n - 1 of them (simulator/split.py gather_ms)
+    gather_round: MessageCost = MessageCost()
     device: str = ""
     backend: str = ""
     meta: dict = dc_field(default_factory=dict, compare=False, hash=False)
@@ -62,13 +65,15 @@ class Overheads:
             return MessageCost(fixed_ms=c.fixed_ms * factor, per_mb_ms=c.per_mb_ms * factor if per_mb else 0.0)
 
         return replace(self, action_ms=tuple((k, ms * factor) for k, ms in self.action_ms), send=m(self.send),
-                       recv=m(self.recv), launch_ms=self.launch_ms * factor, delivery=m(self.delivery))
+                       recv=m(self.recv), launch_ms=self.launch_ms * factor, delivery=m(self.delivery),
+                       gather_round=m(self.gather_round))
 
     @property
     def is_zero(self) -> bool:
         """Whether nothing is charged."""
         return not any(ms for _, ms in self.action_ms) and self.send == MessageCost() and \
-            self.recv == MessageCost() and not self.launch_ms and self.delivery == MessageCost()
+            self.recv == MessageCost() and not self.launch_ms and self.delivery == MessageCost() and \
+            self.gather_round == MessageCost()
 
 
 def overheads_from_dict(data: dict, src: str = "<dict>") -> Overheads:
@@ -83,8 +88,8 @@ def overheads_from_dict(data: dict, src: str = "<dict>") -> Overheads:
         us = check_value(v, src, f"$.action_us.{k}", float, minimum=0.0, maximum=MAX_OVERHEAD_US)
         pairs.append((k, us / 1000.0))
     ends = {}
-    for end in ("send", "recv", "delivery"):
-        if end == "delivery" and "delivery_us" not in data:  # came later (optional): none charges no delivery delay
+    for end in ("send", "recv", "delivery", "gather_round"):
+        if end in ("delivery", "gather_round") and f"{end}_us" not in data:  # came later (optional): none charges none
             ends[end] = MessageCost()
             continue
         obj = field(data, f"{end}_us", src, "$", dict)
@@ -94,7 +99,7 @@ def overheads_from_dict(data: dict, src: str = "<dict>") -> Overheads:
         ends[end] = MessageCost(fixed_ms=fixed / 1000.0, per_mb_ms=per_mb / 1000.0)
     launch = field(data, "launch_us", src, "$", float, default=0.0, minimum=0.0, maximum=MAX_OVERHEAD_US)
     return Overheads(action_ms=tuple(pairs), send=ends["send"], recv=ends["recv"], launch_ms=launch / 1000.0,
-                     delivery=ends["delivery"], device=field(data, "device", src, "$", str, default=""),
+                     delivery=ends["delivery"], gather_round=ends["gather_round"], device=field(data, "device", src, "$", str, default=""),
                      backend=field(data, "backend", src, "$", str, default=""),
                      meta=field(data, "meta", src, "$", dict, default={}))
 
@@ -110,6 +115,7 @@ def overheads_to_dict(ov: Overheads) -> dict:
             "recv_us": {"fixed": us(ov.recv.fixed_ms), "per_mb": us(ov.recv.per_mb_ms)},
             "launch_us": us(ov.launch_ms),
             "delivery_us": {"fixed": us(ov.delivery.fixed_ms), "per_mb": us(ov.delivery.per_mb_ms)},
+            "gather_round_us": {"fixed": us(ov.gather_round.fixed_ms), "per_mb": us(ov.gather_round.per_mb_ms)},
             "meta": dict(ov.meta)}
 
 

@@ -155,6 +155,23 @@ def _message_gaps(rank: int, nbytes: int, settings: OverheadSettings) -> float:
     return 1000 * _low(gaps)
 
 
+def _gather_round(nbytes: int, settings: OverheadSettings) -> float:
+    """Lower-quartile ms of one all-gather of `nbytes` a rank over the 2 ranks (one round), both posting at once
+    after a barrier, as every shard's H posts its statistics: the executor's own call (lanes.PlainLane.issue_gather)."""
+    from ..executor.lanes import PlainLane
+
+    lane = PlainLane(torch.device("cpu"), timeout_s=120.0)
+    part, group = torch.zeros(max(1, nbytes // 4)), dist.group.WORLD
+    samples = []
+    for i in range(settings.warmup + 4 * settings.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        lane.wait_gather(lane.issue_gather(part, group, 2)[0])
+        if i >= settings.warmup:
+            samples.append(1000 * (time.perf_counter() - t0))
+    return _low(samples)
+
+
 def _spin(ms: float, a: torch.Tensor) -> None:
     """Real compute for `ms` (a matmul loop on one thread), as a stage's next action keeps the core busy."""
     end = time.perf_counter() + ms / 1000.0
@@ -223,6 +240,15 @@ def _fit(sizes, ms) -> MessageCost:
     return MessageCost(fixed_ms=max(0.0, my - slope * mx), per_mb_ms=slope)
 
 
+def _fit_small(sizes, ms) -> MessageCost:
+    """The fixed + per-MB line through the two smallest sizes, each part clipped at 0: what is gathered (softmax
+    statistics, some kB) is small, and a copy of MBs through the collective bends the line (a least-squares fit
+    through 4 MB put the fixed part at 0)."""
+    (x0, y0), (x1, y1) = sorted(zip(sizes, ms))[:2]
+    slope = max(0.0, (y1 - y0) / ((x1 - x0) / 1e6)) if x1 > x0 else 0.0
+    return MessageCost(fixed_ms=max(0.0, y0 - slope * x0 / 1e6), per_mb_ms=slope)
+
+
 def _rank_device() -> str:
     """The device name the ranks run as: the CPU with one thread each (executor.launch.init_gloo sets it)."""
     return device_name(torch.device("cpu")).rsplit(" x", 1)[0] + " x1 threads"
@@ -234,7 +260,7 @@ def _key_fields(settings: OverheadSettings, backend: str = "gloo") -> dict:
             "settings": {"steps": settings.steps, "warmup": settings.warmup, "sizes": list(settings.sizes),
                          "stages": STAGES, "microbatches": MICROBATCHES, "width": WIDTH,
                          "busy_ms": settings.busy_ms, "busy_trials": settings.busy_trials,
-                         "give_way": yields_after_send(backend)}}
+                         "give_way": yields_after_send(backend), "gather_round": "lane-2-small"}}
 
 
 def measure_overheads(settings: OverheadSettings | None = None) -> Overheads:
@@ -266,7 +292,8 @@ def _measure(rank: int, s: OverheadSettings, fields: dict) -> dict:
     costs, gap_ms = _action_costs(rank, groups[rank], s)
     msg = [_message_gaps(rank, n, s) - gap_ms for n in s.sizes]
     busy = [_busy_delivery(rank, n, s) for n in s.sizes]
-    mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg, "busy": busy}
+    gather = [_gather_round(n, s) for n in s.sizes]
+    mine = {"costs": costs, "gap_ms": gap_ms, "msg": msg, "busy": busy, "gather": gather}
     both = [None, None]
     dist.all_gather_object(both, mine)
     extra = [max(0.0, b - i) for b, i, _ in both[1]["busy"]]  # the receiver's figures
@@ -278,9 +305,13 @@ def _measure(rank: int, s: OverheadSettings, fields: dict) -> dict:
                                "busy_wait_us": [round(1000 * b, 3) for b, _, _ in both[1]["busy"]],
                                "idle_wait_us": [round(1000 * i, 3) for _, i, _ in both[1]["busy"]],
                                # a busy sender that does not give way after posting (what comm.py's yield saves)
-                               "busy_no_yield_wait_us": [round(1000 * r, 3) for _, _, r in both[1]["busy"]]}}
+                               "busy_no_yield_wait_us": [round(1000 * r, 3) for _, _, r in both[1]["busy"]]},
+            "gather_round_us": [round(1000 * min(a, b), 3) for a, b in zip(both[0]["gather"], both[1]["gather"])]}
+    # the later rank out of the barrier waits less: the lower of the two is the round's own cost
     ov = Overheads(action_ms=action_ms, send=_fit(s.sizes, both[0]["msg"]), recv=_fit(s.sizes, both[1]["msg"]),
-                   delivery=_fit(s.sizes, extra), device=fields["device"], backend=fields["backend"], meta=meta)
+                   delivery=_fit(s.sizes, extra),
+                   gather_round=_fit_small(s.sizes, [min(a, b) for a, b in zip(both[0]["gather"], both[1]["gather"])]),
+                   device=fields["device"], backend=fields["backend"], meta=meta)
     return overheads_to_dict(ov)
 
 
@@ -318,7 +349,9 @@ def format_overheads(ov: Overheads) -> str:
         f"receiver {1000 * ov.recv.fixed_ms:.1f} + {1000 * ov.recv.per_mb_ms:.1f}/MB",
         f"  in flight:   busy sender's delivery {1000 * ov.delivery.fixed_ms:.1f} + "
         f"{1000 * ov.delivery.per_mb_ms:.1f}/MB beyond the link"
-        + (f", launch {1000 * ov.launch_ms:.1f}" if ov.launch_ms else "")])
+        + (f", launch {1000 * ov.launch_ms:.1f}" if ov.launch_ms else ""),
+        f"  all-gather:  {1000 * ov.gather_round.fixed_ms:.1f} + {1000 * ov.gather_round.per_mb_ms:.1f}/MB a "
+        f"round beyond the link"])
 
 
 def machine_overheads(path: str | None = None, *, measure: bool = True,

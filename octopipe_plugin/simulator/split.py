@@ -90,15 +90,19 @@ def message_bytes(c: SplitCosts, what: str) -> int:
     return c.link_bytes
 
 
-def gather_ms(cluster, devices, nbytes: int, launch_ms: float = 0.0, delivery=None) -> float:
-    """The statistics' all-gather over `devices` (sorted: the group's rank order) once its last member has posted:
-    a ring of n - 1 rounds (gloo's and NCCL's all-gather), each as long as its slowest neighbour hop of one
-    shard's `nbytes` with its in-flight costs; 0 over one device."""
+def gather_ms(cluster, devices, nbytes: int, launch_ms: float = 0.0, delivery=None, overheads=None) -> float:
+    """The statistics' all-gather over `devices` (sorted: the group's rank order) once its last member has posted;
+    0 over one device. On the links n - 1 rounds (NCCL's ring; gloo's all_to_all puts as many parts on each
+    sender's link), each its slowest neighbour hop of one shard's `nbytes` with its in-flight costs. On the host
+    (`overheads`, formats.overheads.Overheads): the collective's own cost, measured at two members
+    (`gather_round`), plus one send of each further member's part (`send`): gloo's at 2 to 15 ranks on 2 cores,
+    scaled by ranks per core, within ~25% of 0.62 ms at 4 ranks and 4.5 ms at 15 (lower quartiles)."""
     ring = sorted(devices)
     if len(ring) < 2:
         return 0.0
     hop = max(cluster.transfer_ms(a, b, nbytes) for a, b in zip(ring, ring[1:] + ring[:1]))
-    return (len(ring) - 1) * (hop + in_flight_ms(launch_ms, delivery, nbytes))
+    host = 0.0 if overheads is None else overheads.gather_round.ms(nbytes) + (len(ring) - 2) * overheads.send.ms(nbytes)
+    return (len(ring) - 1) * (hop + in_flight_ms(launch_ms, delivery, nbytes)) + host
 
 
 def split_costs(model, plan) -> list[SplitCosts]:
@@ -174,6 +178,8 @@ class SplitGraph:
         self.ns = len(self.dev_of)
         self.hop = hop_times(cluster, self.dev_of, sc.output, launch_ms, delivery)
         self.dur = kind_durations(sc, extra)  # extra: the stage actions' host overheads (simulator/overheads.py)
+        # a shard action's own host cost (Overheads.action of its kind; it sends no stage message)
+        self.shard_host = {k: extra[k][0] for k in extra if RULES[k].side is not None} if extra else {}
         self.change = activation_changes(sc.activation)
         self.by_side = {c.side: c for c in splits}
         # the split messages' host costs on the actions that send and take them (simulator/overheads.py)
@@ -181,7 +187,8 @@ class SplitGraph:
                                      lambda msg: message_bytes(self.by_side[SIDE_OF[msg.what]], msg.what))
         head = self.by_side.get("output")
         self.gather = (0.0 if head is None else  # the statistics' all-gather, after the last shard's H
-                       gather_ms(cluster, head.split.devices, message_bytes(head, "stats"), launch_ms, delivery))
+                       gather_ms(cluster, head.split.devices, message_bytes(head, "stats"), launch_ms, delivery,
+                                 overheads))
         self.ready, self.preset = self._before_step()
 
     def _before_step(self) -> tuple[list[float], dict]:
@@ -261,7 +268,8 @@ class SplitGraph:
     def duration(self, a: Action, d: int) -> float:
         """Time of `a` on device d."""
         rule = RULES[a.kind]
-        own = self.dur[a.kind][a.stage] if rule.side is None else self.by_side[rule.side].duration(a.kind, d)
+        own = (self.dur[a.kind][a.stage] if rule.side is None
+               else self.by_side[rule.side].duration(a.kind, d) + self.shard_host.get(a.kind, 0.0))
         return own + self.host.get((d, a), 0.0) if self.host else own
 
     def live(self, a: Action, d: int) -> int:

@@ -39,6 +39,18 @@ def test_delivery_is_optional_and_round_trips(tmp_path):
     assert not Overheads(delivery=MessageCost(fixed_ms=0.1)).is_zero
 
 
+def test_gather_round_is_optional_round_trips_and_scales(tmp_path):
+    # a file written before the all-gather figure existed still reads: no round charged
+    assert overheads_from_dict(GOOD).gather_round == MessageCost()
+    ov = overheads_from_dict({**GOOD, "gather_round_us": {"fixed": 300.0, "per_mb": 20.0}})
+    assert ov.gather_round == MessageCost(fixed_ms=0.3, per_mb_ms=0.02)
+    path = tmp_path / "ov.json"
+    write_overheads(ov, path)
+    assert read_overheads(path) == ov
+    assert ov.scaled(8.0).gather_round == MessageCost(fixed_ms=2.4, per_mb_ms=0.16)
+    assert not Overheads(gather_round=MessageCost(fixed_ms=0.1)).is_zero
+
+
 @pytest.mark.parametrize("change,field,expected", [
     ({"format": "octopipe-cluster/1"}, "$.format", "'octopipe-overheads/1'"),
     ({"action_us": {"X": 1.0}}, "$.action_us.X", "an action kind"),

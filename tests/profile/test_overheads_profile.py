@@ -33,6 +33,9 @@ def test_profile_overheads_writes_a_cached_file_on_two_ranks(tmp_path, capsys):
     # the busy sender's delivery delay: receiver waits from a busy and from an idle sender at every size, fitted
     assert len(doc["meta"]["message_points"]["busy_wait_us"]) == len(doc["meta"]["message_points"]["idle_wait_us"]) == 3
     assert ov.delivery.fixed_ms >= 0 and ov.delivery.per_mb_ms >= 0 and "delivery_us" in doc
+    # an all-gather round over the 2 ranks at every size: it costs the host something (a gloo round trip)
+    assert len(doc["meta"]["gather_round_us"]) == 3 and all(us > 0 for us in doc["meta"]["gather_round_us"])
+    assert ov.gather_round.ms(4096) > 0 and "all-gather:" in text
     (record,) = cache.glob("*.json")
     stamp = record.stat().st_mtime_ns
     # the second run reads the cache: same figures, the record untouched

@@ -311,3 +311,25 @@ def test_host_share_counts_one_post_and_one_wait_per_shard_for_the_statistics():
     ov = Overheads(send=MessageCost(fixed_ms=0.1), recv=MessageCost(fixed_ms=0.2))
     got = host_share(four_plan(1), ov, step_ms=10.0)
     assert (got.device, got.host_ms) == (3, pytest.approx(1.5))
+
+
+def test_the_all_gather_pays_its_host_cost_once_and_shard_actions_pay_their_action_cost():
+    """By hand (1 GB/s, no latency, 1000 bytes of statistics: 0.001 ms a hop): with a 0.5 ms gather round and 0.1 ms a
+    send the gather over four shards lasts 3 x 0.001 + 0.5 + 2 x 0.1 = 0.703 ms after the last H (the collective at
+    two members, then a part sent for each further one), and the H runs 0.4 ms longer (its action cost, its post)."""
+    from octopipe_plugin.formats.overheads import MessageCost, Overheads
+    from octopipe_plugin.simulator.split import gather_ms
+
+    ov = Overheads(action_ms=(("H", 0.3),), gather_round=MessageCost(fixed_ms=0.5), send=MessageCost(fixed_ms=0.1))
+    assert gather_ms(cluster(4), (0, 1, 2, 3), 1000, overheads=ov) == pytest.approx(0.703)
+    assert gather_ms(cluster(4), (0, 1), 1000, overheads=ov) == pytest.approx(0.501)
+    base = simulate(FOUR, cluster(4), four_plan(1))
+    res = simulate(FOUR, cluster(4), four_plan(1), SimOptions(overheads=ov))
+    for r, extra in ((base, 0.0), (res, 0.4)):
+        times = {(d, str(a)): (s, e) for d, row in enumerate(r.timeline) for a, s, e in row}
+        for d in range(4):
+            s, e = times[(d, "3H0")]
+            assert e - s == pytest.approx(0.25 * 2 + extra), d  # a quarter of the head's 2 ms forward
+        last_h = max(times[(d, "3H0")][1] for d in range(4))
+        gather = 0.003 + (0.7 if extra else 0.0)
+        assert min(times[(d, "3J0")][0] for d in range(4)) == pytest.approx(last_h + gather)
