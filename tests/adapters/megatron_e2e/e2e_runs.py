@@ -2,7 +2,10 @@
 the split-head tests' plans.
 
 A launch is `examples/megatron/cpu_run.py --nproc N SCRIPT ARGS...` (the documented CPU way: gloo
-ranks, the CPU shims, examples/megatron/launch.py); Megatron's own log lines are the oracle.
+ranks, the CPU shims, examples/megatron/launch.py); Megatron's own log lines are the oracle. Its
+cpu_run.main runs in a process forked from a forkserver that imported what cpu_run imports before
+it forks its ranks (e2e_preload.py), with the launch's own environment, argv and log file: the
+command line's run without ~7 CPU seconds of imports a launch.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -58,14 +61,59 @@ def launch(log: Path, *args: str, nproc: int = 2, script: Path = TRAIN_GPT, env:
     """One cpu_run.py launch; its logged losses {"train": {it: loss}, "valid": {it: loss}, "log": text}."""
     env = dict(os.environ, **(env or {}),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(ROOT / "examples/megatron/cpu_run.py"), "--nproc", str(nproc), str(script), *args]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    returncode = _cpu_run(["--nproc", str(nproc), str(script), *args], env, log, timeout)
     text = log.read_text()
     extra = " ".join(a for a in args if a.startswith("--pipeline") or a.startswith("--octopipe") or a == "--load")
-    assert proc.returncode == 0, f"launch failed ({proc.returncode}): {extra}\n{text[-4000:]}"
+    assert returncode == 0, f"launch failed ({returncode}): {extra}\n{text[-4000:]}"
     return {"train": {int(i): float(v) for i, v in LINE.findall(text)},
             "valid": {int(i): float(v) for i, v in VALID.findall(text)}, "log": text}
+
+
+PRELOAD = ["e2e_preload"]
+
+
+def _cpu_run(argv: list[str], env: dict, log: Path, timeout: float) -> int:
+    """`python cpu_run.py ARGV` with `env`, stdout and stderr into `log`: its exit status (the launch's processes
+    killed after `timeout` seconds, then -9)."""
+    import multiprocessing
+
+    from octopipe_plugin.executor.launch import use_forkserver
+
+    # the server finds its preload on the PYTHONPATH it starts with (as megatron_harness.spawn's)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [old])])
+    try:
+        use_forkserver(PRELOAD)
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+    proc = multiprocessing.get_context("forkserver").Process(target=_cpu_run_main, args=(argv, env, str(log)))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:  # its ranks are in its session: end them all
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.join()
+        return -9
+    return proc.exitcode
+
+
+def _cpu_run_main(argv: list[str], env: dict, log: str) -> None:
+    """cpu_run.main(argv) in this forked process, as its command line would run it."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    import cpu_run
+
+    sys.argv = [cpu_run.__file__, *argv]
+    code = cpu_run.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def loss_table(out: dict, iterations: int = 6) -> str:
