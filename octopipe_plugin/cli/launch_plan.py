@@ -60,7 +60,10 @@ def run_from_megatron(args) -> int:
 
     # the combined step runs no split layer and no memory choice (pairs.overlap_problem): not searched beside pairs
     tune_args = argparse.Namespace(**{**vars(args), "recompute": "none", "offload": "none"}) if pairs.runs else args
-    result = tuned(tune_args, model, cluster, facts.num_microbatches, constraints=cons,
+    # megatron-core asks for a virtual pipeline size under the flag at PP > 1: two chunks or more on every rank
+    pair_cons = replace(cons, min_stages_per_device=2) if pairs.runs and facts.pipeline_size > 1 and \
+        model.num_layers >= 2 * facts.pipeline_size else cons
+    result = tuned(tune_args, model, cluster, facts.num_microbatches, constraints=pair_cons,
                    time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
     vp_why = virtual_stage_problem(result.plan, facts.pipeline_size) if pairs.runs else None
     if vp_why is not None:  # the plan megatron cannot run under the flag: tuned again as the launch runs without it

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ..executor.clock import DeviceClock, wall_numel
-from .sleep_layer import DTYPE, HeadHandOver, SleepLayer
+from ..executor.standin import pair_rest_ms
+from .sleep_layer import DTYPE, HeadHandOver, SleepLayer, stamp
 
 BOUNDARY_SHAPE = (1, 1, 4)  # (sequence, micro-batch, hidden) of every stand-in boundary: the stamp is element 0
 
@@ -49,6 +50,20 @@ class StandInStage:
     last: bool
     boundary: tuple[int, ...] = BOUNDARY_SHAPE  # the shape this chunk sends on (boundary_shape)
     split_head: bool = False  # the last stage of a plan that splits the LM head: ends in a HeadHandOver
+    # the (scaled) phase sequences of the chunk's F and fused B, ((on the link, ms), ...) (simulator/pairs.py
+    # stage_phases): what a pair sleeps overlapped; empty: nothing communicates, a pair sleeps F then B
+    phases_f: tuple[tuple[bool, float], ...] = ()
+    phases_b: tuple[tuple[bool, float], ...] = ()
+
+    @property
+    def fwd_ms(self) -> float:
+        """The chunk's F."""
+        return sum(f for f, _, _ in self.layers)
+
+    @property
+    def bwd_ms(self) -> float:
+        """The chunk's fused backward (I + W of every layer)."""
+        return sum(i + w for _, i, w in self.layers)
 
 
 def standin_chunk_class():
@@ -56,12 +71,15 @@ def standin_chunk_class():
     from megatron.core.enums import ModelType
     from megatron.core.transformer.module import MegatronModule
 
+    plan_class = _schedule_plan_class()
+
     class StandInChunk(MegatronModule):
         """A Megatron model chunk of stand-in layers (pre_process on the first stage, post_process on the last)."""
 
-        def __init__(self, config, spec: StandInStage, clock: DeviceClock, shards=None):
+        def __init__(self, config, spec: StandInStage, clock: DeviceClock, shards=None, pairs=None):
             super().__init__(config=config)
             self.spec = spec
+            self.clock, self.pairs = clock, pairs  # pairs: the rank's PairSleeper (combined step's pairs)
             self.pre_process, self.post_process = spec.first, spec.last
             self.model_type = ModelType.encoder_or_decoder  # what get_model sets on every chunk
             self.input_tensor = None
@@ -95,6 +113,10 @@ def standin_chunk_class():
                 input_tensor = input_tensor[0]
             self.input_tensor = input_tensor
 
+        def build_schedule_plan(self, tokens=None):
+            """The combined step's schedule plan of one micro-batch through this chunk (GPTModel's counterpart)."""
+            return plan_class(self, tokens)
+
         def forward(self, tokens=None, output_processor=None):
             """Run the stand-in layers on the pipeline input (a fresh input that wants a gradient on stage 0);
             `tokens`: the micro-batch the forward step read (first and last stage). `output_processor`:
@@ -112,16 +134,105 @@ def standin_chunk_class():
     return StandInChunk
 
 
-def standin_forward_step(data_iterator, model):
+def standin_forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """A Megatron forward_step_func for stand-in chunks: reads the batch (the micro-batch's number) on the first
-    and the last stage, as get_batch reads tokens and labels; loss on the last."""
+    and the last stage, as get_batch reads tokens and labels; loss on the last. `return_schedule_plan`: the combined
+    step's call, answered with the chunk's schedule plan (as pretrain_gpt's forward_step answers it)."""
     mb = None
     if data_iterator is not None and (getattr(model, "pre_process", False) or getattr(model, "post_process", False)):
         mb = next(data_iterator)
-    output = model(mb)
+    output = model.build_schedule_plan(mb) if return_schedule_plan else model(mb)
 
     def loss_func(output_tensor):
         loss = output_tensor.sum() * 0.0  # the value is irrelevant; its backward starts the I/W chain
         return loss, {"lm loss": loss.detach()}
 
     return output, loss_func
+
+
+def _schedule_plan_class():
+    """The stand-ins' schedule plan, an AbstractSchedulePlan of megatron.core (the combined step checks the type)."""
+    from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
+
+    class StandInSchedulePlan(AbstractSchedulePlan):
+        """One micro-batch through one stand-in chunk under megatron-core's combined step (module docstring)."""
+
+        def __init__(self, chunk, tokens):
+            self.chunk, self.tokens = chunk, tokens
+            self.vp_stage = getattr(chunk, "vp_stage", None)
+            self.input = self.output = None
+            self._event = None
+
+        @property
+        def event(self):
+            """The event the combined step's loss node waits and records on (made when it asks: a CUDA event, or
+            the CPU shims' stand-in on a CPU process, as for GPTModel's plans)."""
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            return self._event
+
+        @staticmethod
+        def run(f_schedule_plan, b_schedule_plan, b_grad=None, pre_forward=None, pre_backward=None,
+                post_forward=None, post_backward=None):
+            """F of `f_schedule_plan` and B of `b_schedule_plan` (either may be None), the hooks called where
+            TransformerModelChunkSchedulePlan.run calls them; returns the forward's output."""
+            f, b = f_schedule_plan, b_schedule_plan
+            if f is not None and pre_forward is not None:
+                pre_forward(f.vp_stage)
+            if b is not None and pre_backward is not None:
+                pre_backward(b.vp_stage)
+            if f is not None and b is not None:
+                out, dx = _paired(f, b, b_grad)
+            else:
+                out = f._forward() if f is not None else None
+                dx = b._backward(b_grad) if b is not None else None
+            if f is not None and post_forward is not None:
+                post_forward(out, f.vp_stage)
+            if b is not None and post_backward is not None:
+                post_backward(dx, b.vp_stage)
+            return out
+
+        def _forward(self):
+            # the input this micro-batch's forward read (the chunk's next forward sets another): its gradient is
+            # what this plan's backward gives back (None on the first stage, whose chunk makes its own input)
+            self.input = None if self.chunk.pre_process else self.chunk.input_tensor
+            self.output = self.chunk(self.tokens)
+            return self.output
+
+        def _backward(self, grad):
+            torch.autograd.backward(self.output, grad_tensors=grad)
+            self.output = None
+            return self.input.grad if self.input is not None else None
+
+    def _paired(f, b, b_grad):
+        """Both sides' graphs run without sleeping, then the pair sleeps its phases once both inputs have landed;
+        its end is stamped on the forward's output and the backward's input gradient."""
+        fc, bc = f.chunk, b.chunk
+        clock = fc.clock
+        x = None if fc.pre_process else fc.input_tensor
+        ready = max(stamp(x) + fc.spec.hop_in_ms / 1000.0 if x is not None else 0.0,
+                    stamp(b_grad) + bc.spec.hop_out_ms / 1000.0 if b_grad is not None and not bc.post_process
+                    else 0.0)
+        mode, clock.mode = clock.mode, "off"
+        try:
+            out = f._forward()
+            dx = b._backward(b_grad)
+        finally:
+            clock.mode = mode
+        sf, sb = fc.spec, bc.spec
+        if sf.phases_f or sb.phases_b:
+            seq_f, seq_b = sf.phases_f or ((False, sf.fwd_ms),), sb.phases_b or ((False, sb.bwd_ms),)
+            rest = pair_rest_ms(sf.fwd_ms, sb.bwd_ms, seq_f, seq_b)
+            if fc.pairs is None:
+                raise ValueError(f"stage {sf.stage} pairs with stage {sb.stage}: its chunk needs the rank's "
+                                 "PairSleeper (pairs=)")
+            end = clock.overlapped(lambda: fc.pairs.sleep(seq_f, seq_b, rest), ready)
+        else:  # nothing communicates: the two sides back to back, as the simulator prices such a pair
+            end = clock.work(sf.fwd_ms + sb.bwd_ms, ready)
+        with torch.no_grad():
+            for t in (out, dx):
+                if t is not None and t.numel():
+                    t.view(-1)[0] = end
+        return out, dx
+
+    return StandInSchedulePlan

@@ -58,6 +58,8 @@ class Constraints:
 
     placement: str = "any"  # "looped" | "v" | "any"
     max_stages_per_device: int | None = None
+    # at least N model chunks on every rank: megatron-core's combined step at PP > 1 (it asks for a virtual pipeline)
+    min_stages_per_device: int | None = None
     uniform_stages_per_device: bool = False
     split_backward: bool = True
     owner_shard: bool = False  # a split head's owner device holds one of its shards
@@ -68,6 +70,8 @@ class Constraints:
             raise OctoPipeError(f"placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
         if self.max_stages_per_device is not None and self.max_stages_per_device < 1:
             raise OctoPipeError(f"max stages per device {self.max_stages_per_device}: expected 1 or more")
+        if self.min_stages_per_device is not None and self.min_stages_per_device < 1:
+            raise OctoPipeError(f"min stages per device {self.min_stages_per_device}: expected 1 or more")
 
     @property
     def active(self) -> bool:
@@ -79,12 +83,15 @@ class Constraints:
         if self.placement != "any" and list(devices) != place_stages(Placement(self.placement), num_devices,
                                                                       len(devices)):
             return f"stages are not placed {self.placement} (stage -> device {list(devices)[:12]}...)"
-        if self.max_stages_per_device is None and not self.uniform_stages_per_device:
+        if self.max_stages_per_device is None and self.min_stages_per_device is None and \
+                not self.uniform_stages_per_device:
             return None
         counts = Counter(devices)
         per = [counts.get(d, 0) for d in range(num_devices)]
         if self.max_stages_per_device is not None and max(per) > self.max_stages_per_device:
             return f"a device holds {max(per)} stages, more than {self.max_stages_per_device}"
+        if self.min_stages_per_device is not None and min(per) < self.min_stages_per_device:
+            return f"a device holds {min(per)} stages, fewer than {self.min_stages_per_device}"
         if self.uniform_stages_per_device and len(set(per)) > 1:
             return f"devices hold different numbers of stages ({min(per)} to {max(per)})"
         return None

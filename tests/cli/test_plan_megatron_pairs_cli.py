@@ -25,7 +25,8 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 
 def _plan(capsys, tmp_path, launch):
     out = tmp_path / "plan.json"
-    pp = 2 if "--pipeline-model-parallel-size" in launch else 1
+    pp = int(launch[launch.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in launch \
+        else 1
     rc = main(["plan", "--cluster", f"h100x{pp}", "--world-size", str(2 * pp), "--iterations", "30", "--no-progress",
                "--json", "-o", str(out), "--megatron-args", " ".join(launch)])
     text, err = capsys.readouterr()
@@ -56,11 +57,25 @@ def test_an_allgather_launch_gets_no_pairs_and_the_reason(capsys, tmp_path):
     assert "--overlap-moe-expert-parallel-comm" not in got["add_arguments"]
 
 
-def test_one_stage_per_rank_at_pp2_is_tuned_again_without_pairs_and_the_flag_is_dropped(capsys, tmp_path):
-    """At PP > 1 megatron-core's TransformerConfig wants a virtual pipeline size under the flag: the best paired plan
-    here has one stage per rank, so the plan is tuned again as the launch runs without pairs, and the launch's flag
-    (which without pairs hides nothing and refuses I/W and split layers) is to drop."""
+def test_at_pp2_the_paired_plan_keeps_two_stages_on_every_rank(capsys, tmp_path):
+    """At PP > 1 megatron-core's TransformerConfig wants a virtual pipeline size under the flag: the paired plan is
+    tuned with two or more stages on every rank (not tuned again without pairs); the flag stays where the plan pairs
+    and is to drop where no pair pays (here a 3-chunk plan without pairs beats combined 1F1B's pairs)."""
     got, plan = _plan(capsys, tmp_path, MOE + PP2 + ["--moe-token-dispatcher-type", "alltoall",
                                                      "--overlap-moe-expert-parallel-comm"])
+    assert min(len(plan.stages_of(d)) for d in range(plan.num_devices)) >= 2
+    assert got["pairs"]["launch_runs_them"] and "two or more stages per rank" not in got["pairs"]["why"]
+    assert ("--overlap-moe-expert-parallel-comm" in got["drop_arguments"]) == (not plan.pairs)
+
+
+def test_too_few_layers_for_two_stages_per_rank_are_tuned_again_without_pairs_and_the_flag_is_dropped(capsys,
+                                                                                                        tmp_path):
+    """Four decoder layers at PP 4 (with the embedding and the head six layers for eight chunks): no plan Megatron
+    builds under the flag, so the plan is tuned again as the launch runs without pairs, and the launch's flag (which
+    without pairs hides nothing and refuses I/W and split layers) is to drop."""
+    few = ["--num-layers", "4"] + MOE[2:]
+    assert MOE[:2] == ["--num-layers", "8"]
+    got, plan = _plan(capsys, tmp_path, few + ["--pipeline-model-parallel-size", "4", "--moe-token-dispatcher-type",
+                                               "alltoall", "--overlap-moe-expert-parallel-comm"])
     assert not plan.pairs and "two or more stages per rank" in got["pairs"]["why"]
     assert "--overlap-moe-expert-parallel-comm" in got["drop_arguments"]

@@ -114,3 +114,16 @@ def test_pruning_never_breaks_uniform_stages():
     res = tune(model, cluster(2, memory_gib=60.0), 4, iterations=30, seed=0, constraints=cons)
     assert cons.plan_problems(res.plan) == []
     assert replace(cons) == cons
+
+
+def test_min_stages_per_device_gives_every_device_that_many_chunks():
+    # megatron-core's combined step at PP > 1 asks for a virtual pipeline size: two chunks or more on every rank
+    model, cl = hetero_model(12), cluster(4, memory_gib=60.0)
+    free = tune(model, cl, 8, iterations=30, seed=0, constraints=Constraints(max_stages_per_device=1))
+    assert {len(free.plan.stages_of(d)) for d in range(4)} == {1}  # what the floor has to lift
+    cons = Constraints(min_stages_per_device=2, uniform_stages_per_device=True)
+    res = tune(model, cl, 8, iterations=30, seed=0, constraints=cons)
+    assert min(len(res.plan.stages_of(d)) for d in range(4)) >= 2 and cons.plan_problems(res.plan) == []
+    assert "fewer than 2" in cons.placement_problem([0, 1, 2, 3, 3, 2, 1], 4)
+    with pytest.raises(OctoPipeError, match="min stages"):
+        Constraints(min_stages_per_device=0)

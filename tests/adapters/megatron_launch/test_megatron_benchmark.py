@@ -74,3 +74,75 @@ def test_stand_in_benchmark_runs_a_split_plan_beside_the_plan_without(tmp_path):
                    for ln in lines), out.stdout
     assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-2]), lines[-2]
     assert re.fullmatch(r"measured split gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
+
+
+def _bench(tmp_path, *extra, timeout=380):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--stand-in", *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def test_moe_overlap_runs_megatrons_combined_1f1b_beside_octopipes_pairs(tmp_path):
+    # both through megatron-core's combined step on 4 ranks: Megatron's own interleaved schedule under the flag and
+    # OctoPipe's plan with pairs; the figure lines parse (no timing asserted)
+    from octopipe_plugin.cli import main
+
+    assert main(["model", "deepseek-v3-mini", "--ep", "8", "-o", str(tmp_path / "moe.json")]) == 0
+    out = _bench(tmp_path, "--model", str(tmp_path / "moe.json"), "--cluster", "h100x4", "--microbatches", "8",
+                 "--tune-seconds", "2", "--target-ms", "400", "--timeout", "120", "--moe-overlap")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(re.match(r"megatron: combined 1F1B under --overlap-moe-expert-parallel-comm, [234] virtual stages per "
+                        r"rank, even split, [1-9]\d* overlapped pairs", ln) for ln in lines), out.stdout
+    assert any(re.match(r"octopipe: \d+ stages, .*, [1-9]\d* overlapped pairs$", ln) for ln in lines), out.stdout
+    assert re.fullmatch(r"measured gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
+
+
+def test_moe_overlap_refuses_a_model_without_all_to_all_phases(tmp_path):
+    out = _bench(tmp_path, "--model", "llama2-7b", "--cluster", "h100x2", "--moe-overlap", timeout=120)
+    assert out.returncode == 2 and "no layer has an all-to-all phase" in out.stderr and "--ep" in out.stderr
+
+
+def _benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron_benchmark", ROOT / "examples/megatron/benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_stand_in_stages_sleep_a_recomputed_forward_before_their_backward():
+    # full recompute: each stage's first backward layer also sleeps the stage's forwards again (hand-summed here)
+    from octopipe_plugin.costs import resolve_cluster, resolve_model
+    from octopipe_plugin.schedules.registry import build_plan
+    from octopipe_plugin.tuner.memory_choices import full_recompute
+
+    bench = _benchmark_module()
+    model, cluster = resolve_model("llama2-7b"), resolve_cluster("h100x2")
+    plain = build_plan(model, "1f1b", 2, 4)
+    full = full_recompute(model, plain)
+    a, b = (bench.stand_in_stages(model, p, 0.5, cluster) for p in (plain, full))
+    recomputed = {i for i, _ in full.memory}
+    assert recomputed
+    for st, x, y in zip(plain.stages, a, b):
+        rerun = sum(model.layers[i].fwd_ms for i in range(st.start, st.end) if i in recomputed)
+        assert [l[1] for l in y.layers][:-1] == [l[1] for l in x.layers][:-1]
+        assert y.layers[-1][1] == pytest.approx(x.layers[-1][1] + 0.5 * rerun)
+        assert y.fwd_ms == x.fwd_ms
+
+
+def test_memory_levers_runs_megatron_with_full_recompute_beside_per_layer_choices(tmp_path):
+    from octopipe_plugin.cli import main
+
+    assert main(["model", "gemma3", "--seq-len", "32768", "-o", str(tmp_path / "g.json")]) == 0
+    out = _bench(tmp_path, "--model", str(tmp_path / "g.json"), "--cluster", "h100x4", "--microbatches", "8",
+                 "--tune-seconds", "2", "--target-ms", "400", "--timeout", "120", "--memory-levers")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(ln.startswith("megatron: interleaved 1F1B with full recompute (every layer)") for ln in lines)
+    assert any(re.match(r"octopipe: \d+ stages, .*, (no memory choices|memory choices: .+)$", ln) for ln in lines)
+    assert any(re.match(r"simulated peak memory: megatron [\d.]+ GiB, octopipe [\d.]+ GiB of [\d.]+ GiB usable", ln)
+               for ln in lines), out.stdout
+    assert re.fullmatch(r"measured gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
