@@ -14,6 +14,12 @@ head's rows over several ranks, its shard passes and hand-overs slept in each ra
 stage ending in the hand-over to them; the last line is then
 `measured split gain X.XXx (simulated Y.YYx)` (with splits over without).
 
+--memory-levers: DeepSpeed's PipelineEngine with activation_checkpoint_interval=1 (its full recompute,
+the stand-in forwards really re-run) against OctoPipeEngine on a plan with per-layer recompute where
+memory binds (tuned with --recompute auto --offload none within the default 8% headroom; whole layers:
+the stand-in list has no sub-modules), recomputed through the engine's own per-entry checkpoints;
+the last line is `measured gain X.XXx (simulated Y.YYx)`.
+
 --stand-in (the CPU mode): every layer of the model (zoo name or model file, any layer kinds)
 becomes a SleepLayer (octopipe_plugin/testing/sleep_layer.py, the same layer and DeviceClock
 timing rule as the Megatron benchmark and the dry run) that sleeps its F, I and W times scaled
@@ -59,6 +65,10 @@ def parse_args(argv=None):
     add_standin_options(p, clock_help="device: stand-ins on the simulator's timing rule, free transfers; wall: host "
                                       "delays count and activations of the model's bytes really travel "
                                       "(octopipe_plugin/executor/clock.py)")
+    p.add_argument("--memory-levers", action="store_true",
+                   help="DeepSpeed's PipelineEngine with a checkpoint on every layer (activation_checkpoint_interval=1, "
+                        "its full recompute) against OctoPipeEngine on a plan with per-layer recompute where memory "
+                        "binds (--recompute auto --offload none), both recomputing through their own checkpoints")
     return p.parse_args(argv)
 
 
@@ -93,6 +103,8 @@ def plans(args, model, cluster, param_divisor, options=None):
 
     p, m = cluster.num_devices, args.microbatches
     stock = stock_plan(model, cluster, m, param_divisor)
+    if args.memory_levers:
+        return memory_plans(args, model, cluster, stock, options)
     dualpipev = build_plan(model, "dualpipev", p, m, boundaries=deepspeed_parts(model, 2 * p, param_divisor))
     res = None
     if args.plan:
@@ -118,6 +130,26 @@ def plans(args, model, cluster, param_divisor, options=None):
     return out
 
 
+def memory_plans(args, model, cluster, stock, options=None):
+    """--memory-levers: DeepSpeed's 1F1B with every layer recomputed, OctoPipe's plan with per-layer recompute."""
+    from octopipe_plugin.errors import OctoPipeError
+    from octopipe_plugin.formats import read_plan
+    from octopipe_plugin.formats.memory import RECOMPUTE
+    from octopipe_plugin.tuner import tune
+    from octopipe_plugin.tuner.memory_choices import MemoryLevers, full_recompute
+
+    if args.plan:
+        ours = read_plan(args.plan, num_layers=model.num_layers)
+    else:
+        ours = tune(model, cluster, args.microbatches, time_budget_s=args.tune_budget, options=options,
+                    memory=MemoryLevers(recompute="auto", offload="none")).plan
+    if ours.splits or ours.pairs or any(c.kind != RECOMPUTE for _, c in ours.memory):
+        raise OctoPipeError(f"--memory-levers: {args.plan}: expected a plan whose memory choices recompute whole "
+                            f"layers, without split layers or pairs (a stand-in layer has no sub-modules and no "
+                            f"bytes to offload)")
+    return {"stock-recompute": full_recompute(model, stock), "octopipe": ours}
+
+
 def split_specs(specs, model, shards):
     """The stand-in list of a split plan's engine and its layer_of_spec: the owner's HeadHandOver as one more
     entry of the layer before the head (DeepSpeed builds the owner stage without the head's entry)."""
@@ -131,7 +163,7 @@ def split_specs(specs, model, shards):
 
 
 def _worker(rank, world, port, model_doc, plan_doc, split_doc, shard_costs, scale, divisor, m, steps, clock_mode,
-            width, out_dir):
+            width, out_dir, memory_levers=False):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -153,12 +185,16 @@ def _worker(rank, world, port, model_doc, plan_doc, split_doc, shard_costs, scal
     specs = standin_specs(model, scale, divisor, clock)
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": m, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0}
-    builders = {
+    builders = {} if memory_levers else {
         "stock": lambda: PipelineModule(specs, num_stages=world, partition_method="parameters", loss_fn=standin_loss),
         "dualpipev": lambda: DualPipeVModule(specs, num_stages=world, partition_method="parameters",
                                              loss_fn=standin_loss),
-        "octopipe": lambda: OctoPipePipelineModule(specs, plan=plan_from_dict(plan_doc), loss_fn=standin_loss),
     }
+    if memory_levers:  # DeepSpeed's own full recompute: its checkpoint around every list entry, the forward re-run
+        builders["stock-recompute"] = lambda: PipelineModule(specs, num_stages=world, partition_method="parameters",
+                                                             loss_fn=standin_loss, activation_checkpoint_interval=1)
+    # the plan's memory choices: OctoPipeEngine's own per-entry checkpoints (adapters/deepspeed/memory.py)
+    builders["octopipe"] = lambda: OctoPipePipelineModule(specs, plan=plan_from_dict(plan_doc), loss_fn=standin_loss)
     if split_doc is not None:
         # the shard passes on the rank's clock; hand-overs of the activation's shape ([micro-batch, width]); the
         # owner hands on (hidden, None, None): the head input is declared as that one payload
@@ -195,12 +231,23 @@ def main(argv=None) -> int:
     from octopipe_plugin.testing.deepspeed_standin import standin_width
     from octopipe_plugin.testing.sleep_layer import standin_sim_options
 
+    from octopipe_plugin.testing.deepspeed_standin import whole_layer_model
+
     cluster = resolve_cluster(args.cluster)
     model = resolve_model(args.model, gpu=cost_gpu(cluster, args.gpu))
+    if args.memory_levers:  # where memory decides what runs: the plans fit what `octopipe plan` keeps usable
+        from octopipe_plugin.headroom import DEFAULT, parse_headroom, with_headroom
+
+        cluster = with_headroom(cluster, parse_headroom(DEFAULT))
+        model = whole_layer_model(model)
     divisor = max(1.0, sum(layer.state_bytes for layer in model.layers) / 18 / 2e6)  # ~2M stand-in parameters
     free = zero_cost_cluster(cluster.num_devices)
-    scale = args.target_ms / simulate(model, free, stock_plan(model, cluster, args.microbatches, divisor),
-                                      detail=False).step_time_ms
+    base = stock_plan(model, cluster, args.microbatches, divisor)
+    if args.memory_levers:
+        from octopipe_plugin.tuner.memory_choices import full_recompute
+
+        base = full_recompute(model, base)
+    scale = args.target_ms / simulate(model, free, base, detail=False).step_time_ms
     # this host's per-message costs at the run's ranks per core, in the model's milliseconds (the stand-ins sleep
     # `scale` times those; the host's own costs are not scaled): a split head's fan-out is priced (issue 36)
     host = standin_sim_options(args, cluster.num_devices)
@@ -211,6 +258,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     split = chosen.get("octopipe-split")
+    stock = "stock-recompute" if args.memory_levers else "stock"
     # The stand-ins pass tiny tensors on one host: links cost nothing there, so the figure to compare the
     # measurement with is the simulation without transfer costs; the cluster's own is printed beside it.
     sim = {k: simulate(model, free, p, options, detail=False).step_time_ms for k, p in chosen.items()}
@@ -218,7 +266,7 @@ def main(argv=None) -> int:
     scaled = {k: v * scale for k, v in sim.items()}
     if args.clock == "wall":  # compute scaled, the model's bytes over this host's links as they are
         wire = host_links(cluster, resolve_cluster(args.links) if args.links else None)
-        scaled = {k: simulate(scaled_model(model, scale) if p.splits else None, wire, p, host,
+        scaled = {k: simulate(scaled_model(model, scale) if p.splits or p.memory else None, wire, p, host,
                               costs=scaled_costs(model, p, scale), detail=False).step_time_ms
                   for k, p in chosen.items()}
     if check_standin_scale(args, [(k, p, scaled[k]) for k, p in chosen.items()]):
@@ -231,6 +279,13 @@ def main(argv=None) -> int:
         print(f"OctoPipe with splits: {split.num_stages} stages, " + ", ".join(
             f"layer {sp.layer} over {len(sp.devices)} ranks (shares {min(sp.shares):.3f}-{max(sp.shares):.3f})"
             for sp in split.splits), flush=True)
+    if args.memory_levers:
+        ours = chosen["octopipe"]
+        peaks = {k: max(simulate(model, cluster, p, detail=False).peak_memory_bytes) / 2**30 for k, p in chosen.items()}
+        print(f"OctoPipe: {ours.num_stages} stages, recompute on "
+              f"{_layer_runs([i for i, _ in ours.memory]) or 'no layer'}; simulated peak memory: DeepSpeed "
+              f"{peaks['stock-recompute']:.1f} GiB, OctoPipe {peaks['octopipe']:.1f} GiB of "
+              f"{cluster.usable_memory_bytes / 2**30:.1f} GiB usable", flush=True)
     elif args.splits == "auto":
         print("OctoPipe with splits: none (the split-aware tuner kept the plan without splits)", flush=True)
     import torch.multiprocessing as mp
@@ -242,11 +297,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="octopipe-ds-bench-") as out:
         mp.spawn(_worker, args=(world, free_port(), model_to_dict(model), plan_to_dict(chosen["octopipe"]),
                                 plan_to_dict(split) if split is not None else None, shard_costs, scale, divisor,
-                                args.microbatches, args.steps, args.clock, width, out), nprocs=world, join=True)
+                                args.microbatches, args.steps, args.clock, width, out, args.memory_levers),
+                 nprocs=world, join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
-    labels = {"stock": "DeepSpeed PipelineEngine (1F1B, parameters partition)",
-              "dualpipev": "DeepSpeed DualPipeVEngine (parameters partition)",
-              "octopipe": f"OctoPipeEngine ({chosen['octopipe'].num_stages} stages, tuned plan)"}
+    labels = {"stock-recompute": "DeepSpeed PipelineEngine (1F1B, checkpoint every layer)"} if args.memory_levers \
+        else {"stock": "DeepSpeed PipelineEngine (1F1B, parameters partition)",
+              "dualpipev": "DeepSpeed DualPipeVEngine (parameters partition)"}
+    labels["octopipe"] = f"OctoPipeEngine ({chosen['octopipe'].num_stages} stages, tuned plan)"
     if split is not None:
         labels["octopipe-split"] = f"OctoPipeEngine with splits ({split.num_stages} stages, split head)"
     measured = {}
@@ -257,14 +314,29 @@ def main(argv=None) -> int:
         measured[key] = sum(max(s) for s in steps) / args.steps * 1000.0
         print(f"{label:58s} {scaled[key]:13.1f} {measured[key]:12.1f} "
               f"{args.microbatches / measured[key] * 1000.0:10.2f}")
-    print(f"with {args.cluster}'s links the simulator predicts {linked['stock']:.1f} ms vs {linked['octopipe']:.1f} ms "
-          f"unscaled ({linked['stock'] / linked['octopipe']:.2f}x)")
+    print(f"with {args.cluster}'s links the simulator predicts {linked[stock]:.1f} ms vs {linked['octopipe']:.1f} ms "
+          f"unscaled ({linked[stock] / linked['octopipe']:.2f}x)")
+    if args.memory_levers:  # against DeepSpeed's own full recompute
+        print(f"measured gain {measured[stock] / measured['octopipe']:.2f}x "
+              f"(simulated {scaled[stock] / scaled['octopipe']:.2f}x)")
+        return 0
     print(f"measured speedup {measured['stock'] / measured['octopipe']:.2f}x "
           f"(simulated {scaled['stock'] / scaled['octopipe']:.2f}x)")
     if split is not None:
         print(f"measured split gain {measured['octopipe'] / measured['octopipe-split']:.2f}x "
               f"(simulated {scaled['octopipe'] / scaled['octopipe-split']:.2f}x)")
     return 0
+
+
+def _layer_runs(layers) -> str:
+    """'0-11, 14, 20-23'."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,16 @@ def standin_specs(model, scale: float, param_divisor: float, clock: DeviceClock)
             for layer in model.layers]
 
 
+def whole_layer_model(model):
+    """The model as a stand-in list runs it: each entry one SleepLayer without sub-modules, so a memory choice can
+    recompute or offload the whole layer but no selective recompute has anything to name (the analytic costs'
+    sub-module shares, `simulator.costs.selective_modules`, left out with the analytic meta)."""
+    from dataclasses import replace
+
+    meta = {**(model.meta or {}), "cost_model": "stand-in"}
+    return replace(model, layers=tuple(replace(layer, selective=()) for layer in model.layers), meta=meta)
+
+
 def standin_loss(out, labels):
     """A scalar from the last stand-in layer's output (the loss's own cost is part of the last layer)."""
     return (out * labels).mean()

@@ -92,3 +92,47 @@ def test_stand_in_benchmark_runs_a_split_plan_beside_the_plan_without(tmp_path):
     assert any(re.match(r"OctoPipeEngine with splits .*\s[\d.]+\s+[\d.]+\s+[\d.]+$", ln) for ln in lines), out.stdout
     assert re.fullmatch(r"measured speedup \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-2]), lines[-2]
     assert re.fullmatch(r"measured split gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
+
+
+def test_memory_levers_plans_full_recompute_against_whole_layer_choices(monkeypatch):
+    # the stand-in list's layers have no sub-modules: the tuned plan recomputes whole layers only
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import benchmark
+
+    from octopipe_plugin.costs import resolve_cluster, resolve_model
+    from octopipe_plugin.formats.memory import RECOMPUTE
+    from octopipe_plugin.testing.deepspeed_standin import whole_layer_model
+
+    cluster = resolve_cluster("h100x4")
+    model = whole_layer_model(resolve_model("gemma3"))
+    args = benchmark.parse_args(["--stand-in", "--microbatches", "8", "--tune-budget", "1", "--memory-levers"])
+    plans = benchmark.plans(args, model, cluster, 1.0)
+    assert set(plans) == {"stock-recompute", "octopipe"}
+    assert {i for i, _ in plans["stock-recompute"].memory} == set(range(model.num_layers))
+    assert all(c.kind == RECOMPUTE for _, c in plans["octopipe"].memory)
+    sys.modules.pop("benchmark", None)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_memory_levers_runs_deepspeeds_checkpointing_beside_the_plans_choices(tmp_path):
+    # 2 ranks, gemma3 at 32k (over memory without recompute on h100x2): DeepSpeed's activation_checkpoint_interval=1
+    # against OctoPipeEngine's per-layer checkpoints; the figures' format is the check
+    import os
+    import re
+    import subprocess
+
+    from octopipe_plugin.cli import main
+
+    assert main(["model", "gemma3", "--seq-len", "32768", "-o", str(tmp_path / "m.json")]) == 0
+    root = EXAMPLES.parents[1]
+    out = subprocess.run([sys.executable, str(EXAMPLES / "benchmark.py"), "--stand-in", "--model",
+                          str(tmp_path / "m.json"), "--cluster", "h100x2", "--microbatches", "4", "--tune-budget", "1",
+                          "--target-ms", "300", "--steps", "1", "--memory-levers"], capture_output=True, text=True,
+                         timeout=880, env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(re.match(r"OctoPipe: \d+ stages, recompute on [\d, -]+; simulated peak memory: DeepSpeed [\d.]+ GiB, "
+                        r"OctoPipe [\d.]+ GiB of [\d.]+ GiB usable", ln) for ln in lines), out.stdout
+    assert any(ln.startswith("DeepSpeed PipelineEngine (1F1B, checkpoint every layer)") for ln in lines), out.stdout
+    assert re.fullmatch(r"measured gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
