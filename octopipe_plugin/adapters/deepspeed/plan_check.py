@@ -80,3 +80,13 @@ def check_plan(plan, run: RunShape, source: str = "") -> None:
                           f"data-parallel replica); the plan{where} has {plan.num_devices} devices")
     if run.gradient_accumulation_steps is not None:
         check_microbatches(plan.num_microbatches, run.gradient_accumulation_steps)
+    pairs = getattr(plan, "pairs", ())
+    if pairs:
+        # the runner would run each pair half after half: correct, but priced with an overlap it does not have
+        first = "+".join(str(a) for a in pairs[0])
+        raise FormatError(_SRC, f"$.{CONFIG_KEY}.plan",
+                          f"a plan without overlapped pairs (OctoPipeEngine runs no pair's phases overlapped: a "
+                          f"DeepSpeed layer list does not expose a MoE layer's all-to-alls as phases, they run inside "
+                          f"deepspeed.moe's MOELayer.forward); the plan{where} has {len(pairs)} pairs ({first} ...); "
+                          f"re-plan for DeepSpeed (`octopipe plan --deepspeed-config` plans none), or drop the plan's "
+                          f"\"pairs\" entry to run the same order unpaired")

@@ -79,3 +79,23 @@ def test_plan_checked_against_the_run():
     for run, message in cases:
         with pytest.raises(FormatError, match=message):
             check_plan(plan, run)
+
+
+def test_a_plan_with_overlapped_pairs_is_refused_with_the_fix():
+    # the DeepSpeed runner has no phases to interleave: a pair would run half after half, priced as overlapped
+    from dataclasses import replace
+
+    from octopipe_plugin.actions import Kind
+    from octopipe_plugin.adapters.deepspeed.plan_check import RunShape, check_plan
+    from octopipe_plugin.formats import Layer, Model
+    from octopipe_plugin.schedules.registry import build_plan
+
+    cost = dict(fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1, output_bytes=1)
+    plan = build_plan(Model(name="m", layers=tuple(Layer(name=f"l{i}", kind="dense", **cost) for i in range(6))),
+                      "1f1b", 2, 4)
+    row = plan.schedule[0]
+    f = next(a for a in row if a.kind is Kind.F and a.microbatch == 2)
+    b = next(a for a in row if a.kind is Kind.B and a.microbatch == 0)
+    with pytest.raises(FormatError, match=r"\$\.octopipe\.plan: expected a plan without overlapped pairs .* has 1 "
+                                          r"pairs \(0F2\+0B0 \.\.\.\); re-plan for DeepSpeed"):
+        check_plan(replace(plan, pairs=((f, b),)), RunShape(6, None, 2, 4, 4))
