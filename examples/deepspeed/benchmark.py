@@ -282,8 +282,10 @@ def main(argv=None) -> int:
     if args.memory_levers:
         ours = chosen["octopipe"]
         peaks = {k: max(simulate(model, cluster, p, detail=False).peak_memory_bytes) / 2**30 for k, p in chosen.items()}
-        print(f"OctoPipe: {ours.num_stages} stages, recompute on "
-              f"{_layer_runs([i for i, _ in ours.memory]) or 'no layer'}; simulated peak memory: DeepSpeed "
+        from octopipe_plugin.formats.memory import describe_choices
+
+        print(f"OctoPipe: {ours.num_stages} stages, {describe_choices(ours.memory) or 'no memory choices'}; "
+              f"simulated peak memory: DeepSpeed "
               f"{peaks['stock-recompute']:.1f} GiB, OctoPipe {peaks['octopipe']:.1f} GiB of "
               f"{cluster.usable_memory_bytes / 2**30:.1f} GiB usable", flush=True)
     elif args.splits == "auto":
@@ -326,17 +328,6 @@ def main(argv=None) -> int:
         print(f"measured split gain {measured['octopipe'] / measured['octopipe-split']:.2f}x "
               f"(simulated {scaled['octopipe'] / scaled['octopipe-split']:.2f}x)")
     return 0
-
-
-def _layer_runs(layers) -> str:
-    """'0-11, 14, 20-23'."""
-    runs: list[list[int]] = []
-    for i in sorted(layers):
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 if __name__ == "__main__":

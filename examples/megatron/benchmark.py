@@ -531,16 +531,10 @@ def main(argv=None) -> int:
 
 
 def _describe_memory(plan) -> str:
-    """'memory choices: recompute on layers 0-11, selective:core_attn on 12-15' (or none)."""
-    if not plan.memory:
-        return "no memory choices"
-    runs: list[list] = []
-    for layer, choice in sorted(plan.memory):
-        if runs and runs[-1][0] == choice.text and runs[-1][2] == layer - 1:
-            runs[-1][2] = layer
-        else:
-            runs.append([choice.text, layer, layer])
-    return "memory choices: " + ", ".join(f"{t} on {a}" + (f"-{b}" if b > a else "") for t, a, b in runs)
+    """'memory choices: recompute on 0-11, selective:mlp on 12-13' (or none)."""
+    from octopipe_plugin.formats.memory import describe_choices
+
+    return f"memory choices: {describe_choices(plan.memory)}" if plan.memory else "no memory choices"
 
 
 def _describe_splits(plan) -> str:

@@ -121,11 +121,24 @@ def summary(result, model, cluster, costs: str = "", natives: dict | None = None
         f"  stages         {plan.num_stages} ({per_device(plan)} per device): {stage_listing(plan, cluster)}",
         *([f"  idle devices   {len(idle)} hold no layers: {describe_devices(idle)}"] if idle else []),
         *([f"  pairs          {pairs_line(plan, model)}"] if plan.pairs else []),
+        *([f"  memory choices {memory_choices_line(plan)}"] if plan.memory else []),
         f"  peak memory    {peaks} GiB",
         f"  memory         {memory_line(result.peak, cluster)}",
         f"  search         {result.iterations} steps, {result.evaluations} evaluations, "
         f"{result.elapsed_s:.1f} s, stopped by {result.stopped_by}; best from {result.source}",
     ])
+
+
+def memory_choices_line(plan) -> str:
+    """Which stage got which memory choices: 'stage 0@0: recompute on 1-3; stage 2@2: selective:mlp on 9'."""
+    from ..formats.memory import describe_choices
+
+    parts = []
+    for s, st in enumerate(plan.stages):
+        mine = [(i, c) for i, c in plan.memory if st.start <= i < st.end]
+        if mine:
+            parts.append(f"stage {s}@{st.device}: {describe_choices(mine)}")
+    return f"{len(plan.memory)} layer(s): " + _abridged(parts, "; ")
 
 
 def pairs_line(plan, model) -> str:

@@ -111,3 +111,17 @@ def memory_problem(memory, num_layers: int) -> str | None:
             return (f"plan $.memory.{layer}: expected a layer index of the model (0..{num_layers - 1}), got {layer}; "
                     f"fix: drop the entry or fix the index")
     return None
+
+
+def describe_choices(memory) -> str:
+    """'recompute on 0-11, 14, selective:mlp on 12-13' (choices in layer order, runs of one choice joined)."""
+    runs: list[list] = []
+    for layer, choice in sorted(memory):
+        if runs and runs[-1][0] == choice.text and runs[-1][2] == layer - 1:
+            runs[-1][2] = layer
+        else:
+            runs.append([choice.text, layer, layer])
+    by_text: dict[str, list[str]] = {}
+    for text, a, b in runs:
+        by_text.setdefault(text, []).append(f"{a}-{b}" if b > a else f"{a}")
+    return ", ".join(f"{text} on {', '.join(spans)}" for text, spans in by_text.items())

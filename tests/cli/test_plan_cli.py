@@ -98,3 +98,28 @@ def test_zoo_model_main_job(capsys):
                  "16", "--iterations", "30", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "deepseek-v3-mini" in out and "x faster than Megatron interleaved 1F1B" in out
+
+
+def test_the_report_says_which_stage_got_which_memory_choices(capsys, tmp_path):
+    # gemma3 at 128k on 8 H100s: memory binds, the default `--recompute auto` buys choices on some stages
+    import re
+
+    from octopipe_plugin.formats import read_plan
+
+    assert main(["model", "gemma3", "--seq-len", "131072", "-o", str(tmp_path / "g.json")]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--model", str(tmp_path / "g.json"), "--cluster", "h100x8", "--microbatches", "16",
+                 "--iterations", "40", "--no-progress", "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    plan = read_plan(str(tmp_path / "p.json"))
+    assert plan.memory
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("  memory choices ")]
+    assert line.startswith(f"  memory choices {len(plan.memory)} layer(s): ")
+    listed = {int(s): int(d) for s, d in re.findall(r"stage (\d+)@(\d+): ", line)}
+    holding = {s: st.device for s, st in enumerate(plan.stages)
+               if any(st.start <= i < st.end for i, _ in plan.memory)}
+    assert listed == holding
+    for i, choice in plan.memory:  # every choice named on its stage's part of the line
+        s = next(s for s, st in enumerate(plan.stages) if st.start <= i < st.end)
+        part = line.split(f"stage {s}@")[1].split("; stage ")[0]
+        assert choice.text in part

@@ -263,7 +263,8 @@ def test_checkpoint_resumes_under_another_plan_and_deepspeeds_partition(runs):
         weights = H.merged_weights(reports)
         for idx, sd in ref_weights.items():
             for k, v in sd.items():
-                torch.testing.assert_close(weights[idx][k], v, atol=5e-5, rtol=1e-5)  # 6 unclipped steps of fp32 order drift; a 1% error is ~1e-3
+                torch.testing.assert_close(weights[idx][k], v, atol=5e-5, rtol=1e-5,  # 6 unclipped steps of fp32 order drift; a 1% error is ~1e-3
+                                           msg=lambda m, name=name, idx=idx, k=k: f"{name} layer {idx} {k}: {m}")
 
 
 @pytest.mark.timeout(60)

@@ -132,7 +132,7 @@ def test_memory_levers_runs_deepspeeds_checkpointing_beside_the_plans_choices(tm
                          timeout=880, env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert any(re.match(r"OctoPipe: \d+ stages, recompute on [\d, -]+; simulated peak memory: DeepSpeed [\d.]+ GiB, "
+    assert any(re.match(r"OctoPipe: \d+ stages, (recompute on [\d, -]+|no memory choices); simulated peak memory: DeepSpeed [\d.]+ GiB, "
                         r"OctoPipe [\d.]+ GiB of [\d.]+ GiB usable", ln) for ln in lines), out.stdout
     assert any(ln.startswith("DeepSpeed PipelineEngine (1F1B, checkpoint every layer)") for ln in lines), out.stdout
     assert re.fullmatch(r"measured gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]

@@ -84,17 +84,29 @@ def _bench(tmp_path, *extra, timeout=380):
 
 def test_moe_overlap_runs_megatrons_combined_1f1b_beside_octopipes_pairs(tmp_path):
     # both through megatron-core's combined step on 4 ranks: Megatron's own interleaved schedule under the flag and
-    # OctoPipe's plan with pairs; the figure lines parse (no timing asserted)
+    # OctoPipe's with a plan with pairs; the figure lines parse (no timing asserted)
     from octopipe_plugin.cli import main
 
+    import types
+
+    from octopipe_plugin.adapters.megatron.pairs import PairSupport, tuning_model
+    from octopipe_plugin.costs import resolve_model
+    from octopipe_plugin.formats import write_plan
+    from octopipe_plugin.schedules.registry import build_plan
+
     assert main(["model", "deepseek-v3-mini", "--ep", "8", "-o", str(tmp_path / "moe.json")]) == 0
+    # OctoPipe's side runs a given plan with pairs (a 2 s tune on a loaded host may keep none): the combined 1F1B
+    # at v = 2 on the balanced split, on the model the combined step's plans are tuned on (each backward one B)
+    model = tuning_model(resolve_model(str(tmp_path / "moe.json")), PairSupport(runs=True, why=""),
+                         types.SimpleNamespace(overlap_moe_expert_parallel_comm=True))
+    write_plan(build_plan(model, "combined-1f1b", 4, 8, stages_per_device=2, split="balanced"), tmp_path / "p.json")
     out = _bench(tmp_path, "--model", str(tmp_path / "moe.json"), "--cluster", "h100x4", "--microbatches", "8",
-                 "--tune-seconds", "2", "--target-ms", "400", "--timeout", "120", "--moe-overlap")
+                 "--plan", str(tmp_path / "p.json"), "--target-ms", "400", "--timeout", "120", "--moe-overlap")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert any(re.match(r"megatron: combined 1F1B under --overlap-moe-expert-parallel-comm, [234] virtual stages per "
                         r"rank, even split, [1-9]\d* overlapped pairs", ln) for ln in lines), out.stdout
-    assert any(re.match(r"octopipe: \d+ stages, .*, [1-9]\d* overlapped pairs$", ln) for ln in lines), out.stdout
+    assert any(re.match(r"octopipe: 8 stages, .*, [1-9]\d* overlapped pairs$", ln) for ln in lines), out.stdout
     assert re.fullmatch(r"measured gain \d+\.\d\dx \(simulated \d+\.\d\dx\)", lines[-1]), lines[-1]
 
 
