@@ -96,6 +96,8 @@ def parse_args(argv=None):
                                       "model; wall: host delays count and boundaries of the model's bytes really "
                                       "travel (executor/clock.py)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout in seconds")
+    p.add_argument("--per-rank", action="store_true",
+                   help="also print each rank's busy and waiting time per run, measured beside simulated")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--moe-overlap", action="store_true",
                       help="MoE (a model whose layers carry all-to-all phases: `octopipe model NAME --ep N`): "
@@ -284,14 +286,16 @@ def simulated_ms(model, plan, scale: float, fast_cluster, options=None) -> float
                     costs=scaled_costs(model, plan, scale), detail=False).step_time_ms
 
 
-def measure(runs: list[Run], microbatches: int, clock: str, timeout_s: float) -> dict[str, float]:
-    """Run every schedule on local processes; measured step ms per label."""
+def measure(runs: list[Run], microbatches: int, clock: str, timeout_s: float):
+    """Run every schedule on local processes: (measured step ms per label, per label each rank's busy ms: the
+    modelled work its device clock slept, stand-in layers, pairs and shard passes)."""
     world = plan_from_dict(runs[0].plan_doc).num_devices
     with tempfile.TemporaryDirectory(prefix="octopipe-megatron-bench-") as out:
         spawn(_worker, world, runs, microbatches, clock, timeout_s, runs[0].stages[0].boundary[2], out)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"), encoding="utf-8")) for r in range(world)]
-    return {run.label: 1000.0 * (max(r[run.label]["end"] for r in ranks) - ranks[0][run.label]["start"])
-            for run in runs}
+    steps = {run.label: 1000.0 * (max(r[run.label]["end"] for r in ranks) - ranks[0][run.label]["start"])
+             for run in runs}
+    return steps, {run.label: [1000.0 * r[run.label]["busy"] for r in ranks] for run in runs}
 
 
 def _worker(rank: int, world: int, port: int, runs: list[Run], microbatches: int, clock: str, timeout_s: float,
@@ -511,7 +515,9 @@ def main(argv=None) -> int:
     if args.clock == "wall":
         print(f"transfers: boundaries of {shape[2] * 8 / 2**20:.2f} MiB over gloo, predicted with "
               f"{args.links or args.cluster}'s links unscaled")
-    measured = measure(runs, args.microbatches, args.clock, args.timeout)
+    measured, busy = measure(runs, args.microbatches, args.clock, args.timeout)
+    if args.per_rank:
+        _per_rank(model, fast, plans, scale, options, measured, busy)
     tokens = args.microbatches * _tokens_per_microbatch(model)
     for label in plans:
         real_ms = measured[label] / scale  # the stand-ins sleep `scale` times the modelled GPU time
@@ -528,6 +534,21 @@ def main(argv=None) -> int:
         print(f"measured split gain {measured['octopipe'] / measured['octopipe-split']:.2f}x "
               f"(simulated {sim['octopipe'] / sim['octopipe-split']:.2f}x)")
     return 0
+
+
+def _per_rank(model, fast_cluster, plans, scale: float, options, measured, busy) -> None:
+    """Per rank of every run: the work its device slept and the rest of the step it waited (for an input that had
+    not landed, or a host that reached its action late), measured beside the simulator's per device."""
+    for label, plan in plans.items():
+        whole = plan.splits or plan.pairs or plan.memory
+        res = simulate(scaled_model(model, scale) if whole else None, fast_cluster, plan, options,
+                       costs=scaled_costs(model, plan, scale), detail=True)
+        print(f"{LABELS[label]}: per rank, busy / waiting ms measured (simulated) of the step "
+              f"{measured[label]:.1f} ({res.step_time_ms:.1f})")
+        for r, b in enumerate(busy[label]):
+            sb = res.busy_ms[r]
+            print(f"  rank {r:2d}  busy {b:8.1f} ({sb:8.1f})  waiting {measured[label] - b:8.1f} "
+                  f"({res.step_time_ms - sb:8.1f})")
 
 
 def _describe_memory(plan) -> str:

@@ -64,11 +64,16 @@ def test_stand_in_benchmark_runs_a_split_plan_beside_the_plan_without(tmp_path):
     split = split_plan_file(tmp_path / "split.json", "gemma3", 4, 8)
     out = subprocess.run([sys.executable, str(ROOT / "examples/megatron/benchmark.py"), "--stand-in", "--model",
                           "gemma3", "--cluster", "h100x4", "--microbatches", "8", "--tune-seconds", "1",
-                          "--split-plan", split, "--target-ms", "400", "--timeout", "120"],
+                          "--split-plan", split, "--target-ms", "400", "--timeout", "120", "--per-rank"],
                          capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert any(ln.startswith("octopipe with splits: ") and "over 4 ranks" in ln for ln in lines), out.stdout
+    # --per-rank: each run's ranks, busy and waiting measured beside simulated
+    for label in ("megatron", "octopipe", "octopipe with splits"):
+        at = lines.index(next(ln for ln in lines if ln.startswith(f"{label}: per rank, busy / waiting ms")))
+        assert all(re.fullmatch(rf"  rank {r:2d}  busy +[\d.]+ \( *[\d.]+\)  waiting +-?[\d.]+ \( *-?[\d.]+\)",
+                                lines[at + 1 + r]) for r in range(4)), lines[at:at + 5]
     for label in ("megatron", "octopipe", "octopipe with splits"):
         assert any(re.match(rf"{label}\s+measured step\s+[\d.]+ ms\s+simulated\s+[\d.]+ ms\s+tokens/s [\d,]+", ln)
                    for ln in lines), out.stdout
