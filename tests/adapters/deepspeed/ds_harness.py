@@ -115,17 +115,31 @@ def reference_forward(emb, blocks, ids):
     return head(emb, x)
 
 
+def _layers(emb, blocks) -> dict:
+    """The reference's modules by global layer index (the tied embedding as layer 0)."""
+    return {"0": emb, **{str(j + 1): b for j, b in enumerate(blocks)}}
+
+
 def reference_run(*, dp: int, m: int, lr: float, momentum: float, clip: float, masked: bool = False,
-                  steps: int = STEPS):
+                  steps: int = STEPS, start: tuple | None = None, first_step: int = 0):
     """Losses per step and final weights (by layer index) of SGD on the mean loss over m x dp micro-batches.
 
     `clip` is a max norm (0: none) or one per step; clipping uses the norm of every gradient of the model.
+    `start` (weights, momenta by layer index, as a run's report holds them) resumes the reference from a
+    run's own state at `first_step`: unclipped fp32 training at this learning rate amplifies summation-order
+    differences about 100-fold over three steps, so a resumed run is compared from where it started.
     """
     emb, blocks = reference_model(masked)
     params = list(emb.parameters()) + list(blocks.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum)
+    if start is not None:
+        weights, momenta = start
+        for idx, layer in _layers(emb, blocks).items():
+            layer.load_state_dict(weights[idx])
+            for k, q in layer.named_parameters():
+                opt.state[q]["momentum_buffer"] = momenta[idx][k].clone()
     losses = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         opt.zero_grad()
         total = 0.0
         for r in range(dp):
@@ -138,9 +152,8 @@ def reference_run(*, dp: int, m: int, lr: float, momentum: float, clip: float, m
             torch.nn.utils.clip_grad_norm_(params, c)
         opt.step()
         losses.append(total / (m * dp))
-    weights = {"0": {"weight": emb.weight.detach().clone()}}
-    for j, b in enumerate(blocks):
-        weights[str(j + 1)] = {k: v.detach().clone() for k, v in b.state_dict().items()}
+    weights = {idx: {k: v.detach().clone() for k, v in layer.state_dict().items()}
+               for idx, layer in _layers(emb, blocks).items()}
     return losses, weights
 
 
@@ -168,15 +181,27 @@ def ds_config(*, m: int, dp: int, lr: float, momentum: float, clip: float, plan_
 
 
 # ---- worker --------------------------------------------------------------------------------------------
-def _weights(module) -> dict:
-    """Weights of the layers this rank holds, by global layer index (the tied embedding as layer 0)."""
-    out = {}
-    for name, sub in module.named_children():
-        if name.isdigit():
-            out[name] = {k: v.detach().float().clone() for k, v in sub.state_dict().items()}
-    for key, sub in module.tied_modules.items():
-        out["0"] = {k: v.detach().float().clone() for k, v in sub.state_dict().items()}
+def _held_layers(module) -> dict:
+    """The layers this rank holds by global layer index (the tied embedding as layer 0)."""
+    out = {name: sub for name, sub in module.named_children() if name.isdigit()}
+    for sub in module.tied_modules.values():
+        out["0"] = sub
     return out
+
+
+def _weights(module) -> dict:
+    """Weights of the layers this rank holds, by global layer index."""
+    return {idx: {k: v.detach().float().clone() for k, v in sub.state_dict().items()}
+            for idx, sub in _held_layers(module).items()}
+
+
+def _momenta(engine) -> dict:
+    """The SGD momentum buffers of the layers this rank holds, by global layer index (fp32 runs: DeepSpeed's
+    optimizer is torch's own)."""
+    state = engine.optimizer.state
+    return {idx: {k: state[q]["momentum_buffer"].detach().float().clone() for k, q in sub.named_parameters()
+                  if "momentum_buffer" in state.get(q, {})}
+            for idx, sub in _held_layers(engine.module).items()}
 
 
 def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
@@ -209,6 +234,8 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     if sc.get("load") is not None:
         engine.load_checkpoint(sc["load"]["dir"], tag=sc["load"]["tag"],
                                load_optimizer_states=sc["load"].get("optimizer", True))
+        if sc.get("record_momenta"):  # where the resumed run starts: the reference resumes from it
+            report["loaded"] = {"weights": _weights(engine.module), "momenta": _momenta(engine)}
     first = sc.get("first_step", 0)
     for step in range(first, first + sc.get("steps", STEPS)):
         it = CountingIter(batches(step, dp_rank, m))
@@ -228,6 +255,8 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     if sc.get("save") is not None:
         engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])
     report["weights"] = _weights(engine.module)
+    if sc.get("record_momenta"):
+        report["momenta"] = _momenta(engine)
     report["stage"] = engine.grid.get_stage_id()
     report["overlap"] = getattr(engine, "_overlap", None) is not None
     executor = getattr(engine, "_executor", None)  # OctoPipeEngine: the executor runs on the engine's device
@@ -283,11 +312,12 @@ def load(out_dir, name: str, world: int) -> list[dict]:
     return out
 
 
-def merged_weights(reports) -> dict:
-    """Layer index -> weights, checking every copy of a layer (tied, data-parallel) is identical."""
+def merged_weights(reports, field=lambda rep: rep["weights"]) -> dict:
+    """Layer index -> weights (or what `field` reads from each report, e.g. momenta), checking every copy of
+    a layer (tied, data-parallel) is identical."""
     merged = {}
     for rep in reports:
-        for idx, sd in rep["weights"].items():
+        for idx, sd in field(rep).items():
             if idx in merged:
                 for k, v in sd.items():
                     assert torch.equal(merged[idx][k], v), f"copies of layer {idx}.{k} differ between ranks"
