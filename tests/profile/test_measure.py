@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from octopipe_plugin.costs import load_arch
 from octopipe_plugin.executor.split_backward import backward_input, backward_weight
 from octopipe_plugin.profile import measure_layer
-from octopipe_plugin.profile.measure import saved_bytes
+from octopipe_plugin.profile.measure import _fused_backward, saved_bytes
 from octopipe_plugin.profile.torch_layers import builders, hidden_input
 
 CPU = torch.device("cpu")
@@ -25,24 +25,17 @@ def mlp(h: int = 256) -> nn.Module:
 
 
 def _backward_flops(module: nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
-    """FLOPs of the fused backward, and of I and W of the split one, on the same input."""
+    """FLOPs of the fused backward (as the profile times it), and of I and W of the split one, on the same input."""
     params = [p for p in module.parameters() if p.requires_grad]
-    counts = []
-    for split in (False, True):
-        xi = x.detach().requires_grad_(True)
-        out = module(xi)
-        g = torch.ones_like(out)
-        if not split:
-            with FlopCounterMode(display=False) as fused:
-                torch.autograd.backward([out], [g], inputs=[xi] + params)
-            counts.append(fused.get_total_flops())
-            continue
-        with FlopCounterMode(display=False) as i:
-            _, work = backward_input([out], [g], [xi], params)
-        with FlopCounterMode(display=False) as w:
-            backward_weight(work, "autograd")
-        counts += [i.get_total_flops(), w.get_total_flops()]
-    return tuple(counts)
+    xf, xs = x.detach().requires_grad_(True), x.detach().requires_grad_(True)
+    out_f, out_s = module(xf), module(xs)
+    with FlopCounterMode(display=False) as fused:
+        _fused_backward(out_f, torch.ones_like(out_f), xf, params, "autograd")
+    with FlopCounterMode(display=False) as i:
+        _, work = backward_input([out_s], [torch.ones_like(out_s)], [xs], params)
+    with FlopCounterMode(display=False) as w:
+        backward_weight(work, "autograd")
+    return fused.get_total_flops(), i.get_total_flops(), w.get_total_flops()
 
 
 @pytest.mark.parametrize("kind", ["mlp", "dense", "lm_head"])
