@@ -16,14 +16,20 @@ fi
 # (deepspeed/comm/torch.py build_shm_op, from TorchBackend.__init__; ~35 s of 2 cores, cached under
 # ~/.cache/torch_extensions, rebuilt when the venv's path changes). Built here, beside the installs below, instead
 # of inside the first DeepSpeed test; a failure here only leaves that build to the first test.
-python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+# torch's build lock (FileBaton: a `lock` file in the op's build folder) outlives a build that was killed, and every
+# later load of the op then polls it forever (a session's killed suite hung the next CI run at this `wait`): a lock
+# older than 10 minutes is such a leftover (the build takes ~35 s) and goes; the prebuild is bounded all the same.
+find "${TORCH_EXTENSIONS_DIR:-$(python -c 'import torch.utils.cpp_extension as c; print(c.get_default_build_root())')}" \
+  -path '*deepspeed_shm_comm/lock' -mmin +10 -print -delete 2>/dev/null | sed 's/^/install.sh: removed a stale build lock /' || true
+timeout 600 python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
   >.venv/shm-op-build.log 2>&1 &
 SHM_BUILD=$!
 if ! python -c "import megatron.core" 2>/dev/null; then
   # megatron-core 0.19.2 declares Python>=3.12 but its cp311 wheel works (docs/design.md);
-  # --no-deps keeps it from pulling a CUDA torch. triton is imported by its schedules module.
+  # --no-deps keeps it from pulling a CUDA torch. triton is imported by its schedules module; 3.8.0 is the wheel
+  # on this machine's disk (an unpinned triton downloads the newest, ~250 MB, from PyPI).
   pip install -q --ignore-requires-python --no-deps "megatron-core==0.19.2"
-  pip install -q triton
+  pip install -q "triton==3.8.0"
 fi
 # Python 3.11: megatron.training imports typing.override (3.12). A .pth gives it to every interpreter of
 # this venv, so the processes Megatron starts itself (the dist-checkpoint writer's spawn child) have it too.
