@@ -58,7 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
     p.add_argument("--stand-in", action="store_true", help="sleeping stand-in layers on local CPU processes")
     p.add_argument("--plan", help="an octopipe-plan/1 file to run instead of tuning one")
-    p.add_argument("--tune-budget", type=float, default=30.0, help="tuner time budget in seconds (default 30)")
+    p.add_argument("--tune-budget", type=float, default=30.0,
+                   help="tuner time budget in seconds (default 30): the plan without splits takes it, and the split "
+                        "search on top of it as much again")
     p.add_argument("--target-ms", type=float, default=8000.0,
                    help="stand-ins: the stock 1F1B engine's simulated step, scaled to this (default 8000)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per engine after one warm-up (default 2)")
@@ -99,7 +101,7 @@ def plans(args, model, cluster, param_divisor, options=None):
     from octopipe_plugin.schedules.registry import build_plan
     from octopipe_plugin.tuner import tune
     from octopipe_plugin.tuner.constraints import Constraints, framework_splits
-    from octopipe_plugin.tuner.split import VARIANTS, tune_split
+    from octopipe_plugin.tuner.split import tune_split
 
     p, m = cluster.num_devices, args.microbatches
     stock = stock_plan(model, cluster, m, param_divisor)
@@ -123,7 +125,7 @@ def plans(args, model, cluster, param_divisor, options=None):
     else:
         # DeepSpeed's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
         split = tune_split(model, cluster, m, time_budget_s=args.tune_budget, unsplit=res, options=options,
-                           variant_budget_s=args.tune_budget / len(VARIANTS),
+                           split_budget_s=args.tune_budget,
                            constraints=Constraints(**framework_splits("deepspeed"))).plan
     if split.splits:
         out["octopipe-split"] = split

@@ -86,7 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=32, help="micro-batches per step (default 32)")
     p.add_argument("--stand-in", action="store_true", help="CPU: sleeping stand-in layers in real Megatron chunks")
     p.add_argument("--plan", help="OctoPipe plan to run (default: tune one)")
-    p.add_argument("--tune-seconds", type=float, default=20.0, help="tuning budget when no --plan (default 20)")
+    p.add_argument("--tune-seconds", type=float, default=20.0,
+                   help="tuning budget in seconds when no --plan (default 20): the plan without splits takes it, "
+                        "and the split search on top of it as much again")
     p.add_argument("--seed", type=int, default=0, help="tuner seed")
     p.add_argument("--megatron-vp", type=int, default=None,
                    help="Megatron's virtual stages per rank (default: its fastest in simulation)")
@@ -152,7 +154,7 @@ def octopipe_plans(model, cluster, args, options=None):
     `tune_split` on top of it); None also where the split-aware tuner keeps the plan without splits."""
     from octopipe_plugin.tuner import tune
     from octopipe_plugin.tuner.constraints import Constraints, framework_splits
-    from octopipe_plugin.tuner.split import VARIANTS, tune_split
+    from octopipe_plugin.tuner.split import tune_split
 
     res = None
     if args.plan:
@@ -172,7 +174,7 @@ def octopipe_plans(model, cluster, args, options=None):
         return plain, split
     # Megatron's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
     split = tune_split(model, cluster, args.microbatches, time_budget_s=args.tune_seconds, seed=args.seed,
-                       unsplit=res, variant_budget_s=args.tune_seconds / len(VARIANTS), options=options,
+                       unsplit=res, split_budget_s=args.tune_seconds, options=options,
                        constraints=Constraints(**framework_splits("megatron-stand-in"))).plan
     return plain, split if split.splits else None
 
