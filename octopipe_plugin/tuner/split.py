@@ -132,13 +132,12 @@ def splittable_head(model) -> int | None:
 
 def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 60.0, seed: int = 0,
                iterations: int | None = None, options: SimOptions | None = None, unsplit=None,
-               constraints=None, variant_budget_s: float | None = None,
-               split_budget_s: float | None = None) -> SplitTuneResult:
+               constraints=None, split_budget_s: float | None = None) -> SplitTuneResult:
     """The fastest fitting plan with or without a split LM head; never slower than the best without.
 
     `unsplit` is a TuneResult of `tune` on the same problem when already at hand (else it is tuned here
-    with `time_budget_s`); each split variant's tune of the rest takes `variant_budget_s` (default the
-    same), its insertions INSERT_SHARE times that. `split_budget_s` instead holds the whole split search
+    with `time_budget_s`); each split variant's tune of the rest takes `time_budget_s` too, its insertions
+    INSERT_SHARE times that. `split_budget_s` instead holds the whole split search
     (every variant's tune and insertions) to that many seconds: the work units divided evenly, and the
     wall clock as a guard (each variant until its share of what is left; Ctrl-C ends it with what it has).
     Plans fit `cluster.usable_memory_bytes` and keep to `constraints` as `tune`'s do.
@@ -147,7 +146,7 @@ def tune_split(model, cluster, num_microbatches: int, *, time_budget_s: float = 
     if unsplit is None:
         unsplit = tune(model, cluster, num_microbatches, time_budget_s=time_budget_s, seed=seed,
                        iterations=iterations, options=opts, constraints=constraints)
-    vbudget = time_budget_s if variant_budget_s is None else variant_budget_s
+    vbudget = time_budget_s
     deadline = None
     if split_budget_s is not None:
         vbudget = split_budget_s / (len(VARIANTS) * (1 + INSERT_SHARE))
