@@ -123,10 +123,11 @@ def plans(args, model, cluster, param_divisor, options=None):
             raise OctoPipeError(f"{args.split_plan}: 'splits' is empty: expected a plan with split layers "
                                 "(e.g. from `octopipe plan --splits auto`)")
     else:
-        # DeepSpeed's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard)
+        # DeepSpeed's runner reports the loss from the owner's own shard: the tuner keeps one there (owner_shard);
+        # the stand-in shards sleep a split head only, so the embedding stays whole
         split = tune_split(model, cluster, m, time_budget_s=args.tune_budget, unsplit=res, options=options,
                            split_budget_s=args.tune_budget,
-                           constraints=Constraints(**framework_splits("deepspeed"))).plan
+                           constraints=Constraints(**framework_splits("deepspeed-stand-in"))).plan
     if split.splits:
         out["octopipe-split"] = split
     return out

@@ -35,12 +35,14 @@ from ..schedules.placement import Placement, place_stages
 PLACEMENTS = ("looped", "v", "any")
 # what each framework runner runs of a split plan (`replace(c, **framework_splits(name))`): the LM head's owner
 # holds a shard (it reports the loss through the framework's own loss function); Megatron's and DeepSpeed's runners
-# also split the embedding (adapters/megatron/split_embedding.py, adapters/deepspeed/head_split.py), the Megatron
-# benchmark's stand-in chunks not (testing/megatron_standin.py takes no fed embedding)
+# also split the embedding (adapters/megatron/split_embedding.py, adapters/deepspeed/head_split.py), the benchmarks'
+# stand-ins not (testing/megatron_standin.py takes no fed embedding; the DeepSpeed engine's stand-in `shards=` sleep
+# a split LM head only, adapters/deepspeed/module.py refuses an embedding split beside them)
 FRAMEWORK_SPLITS = MappingProxyType({
     "megatron": MappingProxyType({"owner_shard": True, "split_embedding": True}),
     "megatron-stand-in": MappingProxyType({"owner_shard": True, "split_embedding": False}),
     "deepspeed": MappingProxyType({"owner_shard": True, "split_embedding": True}),
+    "deepspeed-stand-in": MappingProxyType({"owner_shard": True, "split_embedding": False}),
 })
 
 

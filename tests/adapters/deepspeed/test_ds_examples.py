@@ -35,6 +35,34 @@ def test_benchmark_partitions_and_plans(monkeypatch):
     sys.modules.pop("benchmark", None)
 
 
+def test_benchmark_tunes_split_plans_its_stand_in_shards_run(monkeypatch):
+    # the stand-in engine's shards= sleep a split LM head only (module.py refuses an embedding split beside them):
+    # an untied 128k-vocabulary model on 8 ranks, where the DeepSpeed runner's own constraints often split entry 0
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import benchmark
+
+    from octopipe_plugin.costs import resolve_cluster, resolve_model
+
+    import octopipe_plugin.tuner.split as tuner_split
+
+    seen = []
+    real = tuner_split.tune_split
+
+    def recording(*a, **kw):  # the real search, its constraints kept: which layers it splits is the budget's luck
+        seen.append(kw["constraints"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tuner_split, "tune_split", recording)
+    model, cluster = resolve_model("llama3-8b", "H100"), resolve_cluster("h100x8")
+    divisor = sum(layer.state_bytes for layer in model.layers) / 18 / 2e6
+    args = benchmark.parse_args(["--stand-in", "--microbatches", "16", "--tune-budget", "1"])
+    plans = benchmark.plans(args, model, cluster, divisor)
+    assert len(seen) == 1 and seen[0].owner_shard and not seen[0].split_embedding
+    split = plans.get("octopipe-split")
+    assert split is None or [sp.layer for sp in split.splits] == [model.num_layers - 1], split.splits
+    sys.modules.pop("benchmark", None)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(900)  # three engines' deepspeed.initialize on 2 ranks: minutes on a loaded 2-core machine
 def test_stand_in_benchmark_runs_every_engine_on_the_wall_clock(tmp_path):
