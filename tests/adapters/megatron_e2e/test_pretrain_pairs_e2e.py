@@ -9,16 +9,16 @@ validation losses, and an iteration-4 checkpoint equal tensor for tensor (weight
 
 The MoE layers are decoder layers 1 and 2 (`--moe-layer-freq [0,1,1,0]`), one on each pipeline rank, not the other
 e2e tests' [0,1,0,1] (both on rank 1): megatron-core 0.19.2 cannot load a torch_dist checkpoint written under
---bf16/--fp16 without the distributed optimizer when a pipeline rank holds no expert parameters, on CPU and GPU
-alike (Megatron's own run fails the same way, "Cannot merge two lists with different lengths (0 and 4, encountered
-at level ('optimizer', 1, 'fp32_from_fp16_params', 0))"). The optimizer aligns param groups across ranks, so such a
-rank's expert optimizer has one group with no parameters (core/optimizer/__init__.py:359-374);
-Float16OptimizerWithFloat16Params.sharded_state_dict writes its fp32 copies as one list per group
-(core/optimizer/optimizer.py:1162), the empty `[]` stays in the non-tensor "common" part
-(core/dist_checkpointing/dict_utils.py:55-62), only global rank 0's common part is saved
-(core/dist_checkpointing/serialization.py:439-445), and every rank merges its loaded 4-tensor list into rank 0's
-empty one at load (serialization.py:190, dict_utils.py:230). Not OctoPipe's: a plan that leaves a rank without MoE
-layers meets the same (docs/megatron-schedule.md, "Overlapped pairs").
+--bf16/--fp16 without the distributed optimizer when a pipeline rank holds no expert parameters. Megatron's own
+run fails the same way, "Cannot merge two lists with different lengths (0 and 4, encountered at level
+('optimizer', 1, 'fp32_from_fp16_params', 0))", and nothing on that path depends on the device. The optimizer
+aligns param groups across ranks, so such a rank's expert optimizer has one group with no parameters
+(core/optimizer/__init__.py:359-374); Float16OptimizerWithFloat16Params.sharded_state_dict writes its fp32 copies
+as one list per group (core/optimizer/optimizer.py:1162); the empty `[]` stays in the non-tensor "common" part
+(core/dist_checkpointing/dict_utils.py:55-62); only global rank 0's common part is saved
+(core/dist_checkpointing/serialization.py:439-445); and the ranks with experts merge their loaded 4-tensor lists
+into rank 0's empty one at load (serialization.py:190, dict_utils.py:230). Not OctoPipe's: a plan that leaves a
+rank without MoE layers meets the same (docs/megatron-schedule.md, "Overlapped pairs").
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ pytestmark = [pytest.mark.framework, pytest.mark.distributed]
 # graph layers: embedding, 4 decoder layers (MoE on 1 and 2: one per pipeline rank, see above), LM head
 KINDS = ["embedding", "dense", "moe", "moe", "dense", "lm_head"]
 ARGS = [*MODEL, "--global-batch-size", "8",  # 4 micro-batches per step on each of the 2 data-parallel replicas
-        "--moe-layer-freq", "[0,1,1,0]",  # overrides MODEL's [0,1,0,1] (the last one given wins)
+        # one MoE layer per pipeline rank, overriding MODEL's [0,1,0,1] (the last one given wins): megatron-core's
+        # own checkpoint limit above (not a CPU one), so that Megatron's run and this plan's can resume
+        "--moe-layer-freq", "[0,1,1,0]",
         "--expert-model-parallel-size", "2", "--bf16", "--overlap-moe-expert-parallel-comm",
         "--train-iters", "4", "--eval-interval", "2", "--save-interval", "2"]
 
