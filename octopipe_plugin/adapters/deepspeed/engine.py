@@ -63,7 +63,7 @@ class OctoPipeEngine(PipelineEngine):
         # weight gradients reach p.grad through autograd's AccumulateGrad, so DeepSpeed's gradient hooks
         # (bf16 immediate_grad_update, ZeRO) fire once per parameter and action
         self._runner = DeepSpeedStages(self, grad_sink="autograd", shards=self._head_shards(),
-                                       memory=self._plan_memory())
+                                       memory=self._plan_memory(), paired=self._plan_pairs())
         self._pipe_group = self.grid.get_pipe_parallel_group()
         options = ExecutorOptions(timeout_s=block.timeout_s if block is not None else 300.0)
         wants = block.overlap_dp_reduction if block is not None else True
@@ -95,6 +95,20 @@ class OctoPipeEngine(PipelineEngine):
         if first is not None:
             raise refused(OctoPipeError(first))
         return memory
+
+    def _plan_pairs(self) -> bool:
+        """Whether the plan has overlapped pairs, run phase by phase (moe_pairs.py); a rank that cannot run them ends
+        every rank with its line (a rank checks only the stages it builds)."""
+        if not self.plan.pairs:
+            return False
+        from .moe_pairs import pairs_problem
+
+        problems = [None] * tdist.get_world_size()
+        tdist.all_gather_object(problems, pairs_problem(self.module, self.plan))
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            raise refused(OctoPipeError(first))
+        return True
 
     def _head_shards(self):
         """The object running this rank's shard actions of a split plan (None without splits)."""

@@ -3,7 +3,9 @@
 Pure Python (no DeepSpeed import): the layer count of the plan against the PipelineModule's
 layer list (through `layer_of_spec` where the list differs from the model's layers), the
 micro-batch count against DeepSpeed's gradient_accumulation_steps, the plan's device count
-against the pipeline size and the world. Every refusal is one line naming the config field
+against the pipeline size and the world, and each overlapped pair against the list entries that
+are DeepSpeed MoE layers (`RunShape.moe_entries`, read from the specs by moe_pairs.moe_entries): a
+pair needs one on one of its halves' stages. Every refusal is one line naming the config field
 (`ds_config: field $.octopipe.plan: expected ...`); `plan_startup` broadcasts it from rank 0.
 """
 
@@ -26,6 +28,7 @@ class RunShape:
     pipe_size: int | None  # None: the module's topology is derived from the plan
     world_size: int
     gradient_accumulation_steps: int | None  # None: not checked (a plan given in code, checked by the engine)
+    moe_entries: frozenset[int] | None = None  # list entries that are deepspeed.moe.layer.MoE (None: none known)
 
 
 def gradient_accumulation_steps(ds_config: dict, world_size: int, pipe_size: int) -> int:
@@ -80,13 +83,35 @@ def check_plan(plan, run: RunShape, source: str = "") -> None:
                           f"data-parallel replica); the plan{where} has {plan.num_devices} devices")
     if run.gradient_accumulation_steps is not None:
         check_microbatches(plan.num_microbatches, run.gradient_accumulation_steps)
-    pairs = getattr(plan, "pairs", ())
-    if pairs:
-        # the runner would run each pair half after half: correct, but priced with an overlap it does not have
-        first = "+".join(str(a) for a in pairs[0])
+    pair_problem = unexposed_pair(plan, run)
+    if pair_problem is not None:
+        pair, stages, entries = pair_problem
         raise FormatError(_SRC, f"$.{CONFIG_KEY}.plan",
-                          f"a plan without overlapped pairs (OctoPipeEngine runs no pair's phases overlapped: a "
-                          f"DeepSpeed layer list does not expose a MoE layer's all-to-alls as phases, they run inside "
-                          f"deepspeed.moe's MOELayer.forward); the plan{where} has {len(pairs)} pairs ({first} ...); "
-                          f"re-plan for DeepSpeed (`octopipe plan --deepspeed-config` plans none), or drop the plan's "
-                          f"\"pairs\" entry to run the same order unpaired")
+                          f"overlapped pairs whose stages hold a deepspeed.moe.layer.MoE list entry (LayerSpec(MoE, "
+                          f"...): OctoPipeEngine runs its all-to-alls as phases the other half's compute hides); the "
+                          f"plan{where} pairs {pair} on stages {stages}, whose list entries {entries} hold none (a MoE "
+                          f"inside another module runs its all-to-alls inside that module's forward); give each MoE "
+                          f"layer its own LayerSpec(MoE, ...) entry, re-plan for this model (`octopipe plan "
+                          f"--deepspeed-config`), or drop the plan's \"pairs\" entry to run the same order unpaired")
+
+
+def stage_entries(plan, run: RunShape, stage: int) -> range | list[int]:
+    """The list entries of a plan's stage (through layer_of_spec where given)."""
+    st = plan.stages[stage]
+    if run.layer_of_spec is None:
+        return range(st.start, st.end)
+    return [j for j, owner in enumerate(run.layer_of_spec) if st.start <= owner < st.end]
+
+
+def unexposed_pair(plan, run: RunShape):
+    """The first pair neither of whose halves' stages holds a MoE list entry, as (pair, stages, entries) text; None
+    where every pair has one (a pair of stages without all-to-alls would run half after half, priced as
+    overlapped)."""
+    moe = run.moe_entries or frozenset()
+    for first, second in getattr(plan, "pairs", ()):
+        stages = sorted({first.stage, second.stage})
+        per_stage = [list(stage_entries(plan, run, s)) for s in stages]
+        if not any(moe.intersection(e) for e in per_stage):
+            shown = " and ".join(f"{e[0]}-{e[-1]}" if e else "(none)" for e in per_stage)
+            return f"{first}+{second}", " and ".join(str(s) for s in stages), shown
+    return None

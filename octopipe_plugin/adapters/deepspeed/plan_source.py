@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ...errors import FormatError, OctoPipeError
 from ...plan_startup import PlanSteps, plan_at_startup
 from .config import CONFIG_KEY, OctoPipeBlock, parse_block, refused
+from .moe_pairs import moe_entries
 from .plan_check import RunShape, check_plan, gradient_accumulation_steps
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def resolve_plan(layers, *, plan=None, config: dict | None = None, layer_of_spec
 def _resolve(layers, plan, config, layer_of_spec, costs, pipe_size):
     if plan is not None:
         owners = tuple(layer_of_spec) if layer_of_spec is not None else None
-        check_plan(plan, RunShape(len(layers), owners, pipe_size, _world(), None), "plan=")
+        check_plan(plan, RunShape(len(layers), owners, pipe_size, _world(), None, moe_entries(layers)), "plan=")
         return plan, None, owners
     block = parse_block(config)
     if block is None:
@@ -54,7 +55,7 @@ def _resolve(layers, plan, config, layer_of_spec, costs, pipe_size):
 
     def check(candidate, source: str) -> None:
         gas = gradient_accumulation_steps(config, world, pipe_size or candidate.num_devices)
-        check_plan(candidate, RunShape(len(layers), owners, pipe_size, world, gas), source)
+        check_plan(candidate, RunShape(len(layers), owners, pipe_size, world, gas, moe_entries(layers)), source)
 
     steps = PlanSteps(
         plan_file=block.plan,

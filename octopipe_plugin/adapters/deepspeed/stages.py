@@ -24,6 +24,10 @@ gradient sink): this class only says where DeepSpeed differs.
 - Split embedding: stage 0 (built without the embedding) takes the shards' summed lookups as its input; the
   token ids they look up are every micro-batch's `batch[0]`, read ahead of the step on stage 0's rank
   (`step_tokens`, the engine sends them to the shards), so the data contract above holds.
+- Overlapped pairs (`paired=True`, a plan with pairs): every training action runs phase by phase through
+  moe_pairs.PairedStages (DeepSpeed MoE entries as gate / dispatch all-to-all / experts / combine all-to-all /
+  combine phases), and `pair` interleaves a pair's halves; the same data, loss bookkeeping and bf16 master
+  updates as above. Evaluation runs as without pairs.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class DeepSpeedStages(TorchStages):
     the module's head shard, or a stand-in); required when the plan splits a layer. `memory`: the plan's memory
     choices on the module (memory.apply_plan_memory's LayerMemory)."""
 
-    def __init__(self, engine, *, grad_sink: str = "autograd", shards=None, memory=None):
+    def __init__(self, engine, *, grad_sink: str = "autograd", shards=None, memory=None, paired: bool = False):
         self.engine = engine
         self.module = engine.module
         self.compute_loss = True
@@ -66,6 +70,11 @@ class DeepSpeedStages(TorchStages):
                          loss_fn=self._loss, call=self._call,
                          grad_scale=self._loss_scale if engine.fp16_enabled() else None, grad_sink=grad_sink,
                          shards=shards, memory=memory)
+        self.phased = None
+        if paired:
+            from .moe_pairs import PairedStages
+
+            self.phased = PairedStages(self)
 
     # ---- step state ----------------------------------------------------------------------------------
     def begin_step(self, num_microbatches: int, *, compute_loss: bool = True, keep_outputs: bool = False) -> None:
@@ -78,6 +87,9 @@ class DeepSpeedStages(TorchStages):
         self.batches = []
         self._raw_coef = {}
         self.state.clear()
+        if self.phased is not None:
+            self.phased.num_microbatches = num_microbatches
+            self.phased.state.clear()
         if getattr(self.shards, "clear", None) is not None:  # a step abandoned left shard states
             self.shards.clear()
 
@@ -115,6 +127,49 @@ class DeepSpeedStages(TorchStages):
     def first_input(self, mb: int):
         """Stage 0's input of micro-batch `mb` (batch[0], a tensor or a tuple of them) on the engine's device."""
         return self._to_device(self.batch(mb)[0])
+
+    # ---- overlapped pairs: every training action phase by phase (moe_pairs.PairedStages) -------------------
+    def pending(self) -> int:
+        """(stage, micro-batch) states still held, the phased runtime's included."""
+        return super().pending() + (self.phased.pending() if self.phased is not None else 0)
+
+    def forward(self, stage: int, mb: int, inputs, *, batch=None, forward_only: bool = False):
+        """F: phase by phase when the plan has pairs (training), else TorchStages' forward."""
+        if self.phased is None or forward_only:
+            return super().forward(stage, mb, inputs, batch=batch, forward_only=forward_only)
+        self.module.activate_stage(stage)
+        return self.phased.forward(stage, mb, inputs, batch=batch)
+
+    def backward(self, stage: int, mb: int, grad_output, *, last_backward: bool = False):
+        """B (phase by phase under pairs)."""
+        if self.phased is None:
+            return super().backward(stage, mb, grad_output, last_backward=last_backward)
+        with self._grad_action(stage, Kind.B, last_backward):
+            return self.phased.backward(stage, mb, grad_output)
+
+    def backward_input(self, stage: int, mb: int, grad_output, *, last_backward: bool = False):
+        """I (phase by phase under pairs)."""
+        if self.phased is None:
+            return super().backward_input(stage, mb, grad_output, last_backward=last_backward)
+        with self._grad_action(stage, Kind.I, last_backward):
+            return self.phased.backward_input(stage, mb, grad_output)
+
+    def backward_weight(self, stage: int, mb: int, *, last_backward: bool = False) -> None:
+        """W (phase by phase under pairs)."""
+        if self.phased is None:
+            return super().backward_weight(stage, mb, last_backward=last_backward)
+        with self._grad_action(stage, Kind.W, last_backward):
+            self.phased.backward_weight(stage, mb)
+
+    def pair(self, first, first_input, second, second_input, *, batch=None, last_backward: bool = False):
+        """An overlapped pair F+B/I: its halves' phases interleaved, each half's all-to-alls in flight while the
+        other computes (PhasedStages.pair); (F's output, the B/I's input gradient)."""
+        if self.phased is None:
+            raise OctoPipeError("DeepSpeedStages.pair: built without paired=True (a plan without pairs)")
+        with self._grad_action(second.stage, second.kind, last_backward):
+            out = self.phased.pair(first, first_input, second, second_input, batch=batch)
+        self.module.activate_stage(first.stage)
+        return out
 
     # ---- stage compute -------------------------------------------------------------------------------
     def _params(self, stage: int) -> list[torch.nn.Parameter]:

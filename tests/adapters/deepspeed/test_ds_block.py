@@ -81,8 +81,9 @@ def test_plan_checked_against_the_run():
             check_plan(plan, run)
 
 
-def test_a_plan_with_overlapped_pairs_is_refused_with_the_fix():
-    # the DeepSpeed runner has no phases to interleave: a pair would run half after half, priced as overlapped
+def test_overlapped_pairs_need_a_moe_entry_on_a_paired_stage():
+    # a pair of stages without a deepspeed.moe.layer.MoE entry has no all-to-all to hide: it would run half after
+    # half, priced as overlapped; with one (RunShape.moe_entries, read from the LayerSpecs) the plan passes
     from dataclasses import replace
 
     from octopipe_plugin.actions import Kind
@@ -96,6 +97,13 @@ def test_a_plan_with_overlapped_pairs_is_refused_with_the_fix():
     row = plan.schedule[0]
     f = next(a for a in row if a.kind is Kind.F and a.microbatch == 2)
     b = next(a for a in row if a.kind is Kind.B and a.microbatch == 0)
-    with pytest.raises(FormatError, match=r"\$\.octopipe\.plan: expected a plan without overlapped pairs .* has 1 "
-                                          r"pairs \(0F2\+0B0 \.\.\.\); re-plan for DeepSpeed"):
-        check_plan(replace(plan, pairs=((f, b),)), RunShape(6, None, 2, 4, 4))
+    paired = replace(plan, pairs=((f, b),))
+    with pytest.raises(FormatError, match=r"\$\.octopipe\.plan: expected overlapped pairs whose stages hold a "
+                                          r"deepspeed\.moe\.layer\.MoE list entry .* pairs 0F2\+0B0 on stages 0, "
+                                          r"whose list entries 0-2 hold none .*; give each MoE layer its own "
+                                          r"LayerSpec\(MoE, \.\.\.\) entry"):
+        check_plan(paired, RunShape(6, None, 2, 4, 4))
+    with pytest.raises(FormatError, match=r"list entries 0-3 hold none"):  # entry 4 is stage 1's
+        check_plan(paired, RunShape(8, (0, 0, 1, 2, 3, 3, 4, 5), 2, 4, 4, frozenset({6})))
+    check_plan(paired, RunShape(6, None, 2, 4, 4, frozenset({1})))
+    check_plan(paired, RunShape(8, (0, 0, 1, 2, 3, 3, 4, 5), 2, 4, 4, frozenset({1})))
