@@ -5,8 +5,11 @@ with the analytic model of `octopipe_plugin.costs` (the same FLOP/byte formulas 
 embeddings (and a head tied to one), Linear (kind "lm_head" as the list's last entry when
 `head_split` can split it: `LayerSpec(nn.Linear, hidden, vocab, bias=False)`), LayerNorm/RMSNorm,
 torch's Transformer encoder/decoder layers and Hugging Face style decoder blocks built from a config that has
-`hidden_size`, `intermediate_size`, `num_attention_heads`. Plain functions in the list cost
-nothing. Anything else is refused with its index and type, unless `costs` supplies it: a
+`hidden_size`, `intermediate_size`, `num_attention_heads`, and DeepSpeed MoE layers
+(`LayerSpec(deepspeed.moe.layer.MoE, hidden, expert, num_experts=, ep_size=, k=, capacity_factor=,
+min_capacity=)`: gate, experts at their capacity, and with `ep_size` > 1 the dispatch and combine
+all-to-alls as communication phases, the phases OctoPipeEngine runs a pair's MoE entries in,
+moe_pairs.py). Plain functions in the list cost nothing. Anything else is refused with its index and type, unless `costs` supplies it: a
 mapping from list index or type name to a `Layer`, a dict of Layer fields, or a callable
 `(spec, index) -> either`; measured costs come the same way (or as a whole octopipe-model/1
 file in the block's "model" field).
@@ -97,6 +100,8 @@ def _analytic(name: str, spec, env) -> Layer | None:
         return _from_cost(name, kind, layer_cost(_arch(name, hidden, vocab=vocab, **base), kind, env["gpu"]))
     if issubclass(typ, nn.Linear):
         return _linear(name, args, kwargs, env)
+    if _is_moe(typ):
+        return _moe(name, args, kwargs, env)
     if issubclass(typ, nn.LayerNorm) or typ.__name__.lower().endswith("rmsnorm"):
         shape = _arg(args, kwargs, 0, "normalized_shape") or _arg(args, kwargs, 0, "hidden_size")
         hidden = int(shape if isinstance(shape, int) else shape[-1])
@@ -116,6 +121,61 @@ def _analytic(name: str, spec, env) -> Layer | None:
                      vocab=int(getattr(config, "vocab_size", 1) or 1), **base)
         return _from_cost(name, "dense", layer_cost(arch, "dense", env["gpu"]))
     return _meta_built(name, spec, env)
+
+
+def _is_moe(typ) -> bool:
+    """Whether a list entry's type is DeepSpeed's MoE layer (its forward DeepSpeed's own: moe_pairs.exposes_moe)."""
+    try:
+        from deepspeed.moe.layer import MoE
+    except ImportError:
+        return False
+    return isinstance(typ, type) and issubclass(typ, MoE) and typ.forward is MoE.forward
+
+
+def _moe(name: str, args, kwargs, env) -> Layer | None:
+    """A DeepSpeed MoE entry (deepspeed/moe/layer.py MoE, sharded_moe.py MOELayer): the gate on every token, the
+    experts of this rank on their capacity of every rank's tokens, and with ep > 1 the dispatch and combine
+    all-to-alls of the [experts, capacity, hidden] buffer as communication phases (costs/ops.py alltoall, the EP
+    group in one node); None where the expert module cannot be costed."""
+    import math
+
+    from ...costs.ops import alltoall, elementwise, op_times
+    from ...formats.model import Phase
+
+    h = int(_arg(args, kwargs, 0, "hidden_size"))
+    expert = _arg(args, kwargs, 1, "expert")
+    e = int(_arg(args, kwargs, 2, "num_experts", 1))
+    ep = int(_arg(args, kwargs, 3, "ep_size", 1))
+    k = int(_arg(args, kwargs, 4, "k", 1))
+    cf = float(_arg(args, kwargs, 5, "capacity_factor", 1.0))
+    min_cap = int(_arg(args, kwargs, 7, "min_capacity", 4))
+    if not isinstance(expert, nn.Module) or ep < 1 or e % ep:
+        return None
+    n, dt, gpu = env["tokens"], env["dtype_bytes"], env["gpu"]
+    cap = max(math.ceil(n / e * cf * k), min_cap)  # sharded_moe._capacity with the top-k factor
+    slots = e * cap  # the dispatch buffer's rows on every rank: e/ep local experts x ep senders x capacity
+    ex = _analytic_module(f"{name}.expert", expert, {**env, "tokens": slots // e})
+    if ex is None:
+        return None
+    local = e // ep
+    gate_ops = [matmul("gate", n, h, e, 4), elementwise("routing", 8.0 * n * e),
+                elementwise("encode", 2.0 * slots * h * dt)]
+    gf, gi, gw = total_times(gate_ops, gpu)
+    ef, ei, ew = ex.fwd_ms * e, ex.bwd_ms * e, ex.wgrad_ms * e  # every local expert on ep x capacity rows
+    cf_ms, ci_ms, _ = op_times(elementwise("decode", (2.0 * slots + n) * h * dt), gpu)
+    phases = [Phase(name="gate", resource="compute", fwd_ms=gf, bwd_ms=gi)]
+    if ep > 1:
+        a_f, a_i, _ = op_times(alltoall("dispatch", slots * h * dt, ep, 1), gpu)
+        phases.append(Phase(name="dispatch", resource="comm", fwd_ms=a_f, bwd_ms=a_i))
+    phases.append(Phase(name="experts", resource="compute", fwd_ms=ef, bwd_ms=ei))
+    if ep > 1:
+        phases.append(Phase(name="combine", resource="comm", fwd_ms=a_f, bwd_ms=a_i))
+    phases.append(Phase(name="combine-out", resource="compute", fwd_ms=cf_ms, bwd_ms=ci_ms))
+    params = h * e + local * ex.state_bytes / adam_state_bytes_per_param(dt)
+    return Layer(name=name, kind="moe", fwd_ms=sum(p.fwd_ms for p in phases), bwd_ms=sum(p.bwd_ms for p in phases),
+                 wgrad_ms=gw + ew, state_bytes=int(params * adam_state_bytes_per_param(dt)),
+                 activation_bytes=int(n * h * dt + 4 * n * e + 2 * slots * h * dt + ex.activation_bytes * e),
+                 output_bytes=n * h * dt, source="analytic", phases=tuple(phases) if ep > 1 else ())
 
 
 def _analytic_module(name: str, module: nn.Module, env) -> Layer | None:
