@@ -1,6 +1,8 @@
 """A user's own training script under `torchrun` on 2 gloo ranks: the "octopipe" block is honoured
 (OctoPipeEngine, whatever way `deepspeed.initialize` is called) or refused with one line on every
-rank, no traceback, no rank left waiting (each launch is bounded by the subprocess timeout)."""
+rank, no traceback, no rank left waiting (each launch is bounded by the subprocess timeout). With
+`--moe` the script's list has a `LayerSpec(deepspeed.moe.layer.MoE)` entry at EP 2, and a plan with
+overlapped pairs gives DeepSpeed's own engine's losses."""
 
 import json
 import os
@@ -150,3 +152,37 @@ def test_runs_leave_nothing_in_dev_shm(tmp_path):
         assert [r for r, _ in outs] == [rc, rc], outs
         assert len(seen) == 2, (flags, seen)  # the shm op ran: one buffer per rank
         assert glob.glob(pattern) == [], flags
+
+
+def _moe_plan(tmp_path) -> str:
+    """One stage (the 4 list entries) on one device, 1F1B's order F0 F1 B0 F2 B1 F3 B2 B3, its F+B pairs."""
+    from octopipe_plugin.actions import Action, Kind
+    from octopipe_plugin.testing.pair_plans import greedy_pairs
+    from octopipe_plugin.testing.plans import make_plan
+
+    f, b = (lambda mb: Action(0, Kind.F, mb)), (lambda mb: Action(0, Kind.B, mb))
+    row = (f(0), f(1), b(0), f(2), b(1), f(3), b(2), b(3))
+    plan = greedy_pairs(make_plan(stage_devices=[0], bounds=[(0, 4)], num_devices=1, num_microbatches=M,
+                                  schedule=(row,)))
+    assert len(plan.pairs) == 3
+    path = tmp_path / "moe_pairs.json"
+    write_plan(plan, str(path))
+    return str(path)
+
+
+@pytest.mark.timeout(700)
+def test_moe_pairs_in_a_user_script_equal_deepspeeds_engine(tmp_path):
+    # a user's PipelineModule with a LayerSpec(deepspeed.moe.layer.MoE) entry at EP 2 (pipeline 1 x expert/data 2):
+    # OctoPipeEngine runs the plan's F+B pairs with the MoE's all-to-alls as phases; DeepSpeed's own engine (no
+    # block) on the same seeds and data gives the same losses (the second step's after an SGD step of every weight)
+    runs = {}
+    for name, flags in (("ours", ["--plan", _moe_plan(tmp_path)]), ("theirs", ["--no-block"])):
+        rc, out = launch("--moe", *flags)
+        assert rc == 0, out
+        runs[name] = re.findall(r"RANK (\d) ENGINE (\w+) LOSSES (\[[^\]]*\]) PAIRS (\d+)", out)
+        assert sorted(r for r, *_ in runs[name]) == ["0", "1"], out
+    assert {e for _, e, _, _ in runs["ours"]} == {"OctoPipeEngine"}
+    assert {e for _, e, _, _ in runs["theirs"]} == {"PipelineEngine"}
+    assert [int(p) for *_, p in runs["ours"]] == [3 * 2, 3 * 2]  # 3 pairs a step, 2 steps, on each rank
+    ours, theirs = json.loads(runs["ours"][0][2]), json.loads(runs["theirs"][0][2])
+    assert ours == pytest.approx(theirs, rel=1e-5) and ours[1] != pytest.approx(ours[0], rel=1e-3)
