@@ -2,7 +2,7 @@
 (OctoPipeEngine, whatever way `deepspeed.initialize` is called) or refused with one line on every
 rank, no traceback, no rank left waiting (each launch is bounded by the subprocess timeout). With
 `--moe` the script's list has a `LayerSpec(deepspeed.moe.layer.MoE)` entry at EP 2, and a plan with
-overlapped pairs gives DeepSpeed's own engine's losses."""
+overlapped pairs, launched by DeepSpeed's own launcher, gives DeepSpeed's own engine's losses."""
 
 import json
 import os
@@ -175,9 +175,20 @@ def test_moe_pairs_in_a_user_script_equal_deepspeeds_engine(tmp_path):
     # a user's PipelineModule with a LayerSpec(deepspeed.moe.layer.MoE) entry at EP 2 (pipeline 1 x expert/data 2):
     # OctoPipeEngine runs the plan's F+B pairs with the MoE's all-to-alls as phases; DeepSpeed's own engine (no
     # block) on the same seeds and data gives the same losses (the second step's after an SGD step of every weight)
+    # ours under DeepSpeed's own launcher (`deepspeed --num_gpus 2`, CPU accelerator), theirs under torchrun
+    from octopipe_plugin.executor.launch import free_port
+
     runs = {}
     for name, flags in (("ours", ["--plan", _moe_plan(tmp_path)]), ("theirs", ["--no-block"])):
-        rc, out = launch("--moe", *flags)
+        if name == "ours":
+            env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1",
+                       PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+            cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--no_local_rank",
+                   "--master_port", str(free_port()), str(HERE / "user_train.py"), "--moe", *flags]
+            got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+            rc, out = got.returncode, got.stdout + got.stderr
+        else:
+            rc, out = launch("--moe", *flags)
         assert rc == 0, out
         runs[name] = re.findall(r"RANK (\d) ENGINE (\w+) LOSSES (\[[^\]]*\]) PAIRS (\d+)", out)
         assert sorted(r for r, *_ in runs[name]) == ["0", "1"], out
