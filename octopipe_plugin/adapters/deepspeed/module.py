@@ -106,6 +106,14 @@ class OctoPipePipelineModule(PipelineModule):
             full, shard = self.head_tie_tensors()
             copy_rows(tie, full, shard)
 
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """DeepSpeedEngine calls this on every module that has it, this one first (named_modules order), before the
+        MoE layers make their expert groups: the groups of every MoE entry of the whole list are made here, on every
+        rank alike, also where this rank's stages hold none (moe_pairs.create_expert_groups)."""
+        from .moe_pairs import create_expert_groups
+
+        create_expert_groups(self._layer_specs, use_data_before_expert_parallel_)
+
     # ---- partition and build -------------------------------------------------------------------------
     def _partition_layers(self, method: str = "octopipe") -> None:
         """Take the plan's boundaries instead of DeepSpeed's uniform/parameters/type split."""

@@ -61,6 +61,46 @@ def moe_entries(specs) -> frozenset[int]:
     return frozenset(j for j, spec in enumerate(specs) if exposes_moe(spec))
 
 
+def expert_groups(specs) -> list[tuple[int, bool]]:
+    """(ep_size, enable_expert_tensor_parallelism) of the list's MoE entries (LayerSpecs or built), once each, in
+    list order."""
+    import inspect
+
+    moe = _moe_class()
+    out: list = []
+    for spec in specs:
+        typ = getattr(spec, "typename", None)
+        if isinstance(typ, type) and issubclass(typ, moe):
+            bound = inspect.signature(typ.__init__).bind_partial(None, *spec.module_args, **spec.module_kwargs)
+            bound.apply_defaults()
+            got = (int(bound.arguments.get("ep_size", 1)),
+                   bool(bound.arguments.get("enable_expert_tensor_parallelism", False)))
+        elif isinstance(spec, moe):
+            got = (spec.ep_size, spec.enable_expert_tensor_parallelism)
+        else:
+            continue
+        if got not in out:
+            out.append(got)
+    return out
+
+
+def create_expert_groups(specs, use_data_before_expert_parallel_: bool = False) -> None:
+    """DeepSpeed's expert groups of every MoE entry of the whole list, made on every rank in list order, as each
+    MoE layer makes its own (deepspeed/moe/layer.py `_create_process_groups`). A rank whose stages hold no MoE layer
+    would otherwise make none, and `new_group` (collective over the world) would then number every later group
+    differently on the ranks: the next group spanning them waits forever."""
+    from deepspeed.utils import groups
+
+    for ep, tensor_parallel in expert_groups(specs):
+        if f"ep_size_{ep}" in groups._get_expert_parallel_group_dict():
+            continue
+        if groups.mpu is None or not tensor_parallel:
+            groups._create_expert_and_data_parallel(ep, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        else:
+            groups._create_expert_data_and_model_parallel(
+                ep, mpu=groups.mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+
+
 def _entry_params(f) -> tuple:
     module = f if isinstance(f, torch.nn.Module) else getattr(f, "args", (None,))[0]
     if not isinstance(module, torch.nn.Module):

@@ -91,17 +91,31 @@ def _clear_expert_groups() -> None:
         d.clear()
 
 
-def plan_doc(*, split: bool, m: int, pairs_limit: int | None = None) -> dict:
+ONE_RANK_BOUNDS = [(0, 9), (9, 11)]  # every MoE entry on device 0; device 1 holds the last pick and the head
+
+
+def plan_doc(*, split: bool, m: int, pairs_limit: int | None = None, one_rank: bool = False) -> dict:
     """DualPipeV's order of the V stages on 2 devices (every B as I then W when `split`), with the overlapped pairs
-    the executor can run (testing.pair_plans.greedy_pairs: F+B, or F+I under `split`)."""
+    the executor can run (testing.pair_plans.greedy_pairs: F+B, or F+I under `split`). `one_rank`: 1F1B on
+    ONE_RANK_BOUNDS instead, its pairs on device 0 (device 1 holds no MoE layer)."""
     from dataclasses import replace
 
     from octopipe_plugin.actions import Action, Kind
     from octopipe_plugin.formats import plan_to_dict
     from octopipe_plugin.schedules import generators
+    from octopipe_plugin.schedules.registry import build_plan
     from octopipe_plugin.testing.pair_plans import greedy_pairs
     from octopipe_plugin.testing.plans import make_plan
 
+    if one_rank:
+        from octopipe_plugin.formats import Layer, Model
+
+        cost = dict(fwd_ms=1.0, bwd_ms=1.0, wgrad_ms=1.0, state_bytes=1, activation_bytes=1, output_bytes=1)
+        model = Model(name="moe", layers=tuple(Layer(name=f"l{i}", kind="dense", **cost) for i in range(NUM_ENTRIES)))
+        base = build_plan(model, "1f1b", 2, m)
+        plan = make_plan(stage_devices=[0, 1], bounds=ONE_RANK_BOUNDS, num_devices=2, num_microbatches=m,
+                         schedule=base.schedule)
+        return plan_to_dict(greedy_pairs(plan, limit=pairs_limit))
     sched = generators.dualpipev(V_DEVICES, 2, m)
     plan = make_plan(stage_devices=V_DEVICES, bounds=V_BOUNDS, num_devices=2, num_microbatches=m,
                      schedule=tuple(tuple(r) for r in sched))
@@ -166,6 +180,13 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
             from octopipe_plugin.executor.phased import hidden_exchanges
 
             report["hidden"] = hidden_exchanges(phased.trace)
+        if sc.get("world_group"):  # every rank numbered its groups alike (expert groups made on every rank)
+            from datetime import timedelta
+
+            g = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=60))
+            one = torch.ones(1)
+            dist.all_reduce(one, group=g)
+            report["world_group"] = float(one)
         torch.save(report, os.path.join(out_dir, f"{sc['name']}-rank{rank}.pt"))
     finally:
         _clear_expert_groups()

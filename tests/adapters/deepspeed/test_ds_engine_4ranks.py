@@ -6,7 +6,9 @@ The `moe_` scenarios (ds_moe_harness.py): a list with four `deepspeed.moe.layer.
 (pipeline 2 x expert/data 2), DeepSpeed's own PipelineEngine against OctoPipeEngine on DualPipeV-ordered
 V plans with overlapped pairs (F+B, and F+I with split backward), the pairs' MoE layers run phase by
 phase with their all-to-alls in flight while the other half computes (adapters/deepspeed/moe_pairs.py):
-losses per step and every gradient handed to the optimizer agree at 1e-5 (a 1% scale error fails)."""
+losses per step and every gradient handed to the optimizer agree at 1e-5 (a 1% scale error fails). With every
+MoE entry on one pipeline rank (`moe_one_rank`) the expert groups are still made on every rank
+(OctoPipePipelineModule.set_deepspeed_parallelism), so a group made after the step spans the world."""
 
 import json
 
@@ -47,6 +49,9 @@ def runs(tmp_path_factory):
         path = tmp / f"moe_pairs_{split}.json"
         path.write_text(json.dumps(MH.plan_doc(split=split, m=M)))
         scenarios.append(dict(name=f"moe_pairs{'_split' if split else ''}", moe=True, config=cfg(path, 2)))
+    one = tmp / "moe_one_rank.json"  # every MoE entry on pipeline rank 0: rank 1 builds none
+    one.write_text(json.dumps(MH.plan_doc(split=False, m=M, one_rank=True)))
+    scenarios.append(dict(name="moe_one_rank", moe=True, world_group=True, config=cfg(one, 2)))
     scenarios.append(dict(name="moe_stock", moe=True, config=cfg(None, 2), parts=MH.STOCK_PARTS))
     H.run_all(scenarios, 4, str(tmp), run=MH.run_any)
     return tmp
@@ -116,3 +121,16 @@ def test_moe_pairs_equal_deepspeeds_engine(runs, name):
         assert sum("@ep" in k for k in theirs) == 4 * 2 * 4 * 2  # 4 layers x 2 local experts x 4 tensors x 2 EP ranks
         assert _close(theirs, mine), [k for k in theirs if not torch.allclose(mine[k], theirs[k], rtol=1e-5)]
         assert not _close(theirs, {k: v * 1.01 for k, v in mine.items()})  # the tolerance sees a 1% scale error
+
+
+@pytest.mark.timeout(60)
+def test_moe_on_one_pipeline_rank_numbers_groups_alike_on_every_rank(runs):
+    # without the expert groups made on rank 1 too, its later groups are numbered differently: the world group made
+    # after the step waits for keys no other rank writes (DistStoreError after its timeout, measured)
+    stock, ours = H.load(runs, "moe_stock", 4), H.load(runs, "moe_one_rank", 4)
+    assert [r["world_group"] for r in ours] == [4.0] * 4
+    assert [r["pairs_run"] for r in ours] == [H.STEPS * 3, H.STEPS * 3, 0, 0]  # rank 0's F+B pairs
+    for rep in ours:
+        assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5)
+    for step in range(H.STEPS):  # the same model on another partition: the same gradients
+        assert _close(MH.all_grads(stock, step), MH.all_grads(ours, step))

@@ -66,6 +66,9 @@ def test_layer_list_model_gives_moe_entries_phases_a_pair_hides():
     with torch.device("meta"):
         specs = MH.layer_specs()
     assert moe_entries(specs) == frozenset(MH.MOE_ENTRIES)
+    from octopipe_plugin.adapters.deepspeed.moe_pairs import expert_groups
+
+    assert expert_groups(specs) == [(MH.EP, False)]  # made on every rank (module.set_deepspeed_parallelism)
     model = model_from_specs(specs, seq_len=4096)
     for j, layer in enumerate(model.layers):
         if j in MH.MOE_ENTRIES:
