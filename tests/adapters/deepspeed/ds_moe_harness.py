@@ -2,7 +2,7 @@
 
 The list: Linear/tanh blocks, four `LayerSpec(MoE, ...)` entries (4 experts, 2 per rank, top-1, no random
 token selection, capacity 2 per expert so tokens are dropped), each followed by a function picking the
-output from MoE's (output, l_aux, exp_counts), and a Linear head to NCLS classes; float inputs
+output from MoE's (output, l_aux, exp_counts) (one adds l_aux to it, so its gradient reaches a gate), and a Linear head to NCLS classes; float inputs
 [MBS, SEQ, HID], cross-entropy. DeepSpeed's Experts deep-copies one expert module, so every expert starts
 equal: `perturb_experts` gives each expert (by its global id) its own weights, the same in every run, so a
 token sent to the wrong expert shows. Scenarios record losses and every gradient handed to the optimizer
@@ -22,7 +22,7 @@ import ds_harness as H
 HID, MBS, SEQ, NCLS = 8, 2, 4, 5
 NUM_EXPERTS, EP = 4, 2
 BASE_SEED = 4321
-# entries: 0 Block, 1 MoE, 2 pick, 3 MoE, 4 pick, 5 Block, 6 MoE, 7 pick, 8 MoE, 9 pick, 10 head
+# entries: 0 Block, 1 MoE, 2 pick, 3 MoE, 4 pick_aux, 5 Block, 6 MoE, 7 pick, 8 MoE, 9 pick, 10 head
 MOE_ENTRIES = (1, 3, 6, 8)
 NUM_ENTRIES = 11
 V_DEVICES, V_BOUNDS = [0, 1, 1, 0], [(0, 3), (3, 5), (5, 8), (8, 11)]  # every stage holds a MoE entry
@@ -39,6 +39,11 @@ def pick(moe_output):
     return moe_output[0]
 
 
+def pick_aux(moe_output):
+    """The hidden states plus the gate's auxiliary loss (l_aux: its gradient reaches the gate through it too)."""
+    return moe_output[0] + 0.1 * moe_output[1]
+
+
 def layer_specs():
     """The DeepSpeed layer list (module docstring)."""
     from deepspeed.moe.layer import MoE
@@ -48,7 +53,7 @@ def layer_specs():
         return LayerSpec(MoE, HID, expert(), num_experts=NUM_EXPERTS, ep_size=EP, k=1, capacity_factor=1.0,
                          min_capacity=2, use_rts=False)
 
-    return [LayerSpec(H.Block, HID), moe(), pick, moe(), pick, LayerSpec(H.Block, HID), moe(), pick, moe(), pick,
+    return [LayerSpec(H.Block, HID), moe(), pick, moe(), pick_aux, LayerSpec(H.Block, HID), moe(), pick, moe(), pick,
             LayerSpec(nn.Linear, HID, NCLS)]
 
 
