@@ -177,7 +177,10 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
         phased = getattr(runner, "phased", None)
         if phased is not None:
             phased.trace = []  # which exchanges another action's compute ran during (phased.hidden_exchanges)
+        report["eval"] = []
         for step in range(H.STEPS):
+            if sc.get("eval"):  # the forward-only step (each MoE entry whole, MoE.forward) on the step's data
+                report["eval"].append(float(engine.eval_batch(H.CountingIter(batches(step, dp_rank, m)))))
             report["losses"].append(float(engine.train_batch(data_iter=H.CountingIter(batches(step, dp_rank, m)))))
         report["pairs_run"] = None if phased is None else phased.pairs_run
         report["hidden"] = None

@@ -48,11 +48,12 @@ def runs(tmp_path_factory):
     for split in (False, True):  # MoE layers at EP 2: V plans with overlapped pairs (F+B; F+I with I/W)
         path = tmp / f"moe_pairs_{split}.json"
         path.write_text(json.dumps(MH.plan_doc(split=split, m=M)))
-        scenarios.append(dict(name=f"moe_pairs{'_split' if split else ''}", moe=True, config=cfg(path, 2)))
+        scenarios.append(dict(name=f"moe_pairs{'_split' if split else ''}", moe=True, config=cfg(path, 2),
+                              eval=not split))
     one = tmp / "moe_one_rank.json"  # every MoE entry on pipeline rank 0: rank 1 builds none
     one.write_text(json.dumps(MH.plan_doc(split=False, m=M, one_rank=True)))
     scenarios.append(dict(name="moe_one_rank", moe=True, world_group=True, config=cfg(one, 2)))
-    scenarios.append(dict(name="moe_stock", moe=True, config=cfg(None, 2), parts=MH.STOCK_PARTS))
+    scenarios.append(dict(name="moe_stock", moe=True, config=cfg(None, 2), parts=MH.STOCK_PARTS, eval=True))
     H.run_all(scenarios, 4, str(tmp), run=MH.run_any)
     return tmp
 
@@ -111,6 +112,8 @@ def test_moe_pairs_equal_deepspeeds_engine(runs, name):
     assert {r["engine"] for r in stock} == {"PipelineEngine"} and {r["engine"] for r in ours} == {"OctoPipeEngine"}
     for rep in ours:
         assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5)
+        if name == "moe_pairs":  # eval_batch before each step: the plan's forwards alone, MoE.forward whole
+            assert len(rep["eval"]) == H.STEPS and rep["eval"] == pytest.approx(stock[0]["eval"], rel=1e-5)
     plan = json.loads((runs / f"moe_pairs_{name.endswith('split')}.json").read_text())
     per_device = [sum("+" in a for a in row) for row in plan["schedule"]]
     # each pipeline rank ran its pairs through the phased runtime, and other work computed while exchanges flew
