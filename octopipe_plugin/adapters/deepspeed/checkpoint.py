@@ -25,6 +25,10 @@ rows onto and from the whole weight's state (`tied_embed.weight`).
 
 A split embedding is saved the same way as an untied head: its layer file `layer_00-model_states.pt` whole,
 gathered on stage 0's rank (which need not hold rows), its optimizer state per shard as `layer_00.weight[lo:hi]`.
+
+A model with DeepSpeed MoE layers is checkpointed by DeepSpeed per pipeline rank, not per layer
+(`moe_layout_problem`): it resumes under the plan that wrote it, and another placement is refused in
+one line before anything loads.
 """
 
 from __future__ import annotations
@@ -262,9 +266,43 @@ def load_mapped(engine, load_dir: str, tag) -> None:
     log.info("octopipe: optimizer state of %d parameters mapped by name from %s", len(state), where)
 
 
+def moe_layout_problem(engine, load_dir: str, tag) -> str | None:
+    """Why a MoE model's checkpoint cannot load under this engine's plan (one line), or None.
+
+    With MoE layers DeepSpeed 0.19.8 writes a pipeline checkpoint per pipeline rank, not per layer: each rank's
+    layers in its mp_rank_XX_model_states.pt (deepspeed/runtime/engine.py:5297, `_save_moe_checkpoint`, read back
+    whole by runtime/pipe/engine.py:1345 and a strict load_state_dict, runtime/engine.py:4292) and its experts in
+    layer_{n}_expert_{e} files numbered by the rank's own MoE layers (runtime/engine.py:5083-5096). The files so
+    hold another rank's layers under another partition: refused here, on every rank alike, before anything loads,
+    where the checkpoint's octopipe_plan.json places the stages otherwise."""
+    from .moe_pairs import moe_entries
+
+    if not moe_entries(getattr(engine.module, "_layer_specs", ())):  # the whole list's: every rank answers alike
+        return None
+    where = os.path.join(load_dir, str(read_tag(load_dir, tag)))
+    path = os.path.join(where, "octopipe_plan.json")
+    if not os.path.isfile(path):
+        return None  # written by DeepSpeed's engine: its own strict load says what does not match
+    import json
+
+    with open(path, encoding="utf-8") as fh:
+        saved = json.load(fh)
+    mine = [(st.start, st.end, st.device) for st in engine.plan.stages]
+    theirs = [(st["layers"][0], st["layers"][1], st["device"]) for st in saved.get("stages", [])]
+    if mine == theirs:
+        return None
+    return (f"{where}: a checkpoint of a model with DeepSpeed MoE layers loads only under the stage placement that "
+            f"wrote it (DeepSpeed writes such a pipeline checkpoint per pipeline rank: mp_rank_XX_model_states.pt and "
+            f"expert files numbered by each rank's own MoE layers); it was written with stages {theirs}, this plan "
+            f"has {mine}; resume under the plan in its octopipe_plan.json")
+
+
 def load_checkpoint(engine, load, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """DeepSpeed's load_checkpoint (`load`), with the optimizer state mapped or refused as above."""
+    problem = moe_layout_problem(engine, load_dir, tag)
+    if problem is not None:
+        raise OctoPipeError(problem)
     how = "native"
     wanted = load_optimizer_states and not load_module_only
     if wanted:

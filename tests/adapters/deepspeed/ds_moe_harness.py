@@ -152,13 +152,25 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
     try:
         engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,
                                                model_parameters=[p for p in module.parameters() if p.requires_grad])
-        perturb_experts(engine.module)
+        if sc.get("refused_load") is not None:  # a checkpoint of another placement: refused before anything loads
+            from octopipe_plugin.errors import OctoPipeError
+
+            try:
+                engine.load_checkpoint(sc["refused_load"]["dir"], tag=sc["refused_load"]["tag"])
+                report_error = None
+            except OctoPipeError as exc:
+                report_error = str(exc)
+        if sc.get("load") is not None:  # resumed: the checkpoint's experts, not drawn again
+            engine.load_checkpoint(sc["load"]["dir"], tag=sc["load"]["tag"])
+        else:
+            perturb_experts(engine.module)
         if sc.get("grad_scale") is not None:  # a deliberate scale error: the comparison must see it
             for q in engine.module.parameters():
                 q.register_hook(lambda g, k=sc["grad_scale"]: g * k)
         dp_rank = engine.grid.data_parallel_id
         m = engine.micro_batches
-        report = {"engine": type(engine).__name__, "losses": [], "grads": [], "dp": dp_rank}
+        report = {"engine": type(engine).__name__, "losses": [], "grads": [], "dp": dp_rank,
+                  "load_error": report_error if sc.get("refused_load") is not None else None}
         names, optimizer_step = parameter_names(engine.module), engine.optimizer.step
         ep_rank = {}
         for sub in engine.module.modules():
@@ -178,10 +190,13 @@ def run_scenario(sc: dict, rank: int, out_dir: str) -> None:
         if phased is not None:
             phased.trace = []  # which exchanges another action's compute ran during (phased.hidden_exchanges)
         report["eval"] = []
-        for step in range(H.STEPS):
+        first = sc.get("first_step", 0)
+        for step in range(first, first + sc.get("steps", H.STEPS)):
             if sc.get("eval"):  # the forward-only step (each MoE entry whole, MoE.forward) on the step's data
                 report["eval"].append(float(engine.eval_batch(H.CountingIter(batches(step, dp_rank, m)))))
             report["losses"].append(float(engine.train_batch(data_iter=H.CountingIter(batches(step, dp_rank, m)))))
+        if sc.get("save") is not None:
+            engine.save_checkpoint(sc["save"]["dir"], tag=sc["save"]["tag"])
         report["pairs_run"] = None if phased is None else phased.pairs_run
         report["hidden"] = None
         if phased is not None and phased.trace is not None:

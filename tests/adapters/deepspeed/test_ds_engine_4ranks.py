@@ -8,9 +8,12 @@ V plans with overlapped pairs (F+B, and F+I with split backward), the pairs' MoE
 phase with their all-to-alls in flight while the other half computes (adapters/deepspeed/moe_pairs.py):
 losses per step and every gradient handed to the optimizer agree at 1e-5 (a 1% scale error fails). With every
 MoE entry on one pipeline rank (`moe_one_rank`) the expert groups are still made on every rank
-(OctoPipePipelineModule.set_deepspeed_parallelism), so a group made after the step spans the world."""
+(OctoPipePipelineModule.set_deepspeed_parallelism), so a group made after the step spans the world. The
+paired plan's checkpoint resumes under its own plan (the uninterrupted run's steps 3-5) and is refused in one
+line under another placement (DeepSpeed writes MoE pipeline checkpoints per pipeline rank)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -45,15 +48,20 @@ def runs(tmp_path_factory):
         dict(name="pp2_dp2_after", config=cfg(v2, 2, octopipe={"plan": str(v2), "overlap_dp_reduction": False})),
         dict(name="stock_pp2_dp2", config=cfg(None, 2), parts=[0, 4, 9]),
     ]
+    ck = dict(dir=str(tmp / "moe_ck"), tag="t3")
     for split in (False, True):  # MoE layers at EP 2: V plans with overlapped pairs (F+B; F+I with I/W)
         path = tmp / f"moe_pairs_{split}.json"
         path.write_text(json.dumps(MH.plan_doc(split=split, m=M)))
         scenarios.append(dict(name=f"moe_pairs{'_split' if split else ''}", moe=True, config=cfg(path, 2),
-                              eval=not split))
+                              eval=not split, save=None if split else ck))
+    # resumed under the plan that saved it: steps 3-5 of the uninterrupted run
+    scenarios.append(dict(name="moe_resume", moe=True, config=cfg(tmp / "moe_pairs_False.json", 2), load=ck,
+                          first_step=H.STEPS))
     one = tmp / "moe_one_rank.json"  # every MoE entry on pipeline rank 0: rank 1 builds none
     one.write_text(json.dumps(MH.plan_doc(split=False, m=M, one_rank=True)))
-    scenarios.append(dict(name="moe_one_rank", moe=True, world_group=True, config=cfg(one, 2)))
-    scenarios.append(dict(name="moe_stock", moe=True, config=cfg(None, 2), parts=MH.STOCK_PARTS, eval=True))
+    scenarios.append(dict(name="moe_one_rank", moe=True, world_group=True, config=cfg(one, 2), refused_load=ck))
+    scenarios.append(dict(name="moe_stock", moe=True, config=cfg(None, 2), parts=MH.STOCK_PARTS, eval=True,
+                          steps=2 * H.STEPS))
     H.run_all(scenarios, 4, str(tmp), run=MH.run_any)
     return tmp
 
@@ -111,9 +119,9 @@ def test_moe_pairs_equal_deepspeeds_engine(runs, name):
     stock, ours = H.load(runs, "moe_stock", 4), H.load(runs, name, 4)
     assert {r["engine"] for r in stock} == {"PipelineEngine"} and {r["engine"] for r in ours} == {"OctoPipeEngine"}
     for rep in ours:
-        assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5)
+        assert rep["losses"] == pytest.approx(stock[0]["losses"][:H.STEPS], rel=1e-5)
         if name == "moe_pairs":  # eval_batch before each step: the plan's forwards alone, MoE.forward whole
-            assert len(rep["eval"]) == H.STEPS and rep["eval"] == pytest.approx(stock[0]["eval"], rel=1e-5)
+            assert len(rep["eval"]) == H.STEPS and rep["eval"] == pytest.approx(stock[0]["eval"][:H.STEPS], rel=1e-5)
     plan = json.loads((runs / f"moe_pairs_{name.endswith('split')}.json").read_text())
     per_device = [sum("+" in a for a in row) for row in plan["schedule"]]
     # each pipeline rank ran its pairs through the phased runtime, and other work computed while exchanges flew
@@ -134,6 +142,23 @@ def test_moe_on_one_pipeline_rank_numbers_groups_alike_on_every_rank(runs):
     assert [r["world_group"] for r in ours] == [4.0] * 4
     assert [r["pairs_run"] for r in ours] == [H.STEPS * 3, H.STEPS * 3, 0, 0]  # rank 0's F+B pairs
     for rep in ours:
-        assert rep["losses"] == pytest.approx(stock[0]["losses"], rel=1e-5)
+        assert rep["losses"] == pytest.approx(stock[0]["losses"][:H.STEPS], rel=1e-5)
     for step in range(H.STEPS):  # the same model on another partition: the same gradients
         assert _close(MH.all_grads(stock, step), MH.all_grads(ours, step))
+    # the V plan's MoE checkpoint under this placement: refused, the same line on every rank, nothing loaded
+    errors = {r["load_error"] for r in ours}
+    assert len(errors) == 1 and None not in errors
+    assert re.search(r"moe_ck/t3: a checkpoint of a model with DeepSpeed MoE layers loads only under the stage "
+                     r"placement that wrote it .* written with stages \[\(0, 3, 0\), .*this plan has \[\(0, 9, 0\), "
+                     r"\(9, 11, 1\)\]; resume under the plan in its octopipe_plan\.json", errors.pop())
+
+
+@pytest.mark.timeout(60)
+def test_moe_paired_plan_resumes_its_own_checkpoint(runs):
+    # DeepSpeed writes a MoE pipeline checkpoint per pipeline rank (checkpoint.moe_layout_problem): under the plan that
+    # wrote it the run goes on as the uninterrupted one (DeepSpeed's engine's steps 3-5)
+    stock, resumed = H.load(runs, "moe_stock", 4), H.load(runs, "moe_resume", 4)
+    for rep in resumed:
+        assert rep["losses"] == pytest.approx(stock[0]["losses"][H.STEPS:], rel=1e-5)
+    for step in range(H.STEPS):
+        assert _close(MH.all_grads(stock, H.STEPS + step), MH.all_grads(resumed, step))
