@@ -9,10 +9,10 @@ torch's Transformer encoder/decoder layers and Hugging Face style decoder blocks
 (`LayerSpec(deepspeed.moe.layer.MoE, hidden, expert, num_experts=, ep_size=, k=, capacity_factor=,
 min_capacity=)`: gate, experts at their capacity, and with `ep_size` > 1 the dispatch and combine
 all-to-alls as communication phases, the phases OctoPipeEngine runs a pair's MoE entries in,
-moe_pairs.py). Plain functions in the list cost nothing. Anything else is refused with its index and type, unless `costs` supplies it: a
-mapping from list index or type name to a `Layer`, a dict of Layer fields, or a callable
-`(spec, index) -> either`; measured costs come the same way (or as a whole octopipe-model/1
-file in the block's "model" field).
+moe_pairs.py). Plain functions in the list cost nothing. Anything else is refused with its index
+and type, unless `costs` supplies it: a mapping from list index or type name to a `Layer`, a dict
+of Layer fields, or a callable `(spec, index) -> either`; measured costs come the same way (or as a
+whole octopipe-model/1 file in the block's "model" field).
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def create_expert_groups(specs, use_data_before_expert_parallel_: bool = False) 
         if f"ep_size_{ep}" in groups._get_expert_parallel_group_dict():
             continue
         if groups.mpu is None or not tensor_parallel:
-            groups._create_expert_and_data_parallel(ep, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+            groups._create_expert_and_data_parallel(
+                ep, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         else:
             groups._create_expert_data_and_model_parallel(
                 ep, mpu=groups.mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_)

@@ -2,9 +2,9 @@
 
 The list: Linear/tanh blocks, four `LayerSpec(MoE, ...)` entries (4 experts, 2 per rank, top-1, no random
 token selection, capacity 2 per expert so tokens are dropped), each followed by a function picking the
-output from MoE's (output, l_aux, exp_counts) (one adds l_aux to it, so its gradient reaches a gate), and a Linear head to NCLS classes; float inputs
-[MBS, SEQ, HID], cross-entropy. DeepSpeed's Experts deep-copies one expert module, so every expert starts
-equal: `perturb_experts` gives each expert (by its global id) its own weights, the same in every run, so a
+output from MoE's (output, l_aux, exp_counts) (one adds l_aux to it, so its gradient reaches a gate),
+and a Linear head to NCLS classes; float inputs [MBS, SEQ, HID], cross-entropy. DeepSpeed's Experts
+deep-copies one expert module, so every expert starts equal: `perturb_experts` gives each expert (by its global id) its own weights, the same in every run, so a
 token sent to the wrong expert shows. Scenarios record losses and every gradient handed to the optimizer
 (expert parameters keyed by their expert-parallel rank too: the local expert 0 of two EP ranks is two
 experts).
