@@ -30,6 +30,7 @@ from ..simulator.overheads import delivery_of
 from ..simulator.pairs import communicates
 from .bounds import fill_bound, packing_bound
 from .pairing import insertion_bases, unpaired
+from .rising import rising_plans
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
 
@@ -229,6 +230,12 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
         units = float("inf") if iterations is not None else budget * WORK_RATE * INSERT_SHARE
         yield from _insertions(model, cluster, head, emb if with_emb else None, base.plan, opts, label, units,
                                owner_shard, vdeadline)
+        # where pairs hide communication: the same stage sizes rising along the pipeline (tuner/rising.py)
+        if vdeadline is not None and time.monotonic() >= vdeadline:
+            continue
+        for alt in rising_plans(rest, small, m, base.plan, opts, constraints):
+            yield from _insertions(model, cluster, head, emb if with_emb else None, alt, opts, label + " rising",
+                                   units, owner_shard, vdeadline)
 
 
 def splittable_embedding(model) -> int | None:
