@@ -8,7 +8,8 @@ for `--octopipe-cluster`. The framework-neutral `plan_startup.plan_at_startup` r
 on rank 0 and broadcasts the plan or rank 0's one-line error (the process group is opened here
 when the launch provides one, as Megatron would open it, and Megatron reuses it). Rank 0 saves
 the plan next to the checkpoint (`--save`). A plan that does not match the run stops start-up
-with one message on every rank.
+with one message on every rank. A plan and flags whose checkpoints megatron-core 0.19.2 saves but cannot
+load (MoE, a pipeline rank without a MoE layer: `moe_checkpoint_warning`) are warned about once, on rank 0.
 A plan whose stage->rank map is not looped, or that splits the LM head, also installs the
 model-construction hooks (pretrain_hooks.py) so Megatron builds the plan's chunks (and the head's shards).
 """
@@ -20,7 +21,7 @@ import functools
 import logging
 import os
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Collection
 
 from ...errors import OctoPipeError
 from ...formats import Model, bind_plan, plan_to_dict
@@ -71,6 +72,9 @@ def resolve_octopipe_plan(args):
         problem = launch_refusal(args, plan)  # what megatron-core's combined step cannot run
     if problem is not None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
+    warning = moe_checkpoint_warning(args, plan, moe_layers(args, specs))
+    if warning is not None and int(getattr(args, "rank", 0) or 0) == 0:  # once per launch, not once per rank
+        log.warning("octopipe: %s", warning)
     args.octopipe_plan = plan_to_dict(plan)  # kept in args, so checkpoints record the plan they ran under
     if not is_looped(plan) or plan.splits:
         # Megatron's model construction is round-robin: let the plan's map decide it (patch route included); a
@@ -84,6 +88,54 @@ def _refuse_splits(args, plan) -> None:
     problem = split_refusal(args, plan)
     if problem is not None:
         raise OctoPipeError(f"--pipeline-schedule octopipe: {problem}")
+
+
+def moe_layers(args, specs: list[LayerSpec]) -> set[int]:
+    """Indices (the plan's layer numbers) of the layers that hold expert parameters: the MoE decoder layers, and the
+    MTP layers where Megatron builds them as MoE (a hybrid pattern's MTP part with 'E'; a GPT model's MTP layer takes
+    the last decoder layer's spec, megatron/training/models/gpt.py `mtp_block_spec`)."""
+    found = {i for i, s in enumerate(specs) if s.kind == "moe"}
+    pattern = hybrid_pattern(args)
+    if pattern:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+
+        mtp_moe = "E" in (parse_hybrid_pattern(pattern).mtp_pattern or "")
+    else:
+        decoder = [s for s in specs if s.name.startswith("decoder.layers.")]
+        mtp_moe = bool(decoder) and decoder[-1].kind == "moe"
+    if mtp_moe:
+        found |= {i for i, s in enumerate(specs) if s.kind == "mtp"}
+    return found
+
+
+def moe_checkpoint_warning(args, plan, moe: Collection[int]) -> str | None:
+    """Why the checkpoints this launch saves will not load (megatron-core 0.19.2), one line with the fixes, or None.
+
+    A pure function of the launch's arguments (`save`, `ckpt_format`, `bf16`/`fp16`, `use_distributed_optimizer`,
+    `num_experts`, `expert_model_parallel_size`), the plan's stages and `moe`, the plan's layer numbers that hold
+    experts. megatron-core gives every rank the expert param group, and a pipeline rank with no MoE layer saves
+    it as an empty list in the common state that only rank 0 writes: loading fails to merge the lists
+    (docs/megatron-schedule.md, "Overlapped pairs")."""
+    experts = int(getattr(args, "num_experts", 0) or 0) > 0 or int(
+        getattr(args, "expert_model_parallel_size", 1) or 1) > 1
+    dtype = "--bf16" if getattr(args, "bf16", False) else "--fp16" if getattr(args, "fp16", False) else None
+    if not (experts and moe and getattr(args, "save", None) and dtype
+            and (getattr(args, "ckpt_format", None) or "torch_dist") == "torch_dist"
+            and not getattr(args, "use_distributed_optimizer", False)):
+        return None
+    held = {st.device for st in plan.stages if any(st.start <= i < st.end for i in moe)}
+    without = [d for d in range(plan.num_devices) if d not in held]
+    if not without:
+        return None
+    ranks = ", ".join(map(str, without))
+    return (f"the plan leaves pipeline rank{'s' if len(without) > 1 else ''} {ranks} with no MoE layer, so the "
+            f"--save checkpoints of this run (--ckpt-format torch_dist, {dtype}, no --use-distributed-optimizer) will "
+            f"not load in megatron-core 0.19.2: every rank gets the expert param group "
+            f"(core/optimizer/__init__.py:359-374), a rank without experts saves it as an empty list "
+            f"(core/optimizer/optimizer.py:1162) in the common state (core/dist_checkpointing/dict_utils.py:55-62) "
+            f"that only rank 0 writes (serialization.py:439-445), and loading fails at dict_utils.py:230 "
+            f"('Cannot merge two lists with different lengths'); fix: a plan that gives every pipeline rank a MoE "
+            f"layer, or --ckpt-format torch (measured to resume), or (untested) --use-distributed-optimizer")
 
 
 def split_settings(args) -> dict:
