@@ -282,6 +282,8 @@ def main(argv=None) -> int:
         print(f"OctoPipe with splits: {split.num_stages} stages, " + ", ".join(
             f"layer {sp.layer} over {len(sp.devices)} ranks (shares {min(sp.shares):.3f}-{max(sp.shares):.3f})"
             for sp in split.splits), flush=True)
+    elif args.splits == "auto" and not args.memory_levers:
+        print("OctoPipe with splits: none (the split-aware tuner kept the plan without splits)", flush=True)
     if args.memory_levers:
         ours = chosen["octopipe"]
         peaks = {k: max(simulate(model, cluster, p, detail=False).peak_memory_bytes) / 2**30 for k, p in chosen.items()}
@@ -291,8 +293,6 @@ def main(argv=None) -> int:
               f"simulated peak memory: DeepSpeed "
               f"{peaks['stock-recompute']:.1f} GiB, OctoPipe {peaks['octopipe']:.1f} GiB of "
               f"{cluster.usable_memory_bytes / 2**30:.1f} GiB usable", flush=True)
-    elif args.splits == "auto":
-        print("OctoPipe with splits: none (the split-aware tuner kept the plan without splits)", flush=True)
     import torch.multiprocessing as mp
 
     # a split head's hand-over is one summable stamp with a slot per rank: the activation is at least that wide
