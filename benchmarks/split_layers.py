@@ -1,8 +1,8 @@
 """Split-layer benchmark: the tuner on the zoo's big-vocabulary models with and without vocabulary splits.
 
 For each model, device count D (h100xD) and micro-batches per device (M = factor * D) it tunes
-as `octopipe plan --time-budget BUDGET` does by default (cli/plan_split.py): where a split can pay
-(`tuner.split.splits_may_pay`) the plan without splits with PLAIN_SHARE of the budget, then the
+as `octopipe plan --time-budget BUDGET` does by default (cli/plan_split.py): where a split is tried
+(`tuner.split.splits_tried`) the plan without splits with PLAIN_SHARE of the budget, then the
 split search (`tuner.split.tune_split`, split_budget_s: the rest) whose plans split the LM head /
 embedding over several devices, the unsplit best kept as a candidate; with --no-split the plan
 without splits with the whole budget (the "before" table). The seconds column is each row's wall
@@ -62,9 +62,9 @@ def run_one(name: str, nd: int, factor: int, budget: float, seed: int, with_spli
     model = resolve_model(name, "H100")
     m = factor * nd
     t0 = time.monotonic()
-    from octopipe_plugin.tuner.split import PLAIN_SHARE, splits_may_pay, tune_split
+    from octopipe_plugin.tuner.split import PLAIN_SHARE, splits_tried, tune_split
 
-    share = PLAIN_SHARE if with_split and splits_may_pay(model, nd, m) else 1.0
+    share = PLAIN_SHARE if with_split and splits_tried(model, nd) else 1.0
     base = tune(model, cluster, m, time_budget_s=budget * share, seed=seed, iterations=iterations)
     row = {"model": name, "D": nd, "M": m, "bound": work_bound(model, nd, m), "base": base.step_ms,
            "base_gib": max(base.peak) / 2**30, "time": 0.0, "floor": split_floor(model, nd, m)}

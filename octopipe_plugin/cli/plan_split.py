@@ -1,12 +1,12 @@
 """`octopipe plan`'s split search (--splits, default on): the split-aware tuner beside the plain one, within the budget.
 
-Where a split of the vocabulary layers lowers the whole-layer floor (tuner/split.py `splits_may_pay`),
-the plain tune (with its progress bar) takes PLAIN_SHARE of --time-budget and stays the candidate
-without splits, so the chosen plan is never slower than it; the split variants (tuner/split.py
-`VARIANTS`) and their shard insertions share the rest, each stopped at its deadline, under a
-wall-clock guard of the rest plus GUARD_SLACK of the budget. Elsewhere the plain tune takes the whole
-budget: the same plan as with `--splits off`. `--splits auto` tries splits wherever the model has an
-LM head; `off` never (runtimes that run whole layers only). With `--megatron-args` /
+Wherever the model has an LM head to split and the cluster two or more devices (tuner/split.py
+`splits_tried`), the plain tune (with its progress bar) takes PLAIN_SHARE of --time-budget and stays
+the candidate without splits, so the chosen plan is never slower than it; the split variants
+(tuner/split.py `VARIANTS`) and their shard insertions share the rest, each stopped at its deadline,
+under a wall-clock guard of the rest plus GUARD_SLACK of the budget. Elsewhere the plain tune takes
+the whole budget. `--splits auto` searches as the default does and always prints the split line (with
+why no split was tried); `off` never splits (runtimes that run whole layers only). With `--megatron-args` /
 `--deepspeed-config` the launch's run constraints apply (tuner/constraints.py FRAMEWORK_SPLITS) and a
 split plan its run would refuse leaves the plan without splits.
 """
@@ -17,7 +17,7 @@ import logging
 from dataclasses import replace
 
 from ..tuner.bounds import lower_bound
-from ..tuner.split import PLAIN_SHARE, comparison_rows_with_splits, splits_may_pay, splittable_head, tune_split
+from ..tuner.split import PLAIN_SHARE, comparison_rows_with_splits, splits_tried, splittable_head, tune_split
 from ._guard import WallClockGuard
 from ._options import constraints_of
 
@@ -31,15 +31,13 @@ def add_split_option(p) -> None:
     """Register --splits on a parser (default: splits where they can pay)."""
     p.add_argument("--splits", choices=CHOICES, default=None,
                    help="default: also tune plans whose LM head (and embedding) are split by vocabulary rows over "
-                        "several devices where that lowers the whole-layer floor, and keep the faster, within "
-                        "--time-budget; auto: wherever the model has an LM head; off: whole layers only")
+                        "several devices, and keep the faster, within --time-budget; auto: the same search, and "
+                        "always a line on the split (why none was tried); off: whole layers only")
 
 
 def split_share(args, model, cluster, num_microbatches: int) -> float:
     """Share of --time-budget the split search takes (0: the plain tune takes it all, no split search)."""
-    if args.splits == "off" or splittable_head(model) is None or cluster.num_devices < 2:
-        return 0.0
-    if args.splits is None and not splits_may_pay(model, cluster.num_devices, num_microbatches):
+    if args.splits == "off" or not splits_tried(model, cluster.num_devices):
         return 0.0
     return 1.0 - PLAIN_SHARE
 
