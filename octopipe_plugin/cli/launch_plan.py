@@ -64,13 +64,13 @@ def run_from_megatron(args) -> int:
     pair_cons = replace(cons, min_stages_per_device=2) if pairs.runs and facts.pipeline_size > 1 and \
         model.num_layers >= 2 * facts.pipeline_size else cons
     result = tuned(tune_args, model, cluster, facts.num_microbatches, constraints=pair_cons,
-                   time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
+                   time_budget_s=plain_budget(args, model, cluster))
     vp_why = virtual_stage_problem(result.plan, facts.pipeline_size) if pairs.runs else None
     if vp_why is not None:  # the plan megatron cannot run under the flag: tuned again as the launch runs without it
         pairs = replace(pairs, runs=False, why=vp_why, add=())
         model = tuning_model(view.model, pairs, view.args)
         result = tuned(args, model, cluster, facts.num_microbatches, constraints=cons,
-                       time_budget_s=plain_budget(args, model, cluster, facts.num_microbatches))
+                       time_budget_s=plain_budget(args, model, cluster))
     result = replace(result, plan=runnable_plan(result.plan, pairs, view.args))
     split_rows, split_line = None, None
     if args.splits != "off" and not pairs.runs:
@@ -167,7 +167,7 @@ def run_from_deepspeed(args) -> int:
     check_size(model, cluster, m, args.time_budget)
     from .plan_split import plain_budget
 
-    result = tuned(args, model, cluster, m, time_budget_s=plain_budget(args, model, cluster, m))
+    result = tuned(args, model, cluster, m, time_budget_s=plain_budget(args, model, cluster))
     split_rows, split_line = None, None
     if args.splits != "off":
         result, split_rows, split_line = _deepspeed_splits(args, job, cluster, result)

@@ -92,7 +92,7 @@ def run(args) -> int:
     model, costs = load_model(args, cluster)
     check_size(model, cluster, args.microbatches, args.time_budget)
     result = tuned(args, model, cluster, args.microbatches,
-                   time_budget_s=plain_budget(args, model, cluster, args.microbatches))
+                   time_budget_s=plain_budget(args, model, cluster))
     result, rows, split_line = with_splits(args, model, cluster, args.microbatches, result)
     plan = bind_plan(result.plan, model, cluster)
     failed = []

@@ -35,16 +35,16 @@ def add_split_option(p) -> None:
                         "always a line on the split (why none was tried); off: whole layers only")
 
 
-def split_share(args, model, cluster, num_microbatches: int) -> float:
+def split_share(args, model, cluster) -> float:
     """Share of --time-budget the split search takes (0: the plain tune takes it all, no split search)."""
     if args.splits == "off" or not splits_tried(model, cluster.num_devices):
         return 0.0
     return 1.0 - PLAIN_SHARE
 
 
-def plain_budget(args, model, cluster, num_microbatches: int) -> float:
+def plain_budget(args, model, cluster) -> float:
     """Seconds of --time-budget the plan without splits is tuned with."""
-    return args.time_budget * (1.0 - split_share(args, model, cluster, num_microbatches))
+    return args.time_budget * (1.0 - split_share(args, model, cluster))
 
 
 def with_splits(args, model, cluster, num_microbatches: int, result, *, constraints=None, refusal=None):
@@ -59,7 +59,7 @@ def with_splits(args, model, cluster, num_microbatches: int, result, *, constrai
     if result.plan.memory:  # the split simulator prices no memory choice: the plan that needs them stands
         return result, None, ("split layers   none: the plan carries memory choices, which no split plan is priced "
                               "with" if args.splits == "auto" else None)
-    share = split_share(args, model, cluster, num_microbatches)
+    share = split_share(args, model, cluster)
     if share == 0.0:
         if args.splits != "auto":
             return result, None, None
