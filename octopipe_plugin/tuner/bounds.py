@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections import Counter
 from dataclasses import dataclass
+from itertools import product
+from math import inf, prod
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,14 +40,62 @@ def packing_bound(model, num_devices: int, num_microbatches: int, fluid=()) -> f
     For any size threshold t, the n_t layers costing at least t land on D devices, so one
     device holds ceil(n_t / D) of them and runs at least the cheapest ceil(n_t / D) of
     them for every micro-batch. The best threshold gives the bound (>= the issue's LB terms).
-    Layers in `fluid` (split over devices) add to the total work only.
+    Layers in `fluid` (split over devices) add to the total work only. Where the whole layers have
+    few distinct costs (a model of a few layer kinds), the least fullest device of any assignment of
+    them to D devices (`whole_layer_makespan`) is taken too: it sees what the thresholds miss, such as
+    52 layers of three kinds on 32 devices, where 20 devices hold two and no two fit a device's share.
     """
     best = sum(layer.total_ms for layer in model.layers) / num_devices
     totals = sorted((layer.total_ms for i, layer in enumerate(model.layers) if i not in fluid), reverse=True)
     for n_t in range(1, len(totals) + 1):
         k = -(-n_t // num_devices)
         best = max(best, sum(totals[n_t - k:n_t]))
-    return num_microbatches * best
+    exact = whole_layer_makespan(totals, num_devices, at_least=best)
+    return num_microbatches * max(best, exact or 0.0)
+
+
+EXACT_STATES = 4096  # count vectors the exact packing visits at most; more distinct costs keep the threshold bound
+
+
+def whole_layer_makespan(totals, num_devices: int, at_least: float = 0.0) -> float | None:
+    """The least load of the fullest device over every assignment of whole layers (per micro-batch costs
+    `totals`) to `num_devices` devices, any placement; None where the distinct costs are too many to search.
+
+    Layers of equal cost are one kind, so an assignment is a count vector per device; a binary search over
+    the loads a device can have, each checked by the fewest devices that hold every layer under that load
+    (`at_least`: a bound already known; loads below the last one under it are not checked, so a
+    result below `at_least` only says the answer is at most that)."""
+    kinds = sorted(Counter(round(t, 9) for t in totals).items(), reverse=True)
+    if not kinds or prod(c + 1 for _, c in kinds) > EXACT_STATES:
+        return None
+    sizes = tuple(s for s, _ in kinds)
+    counts = tuple(c for _, c in kinds)
+    vectors = list(product(*(range(c + 1) for c in counts)))
+
+    load = {v: sum(n * s for n, s in zip(v, sizes)) for v in vectors}
+    loads = sorted({x for v, x in load.items() if any(v)})
+    order = sorted(vectors, key=sum)  # a state's remainders come before it
+
+    def fits(cap: float) -> bool:
+        # what one device can hold under `cap` with no room for another layer (fewer never need more devices)
+        full = [v for v in vectors if load[v] <= cap + 1e-9
+                and all(n == c or load[v] + sizes[i] > cap + 1e-9 for i, (n, c) in enumerate(zip(v, counts)))]
+        need = {}  # fewest devices holding every layer of a state
+        for state in order:
+            rests = [tuple(max(0, a - b) for a, b in zip(state, v)) for v in full
+                     if any(a and b for a, b in zip(state, v))]
+            need[state] = 1 + min((need[r] for r in rests), default=inf) if any(state) else 0  # inf: a layer above cap
+        return need[counts] <= num_devices
+
+    # the answer is at least the last load not above `at_least`; loads[-1] (all on one device) always fits
+    lo, hi = max(0, bisect_right(loads, at_least + 1e-9) - 1), len(loads) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(loads[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return loads[lo]
 
 
 def fill_bound(model, num_microbatches: int, fluid=()) -> float:

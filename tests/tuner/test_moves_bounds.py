@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from octopipe_plugin.formats import Model
 from octopipe_plugin.partition import balanced_split
 from octopipe_plugin.schedules.placement import place
 from octopipe_plugin.tuner import Policy, Split, lower_bound
-from octopipe_plugin.tuner.bounds import packing_bound
+from octopipe_plugin.tuner.bounds import packing_bound, whole_layer_makespan
 from octopipe_plugin.tuner.layout import Layout
 from octopipe_plugin.tuner.moves import MOVES, Context, rebalance, transfer
 
@@ -76,3 +78,18 @@ def test_bounds_on_known_model():
     # 6 layers on 3 devices: the 5 cheap ones spread so that one device holds two of them
     assert packing_bound(model, 3, 2) == 24
     assert packing_bound(_model([1.0] * 7), 3, 1) == 9  # 7 equal layers: some device runs 3
+
+
+def test_packing_bound_sees_what_the_thresholds_miss():
+    # 6 layers of two kinds on 4 devices: two devices hold two layers, and no two fit under 36 (21 + 15)
+    model = _model([7.0, 7.0, 7.0, 5.0, 5.0, 5.0])
+    assert packing_bound(model, 4, 1) == pytest.approx(36.0)
+    assert whole_layer_makespan([3.0 * c for c in range(1, 40)], 8) is None  # too many distinct costs to search
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.sampled_from([1.0, 2.0, 3.5, 5.0]), min_size=1, max_size=7), devices=st.integers(1, 3))
+def test_whole_layer_makespan_equals_every_assignment_tried(sizes, devices):
+    best = min(max(sum(s for s, d in zip(sizes, where) if d == k) for k in range(devices))
+               for where in itertools.product(range(devices), repeat=len(sizes)))
+    assert whole_layer_makespan(sizes, devices) == pytest.approx(best)
