@@ -2,7 +2,7 @@
 
 Used by test_bad_inputs.py: `python cli_forks.py CASES.json TIMEOUT_S` reads {case: argv}, runs
 `octopipe_plugin.cli.main(argv)` for each in a child forked after the imports (the imports, numba's
-among them, are paid once instead of once per case; two children at a time), and prints {case: [returncode, stdout, stderr]} as
+and torch's among them, are paid once instead of once per case; two children at a time), and prints {case: [returncode, stdout, stderr]} as
 JSON. Each child starts from the same state (nothing a case does reaches the next), has its stdout and
 stderr on files of its own, and is killed by SIGALRM after TIMEOUT_S (a hang fails its case, returncode
 -14). Whatever escapes main() is printed as the traceback an interpreter would print, returncode 1.
@@ -46,6 +46,12 @@ def run_all(cases: dict[str, list[str]], timeout: int, jobs: int = 2) -> dict[st
     import octopipe_plugin.cli  # noqa: F401 - the imports the children share
     import octopipe_plugin.simulator  # noqa: F401
     import octopipe_plugin.tuner  # noqa: F401
+    try:  # dryrun and profile import torch before they check their arguments: 4-8 s a case, paid once here
+        import torch  # noqa: F401
+
+        import octopipe_plugin.executor.dryrun  # noqa: F401
+    except ImportError:  # an install without torch: those cases import it (and fail) in their own child
+        pass
 
     running: dict[int, tuple[str, list[str]]] = {}
     results = {}
