@@ -65,9 +65,10 @@ def launch_ranks(*flags, timeout=300, port=None):
     return out
 
 
-def _refused(flags, expected: str):
+def _refused_outputs(outs, expected: str):
+    """The one refusal line every rank of `outs` ([(returncode, output)]) ended with, checked on each."""
     lines = []
-    for rc, out in launch_ranks(*flags):
+    for rc, out in outs:
         assert rc == 1, out  # every rank ends by itself (none left waiting), with the refusal's exit status
         mine = [ln for ln in out.splitlines() if expected in ln]
         assert len(mine) == 1, out  # the same one line on every rank
@@ -77,21 +78,67 @@ def _refused(flags, expected: str):
     return lines[0]
 
 
-def _trained(flags):
-    rc, out = launch(*flags)
-    assert rc == 0, out
+def _refused(flags, expected: str):
+    return _refused_outputs(launch_ranks(*flags), expected)
+
+
+def _trained_outputs(out: str):
+    """Rank 0's losses of a run whose every rank ran OctoPipeEngine (`out`: the ranks' output together)."""
     ranks = re.findall(r"RANK (\d) ENGINE (\w+) LOSSES (\[[^\]]*\])", out)
     assert sorted(r for r, _, _ in ranks) == ["0", "1"], out
     assert {e for _, e, _ in ranks} == {"OctoPipeEngine"}, out
     return json.loads(ranks[0][2])
 
 
-@pytest.mark.timeout(360)
-def test_plan_for_another_layer_count_is_refused(tmp_path):
+def _trained(flags):
+    rc, out = launch(*flags)
+    assert rc == 0, out
+    return _trained_outputs(out)
+
+
+LAYER_COUNT_REFUSAL = "ds_config: field $.octopipe.plan: expected a plan for the PipelineModule's 14 list entries"
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory):
+    """Two launches of the ranks (torchrun's environment, not torchrun) with /dev/shm watched while they run: the
+    14-layer plan trained ("trained") and a 10-layer plan refused ("refused"): {name: (outputs, buffers seen,
+    buffers left)}. The refusal test, the keyword run of the three-ways test and the /dev/shm test read them (one
+    launch each instead of two)."""
+    import glob
+    import threading
+
+    from octopipe_plugin.executor.launch import free_port
+
+    tmp = tmp_path_factory.mktemp("user_script")
+    out = {}
+    for name, flags in (("trained", ["--plan", _plan(tmp, 14)]), ("refused", ["--plan", _plan(tmp, 10)])):
+        port = free_port()
+        pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
+        seen, done = set(), threading.Event()
+
+        def watch():
+            while not done.is_set():
+                seen.update(glob.glob(pattern))
+                done.wait(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            outs = launch_ranks(*flags, port=port)
+        finally:
+            done.set()
+            watcher.join()
+        out[name] = (outs, seen, glob.glob(pattern))
+    return out
+
+
+@pytest.mark.timeout(700)
+def test_plan_for_another_layer_count_is_refused(watched):
     # one count (fewer than the 14 entries): plan_check.check_plan refuses any other count by one `!=` (more
-    # and fewer layers unit-tested in test_ds_block.py); this launch checks the line reaches every rank
-    line = _refused(["--plan", _plan(tmp_path, 10)], "ds_config: field $.octopipe.plan: expected a plan for the "
-                    "PipelineModule's 14 list entries")
+    # and fewer layers unit-tested in test_ds_block.py); this launch (shared with the /dev/shm test) checks the
+    # line reaches every rank
+    line = _refused_outputs(watched["refused"][0], LAYER_COUNT_REFUSAL)
     assert "has 10 layers" in line
 
 
@@ -114,44 +161,28 @@ def test_subclass_overriding_forward_is_refused(tmp_path):
 
 
 @pytest.mark.timeout(1300)
-def test_positional_model_early_import_and_subclass_all_run_the_plan(tmp_path):
+def test_positional_model_early_import_and_subclass_all_run_the_plan(tmp_path, watched):
     # the three ways in one launch: the plugin replaces only the engine names `initialize` looks up at call time
-    # (adapters/deepspeed/hooks.py), so each way fails this launch on its own (no path of one needs another)
+    # (adapters/deepspeed/hooks.py), so each way fails this launch on its own (no path of one needs another);
+    # against the keyword call's losses (the /dev/shm test's trained launch: the same script and plan, its ranks
+    # with torchrun's environment)
     plan = _plan(tmp_path, 14)
-    keyword = _trained(["--plan", plan])
+    outs = watched["trained"][0]
+    assert [r for r, _ in outs] == [0, 0], outs
+    keyword = _trained_outputs("".join(o for _, o in outs))
     assert _trained(["--plan", plan, "--subclass", "init", "--positional", "--early-import"]) == keyword
 
 
 @pytest.mark.timeout(700)
-def test_runs_leave_nothing_in_dev_shm(tmp_path):
+def test_runs_leave_nothing_in_dev_shm(watched):
     """DeepSpeed's CPU shm comm op maps one 66 MiB /dev/shm buffer per rank, named for the run's MASTER_ADDR/PORT,
     and never unlinks it: an OctoPipe run (trained, or refused with its line) unlinks them once every rank has
     mapped them (adapters/deepspeed/shm.py). Watched while the ranks run: the buffers were there, then gone."""
-    import glob
-    import threading
-
-    from octopipe_plugin.executor.launch import free_port
-
-    for flags, rc in ((["--plan", _plan(tmp_path, 14)], 0), (["--plan", _plan(tmp_path, 10)], 1)):
-        port = free_port()
-        pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
-        seen, done = set(), threading.Event()
-
-        def watch():
-            while not done.is_set():
-                seen.update(glob.glob(pattern))
-                done.wait(0.005)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            outs = launch_ranks(*flags, port=port)
-        finally:
-            done.set()
-            watcher.join()
+    for name, rc in (("trained", 0), ("refused", 1)):
+        outs, seen, left = watched[name]
         assert [r for r, _ in outs] == [rc, rc], outs
-        assert len(seen) == 2, (flags, seen)  # the shm op ran: one buffer per rank
-        assert glob.glob(pattern) == [], flags
+        assert len(seen) == 2, (name, seen)  # the shm op ran: one buffer per rank
+        assert left == [], name
 
 
 def _moe_plan(tmp_path) -> str:
