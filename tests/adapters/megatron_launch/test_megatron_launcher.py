@@ -58,10 +58,27 @@ def checkout(tmp_path) -> Path:
     return root
 
 
-def launch(argv, tmp_path, world=2):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world), "RANK": "0"}
-    return subprocess.run([sys.executable, str(ROOT / "examples/megatron/launch.py"), *argv], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=tmp_path)
+def launch_all(runs, tmp_path, timeout=300):
+    """[(argv, world)] -> their CompletedProcesses: each `launch.py ARGV` a process of its own, all started at once
+    (each is one single-threaded interpreter importing Megatron: side by side they use the host's cores, one after
+    the other one core); each still killed after `timeout` seconds (a hang fails its test)."""
+    procs = []
+    try:
+        for argv, world in runs:
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world), "RANK": "0"}
+            cmd = [sys.executable, str(ROOT / "examples/megatron/launch.py"), *argv]
+            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                env=env, cwd=tmp_path)))
+        out = []
+        for cmd, proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+        return out
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def result(out):
@@ -74,8 +91,13 @@ def test_launcher_runs_the_checkout_script_with_octopipe_arguments(tmp_path):
     model = model_from_megatron(parse(TINY_GPT, octopipe=False, validate=False))
     write_plan(build_plan(model, "interleaved-zb", 2, 4, stages_per_device=2, boundaries=STAGES), tmp_path / "plan.json")
     run = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--own-flag", "7"]
-    got = result(launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--pipeline-schedule", "octopipe",
-                         "--octopipe-plan", str(tmp_path / "plan.json")], tmp_path))
+    # the script path given directly; a plan for another pipeline size stops start-up with one message
+    good, bad = launch_all([(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--pipeline-schedule", "octopipe",
+                              "--octopipe-plan", str(tmp_path / "plan.json")], 2),
+                            ([str(root / "pretrain_tiny.py"), *run[:-6], "--pipeline-model-parallel-size", "1",
+                              "--global-batch-size", "4", "--pipeline-schedule", "octopipe",
+                              "--octopipe-plan", str(tmp_path / "plan.json")], 1)], tmp_path)
+    got = result(good)
     assert got == {"name": "tiny", "own": 7, "schedule": "octopipe", "layout": "Et|tt|tt|tL", "vp": 2,
                    "factory": "octopipe_plugin.adapters.megatron.launch",
                    "parse_args_wrapped": True, "get_model_wrapped": False,  # a looped plan: no model hook
@@ -83,10 +105,6 @@ def test_launcher_runs_the_checkout_script_with_octopipe_arguments(tmp_path):
                    "installed": ["megatron.training.arguments.parse_args",
                                  "megatron.training.training.get_forward_backward_func"],
                    "child_has_override": True}
-    # the script path given directly; a plan for another pipeline size stops start-up with one message
-    bad = launch([str(root / "pretrain_tiny.py"), *run[:-6], "--pipeline-model-parallel-size", "1",
-                  "--global-batch-size", "4", "--pipeline-schedule", "octopipe",
-                  "--octopipe-plan", str(tmp_path / "plan.json")], tmp_path, world=1)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "does not match this run: it has 2 devices but --pipeline-model-parallel-size is 1" in bad.stderr
 
@@ -95,13 +113,16 @@ def test_default_schedule_runs_touch_nothing_of_megatron(tmp_path):
     """--pipeline-schedule default (given or not): Megatron's own names, no patch installed."""
     root = checkout(tmp_path)
     run = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--own-flag", "3"]
-    for extra in ([], ["--pipeline-schedule", "default"], ["--pipeline-schedule=default"]):
-        got = result(launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, *extra], tmp_path))
+    spellings = ([], ["--pipeline-schedule", "default"], ["--pipeline-schedule=default"])
+    *runs, bad = launch_all([(["--megatron-lm", str(root), "pretrain_tiny.py", *run, *extra], 2) for extra in spellings]
+                            + [(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--octopipe-plan", "p.json"], 2)],
+                            tmp_path)
+    for out in runs:
+        got = result(out)
         assert got["installed"] == [] and got["own"] == 3 and got["layout"] is None and got["child_has_override"]
         assert got["factory"] == "megatron.core.pipeline_parallel.schedules"
         assert not got["parse_args_wrapped"] and not got["get_model_wrapped"]
         assert got["first_stage"] == "megatron.core.parallel_state"
     # OctoPipe's own options without its schedule: one line, no traceback
-    bad = launch(["--megatron-lm", str(root), "pretrain_tiny.py", *run, "--octopipe-plan", "p.json"], tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--octopipe-plan configure OctoPipe's schedule; add --pipeline-schedule octopipe" in bad.stderr
