@@ -42,21 +42,46 @@ def _plan(tmp, name: str, **kw) -> str:
     return str(path)
 
 
-def _launch(tmp, *flags) -> dict:
-    """DeepSpeed's launcher on 2 CPU processes; rank 0's printed losses."""
+def _start(tmp, config: str, *flags) -> subprocess.Popen:
+    """DeepSpeed's launcher on 2 CPU processes, started."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     launcher = Path(sys.executable).with_name("deepspeed")
     args = [f"--{k}={v}" for k, v in SIZES.items()]
     cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(EXAMPLE),
-           "--ds-config", _config(tmp), *args, *flags]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
+           "--ds-config", config, *args, *flags]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    """Rank 0's printed losses of a started launch (killed after 400 s: a hang fails the test)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = stdout + stderr
+    assert proc.returncode == 0, text
     engine = re.search(r"engine (\w+)", text)
     steps = {int(s): float(v) for s, v in re.findall(r"step (\d+): loss (\S+)", text)}
     evals = [float(v) for v in re.findall(r"eval loss (\S+)", text)]
     return {"engine": engine.group(1) if engine else None, "steps": steps, "eval": evals}
+
+
+def _launch_all(tmp, config: str, *runs) -> list[dict]:
+    """Launches of DeepSpeed's launcher (each on 2 CPU processes) started side by side: their launcher and
+    launch.py processes are single-threaded start-ups that would otherwise leave one of the host's cores idle."""
+    procs = []
+    try:
+        for flags in runs:
+            procs.append(_start(tmp, config, *flags))
+        return [_finish(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def _reference(steps: int) -> tuple[dict, float]:
@@ -108,9 +133,11 @@ def test_train_checkpoint_resume_equal_deepspeeds_engine_and_v_shape_equals_refe
 
     entries = SIZES["layers"] + 3
     flat = _plan(tmp_path, "1f1b", boundaries=partition_uniform(entries, 2))  # DeepSpeed's own "uniform" split
-    first = _launch(tmp_path, "--plan", flat, "--steps", "3", "--save", str(tmp_path / "ck"))
-    resumed = _launch(tmp_path, "--plan", flat, "--steps", "2", "--load", str(tmp_path / "ck"))
-    stock = _launch(tmp_path, "--no-octopipe", "--steps", "5")
+    vplan, config = _plan(tmp_path, "zb-v"), _config(tmp_path)
+    # the runs that need no checkpoint side by side; then the resumed one, from the first's checkpoint
+    first, stock, vshape = _launch_all(tmp_path, config, ["--plan", flat, "--steps", "3", "--save", str(tmp_path / "ck")],
+                                       ["--no-octopipe", "--steps", "5"], ["--plan", vplan, "--steps", "3"])
+    resumed, = _launch_all(tmp_path, config, ["--plan", flat, "--steps", "2", "--load", str(tmp_path / "ck")])
     assert first["engine"] == resumed["engine"] == "OctoPipeEngine" and stock["engine"] == "PipelineEngine"
     ours = {**first["steps"], **resumed["steps"]}
     assert sorted(ours) == list(range(5)) and sorted(stock["steps"]) == list(range(5))
@@ -118,7 +145,6 @@ def test_train_checkpoint_resume_equal_deepspeeds_engine_and_v_shape_equals_refe
         assert ours[step] == pytest.approx(stock["steps"][step], rel=1e-5, abs=1e-6), step
     assert resumed["eval"][0] == pytest.approx(stock["eval"][0], rel=1e-5)
 
-    vshape = _launch(tmp_path, "--plan", _plan(tmp_path, "zb-v"), "--steps", "3")
     ref, ref_eval = _reference(3)
     assert vshape["engine"] == "OctoPipeEngine"
     for step in range(3):
