@@ -30,13 +30,20 @@ def _plan(tmp_path, layers: int, m: int = M) -> str:
     return str(path)
 
 
+def launch_env() -> dict:
+    return dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1",
+                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def launch_cmd(*flags) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(HERE / "user_train.py"), *flags]
+
+
 def launch(*flags, timeout=300):
     """(returncode, combined output) of user_train.py under torchrun on 2 CPU processes."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "user_train.py"), *flags]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = subprocess.run(launch_cmd(*flags), env=launch_env(), capture_output=True, text=True, timeout=timeout,
+                         cwd=ROOT)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -210,16 +217,22 @@ def test_moe_pairs_in_a_user_script_equal_deepspeeds_engine(tmp_path):
     from octopipe_plugin.executor.launch import free_port
 
     runs = {}
-    for name, flags in (("ours", ["--plan", _moe_plan(tmp_path)]), ("theirs", ["--no-block"])):
-        if name == "ours":
-            env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1",
-                       PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-            cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--no_local_rank",
-                   "--master_port", str(free_port()), str(HERE / "user_train.py"), "--moe", *flags]
-            got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
-            rc, out = got.returncode, got.stdout + got.stderr
-        else:
-            rc, out = launch("--moe", *flags)
+    env = launch_env()
+    ours = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--no_local_rank",
+            "--master_port", str(free_port()), str(HERE / "user_train.py"), "--moe", "--plan", _moe_plan(tmp_path)]
+    # started side by side (their launchers' start-ups are single-threaded), each killed after 400 s
+    procs = {"ours": subprocess.Popen(ours, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      cwd=ROOT),
+             "theirs": subprocess.Popen(launch_cmd("--moe", "--no-block"), env=launch_env(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, cwd=ROOT)}
+    try:
+        done = {name: (proc.communicate(timeout=400)[0], proc.returncode) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for name, (out, rc) in done.items():
         assert rc == 0, out
         runs[name] = re.findall(r"RANK (\d) ENGINE (\w+) LOSSES (\[[^\]]*\]) PAIRS (\d+)", out)
         assert sorted(r for r, *_ in runs[name]) == ["0", "1"], out
