@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from .. import limits as L
 from ..errors import OctoPipeError
@@ -88,6 +89,7 @@ def run(args) -> int:
         raise OctoPipeError("--world-size applies to --megatron-args and --deepspeed-config")
     check_writable(args.output, "-o")
     check_writable(args.png, "--png")
+    end = time.monotonic() + args.time_budget  # the tunes and the references' refinements end by then
     cluster = apply_headroom(args, load_cluster(args.cluster))
     model, costs = load_model(args, cluster)
     check_size(model, cluster, args.microbatches, args.time_budget)
@@ -104,7 +106,7 @@ def run(args) -> int:
         failed += keep_on_failure(lambda: write_png(model, cluster, plan, args.png), args.png,
                                   None if args.output and not failed else plan)
     rows = rows or comparison_rows(result, cluster)
-    natives = native_references(result, model, cluster)
+    natives = native_references(result, model, cluster, args.time_budget, end)
     if args.json:
         print(json.dumps({**as_json(result, rows, cluster, natives), "plan": plan_to_dict(plan),
                           "costs": costs.as_dict(), **({"split_layers": split_line} if split_line else {})},

@@ -19,7 +19,7 @@ from ..simulator.pairs import hidden_ms, stage_phases
 from ..simulator.split import without_split_layers
 from ..tuner import tune
 from ..tuner.compare import baseline_ms, per_device
-from ..tuner.native import WHAT, native_best
+from ..tuner.native import ACTIONS_PER_SECOND, WHAT, native_best
 from ._guard import WallClockGuard
 from ._options import constraints_of, load_overheads
 
@@ -91,10 +91,18 @@ def _sim_options(args):
     return None if ov is None else SimOptions(overheads=ov)
 
 
-def native_references(result, model, cluster) -> dict:
-    """Framework -> the best plan it runs unmodified (its boundaries refined), or None when none fits."""
-    return {fw: native_best(result.baselines, fw, model, cluster, result.plan.num_microbatches)
-            for fw in ("megatron", "deepspeed")}
+NATIVE_SHARE = 0.25  # of --time-budget: the references' refinements (the tune's work units take about half of it)
+
+
+def native_references(result, model, cluster, budget_s: float | None = None, deadline: float | None = None) -> dict:
+    """Framework -> the best plan it runs unmodified (its boundaries refined), or None when none fits.
+
+    `budget_s`: the refinements of both frameworks share NATIVE_SHARE of it in simulated actions
+    (deterministic), and stop at `deadline` (time.monotonic: --time-budget's end) on a slower machine."""
+    fws = ("megatron", "deepspeed")
+    cap = float("inf") if budget_s is None else NATIVE_SHARE * budget_s * ACTIONS_PER_SECOND / len(fws)
+    return {fw: native_best(result.baselines, fw, model, cluster, result.plan.num_microbatches, max_actions=cap,
+                            deadline=deadline) for fw in fws}
 
 
 def summary(result, model, cluster, costs: str = "", natives: dict | None = None) -> str:

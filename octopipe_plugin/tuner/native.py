@@ -12,10 +12,13 @@ gets without OctoPipe's executor:
 With the model and cluster, the best one's boundaries are then refined (`refine`): a hill-climb
 moving one boundary by one layer at a time, the schedule fixed, while the step gets faster and
 memory fits, so the reference is the best layout string found, not merely the balanced split.
+`octopipe plan` holds the refinements to its --time-budget (`max_actions`, `deadline`): a run
+left unrefined is still one the framework runs, from the split it started on.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from ..errors import DeadlockError, PlanError
@@ -77,23 +80,37 @@ def native_runs(baselines, framework: str, model=None) -> list[NativeBest]:
 
 
 def native_best(baselines, framework: str, model=None, cluster=None, num_microbatches: int | None = None,
-                options=None) -> NativeBest | None:
+                options=None, *, max_actions: float = float("inf"), deadline: float | None = None) -> NativeBest | None:
     """The fastest fitting plan `framework` runs unmodified; None when none fits.
 
     With the model, cluster and micro-batch count, every fitting run's boundaries are refined
-    first (each split and v: a hill-climb can end far from where it started).
+    first (each split and v, fastest first: a hill-climb can end far from where it started), all of
+    them within `max_actions` simulated actions and, as a guard, before `deadline` (time.monotonic).
     """
     runs = native_runs(baselines, framework, model)
     if model is not None and cluster is not None and num_microbatches is not None:
-        runs = [refine(r, model, cluster, num_microbatches, options) for r in runs]
+        out = []
+        for r in runs:
+            r, used = _refine(r, model, cluster, num_microbatches, options, min(MAX_SIMULATED_ACTIONS, max_actions),
+                              deadline)
+            max_actions -= used
+            out.append(r)
+        runs = out
     return min(runs, key=lambda r: r.step_ms) if runs else None
 
 
 MAX_SIMULATED_ACTIONS = 2_000_000  # work cap of one refinement (about a second on the reference machine)
+ACTIONS_PER_SECOND = MAX_SIMULATED_ACTIONS  # what `octopipe plan` buys refinements with per second of its budget
 
 
 def refine(best: NativeBest, model, cluster, num_microbatches: int, options=None) -> NativeBest:
     """`best` with its boundaries hill-climbed (one boundary, one layer, first improvement, fixed order: deterministic)."""
+    return _refine(best, model, cluster, num_microbatches, options)[0]
+
+
+def _refine(best: NativeBest, model, cluster, num_microbatches: int, options=None,
+            max_actions: float = MAX_SIMULATED_ACTIONS, deadline: float | None = None) -> tuple[NativeBest, int]:
+    """`refine` within `max_actions` simulated actions (and before `deadline`); with the actions it simulated."""
     from ..partition import balanced_split, megatron_split
     from ..schedules.registry import build_plan
     from ..simulator import simulate
@@ -101,9 +118,9 @@ def refine(best: NativeBest, model, cluster, num_microbatches: int, options=None
     nd, v = cluster.num_devices, best.stages_per_device
     n = nd * v
     per_sim = 3 * n * num_microbatches
-    budget = MAX_SIMULATED_ACTIONS // max(1, per_sim)
-    if budget < 2 * n:
-        return best  # not even one pass over the boundaries: keep the built-in as it ran
+    budget = int(max_actions // max(1, per_sim))
+    if budget < 2 * n or (deadline is not None and time.monotonic() >= deadline):
+        return best, 0  # not even one pass over the boundaries: keep the built-in as it ran
 
     def judge(bounds):
         try:
@@ -128,12 +145,15 @@ def refine(best: NativeBest, model, cluster, num_microbatches: int, options=None
                 new = cuts[k] + d
                 if not lo <= new <= hi or sims >= budget:
                     continue
+                if deadline is not None and time.monotonic() >= deadline:
+                    budget = sims  # the wall-clock guard: the best found so far stands
+                    break
                 trial = cuts[:k] + [new] + cuts[k + 1:]
                 sims += 1
                 got = judge(list(zip([0, *trial], [*trial, model.num_layers])))
                 if got is not None and got[0] < step - 1e-9:
                     cuts, (step, peak), moves, improved = trial, got, moves + 1, True
     if not moves:
-        return best
+        return best, sims * per_sim
     return replace(best, step_ms=step, peak_bytes=peak, moves=moves,
-                   bounds=tuple(zip([0, *cuts], [*cuts, model.num_layers])))
+                   bounds=tuple(zip([0, *cuts], [*cuts, model.num_layers]))), sims * per_sim
