@@ -29,6 +29,7 @@ from ..simulator.costs import stage_costs
 from ..simulator.overheads import delivery_of
 from ..simulator.pairs import communicates
 from .pairing import insertion_bases, unpaired
+from .evened import evened_plans
 from .rising import rising_plans
 from .search import WORK_RATE, tune
 from .split_sched import ShardPolicy, insert_shards
@@ -230,6 +231,13 @@ def _split_candidates(model, cluster, m, head, budget, seed, iterations, opts, c
             continue
         for alt in rising_plans(rest, small, m, base.plan, opts, constraints):
             yield from _insertions(model, cluster, head, emb if with_emb else None, alt, opts, label + " rising",
+                                   units, owner_shard, vdeadline)
+        # where whole layers of unequal size leave one device a layer more than the others (tuner/evened.py)
+        if vdeadline is not None and time.monotonic() >= vdeadline:
+            continue
+        costs = [0.0 if i == head else layer.total_ms for i, layer in enumerate(rest.layers)]
+        for alt in evened_plans(rest, small, m, base.plan, costs, opts, constraints):
+            yield from _insertions(model, cluster, head, emb if with_emb else None, alt, opts, label + " evened",
                                    units, owner_shard, vdeadline)
 
 
