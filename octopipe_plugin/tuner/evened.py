@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .evaluate import Evaluator
 from .layout import Layout
-from .seeds import seed_policies
+from .seeds import seeded_plans
 
 EVEN_STEPS = 400  # cut moves of the tabu search (vlm, 8 devices x 4 stages: its best between steps 100 and 400)
 KEEP = 2  # list-scheduled orders of the evened layout taken on to the shard insertion, fastest first
@@ -92,14 +92,4 @@ def evened_plans(model, cluster, num_microbatches: int, plan, costs, options=Non
     ev = Evaluator(model, cluster, num_microbatches, options=options)
     if not ev.static_fits(lay):
         return []
-    split_backward = constraints is None or constraints.split_backward
-    found = []
-    for pol in seed_policies(lay, cluster.num_devices, num_microbatches, split_backward=split_backward):
-        out = ev.scheduled(lay, pol)
-        if out is None or out.plan is None or not out.fits:
-            continue
-        if constraints is not None and not constraints.allows_plan(out.plan):
-            continue
-        found.append(out)
-    found.sort(key=lambda o: o.step_ms)
-    return [o.plan for o in found[:KEEP]]
+    return seeded_plans(ev, lay, cluster.num_devices, num_microbatches, constraints, keep=KEEP)

@@ -18,12 +18,11 @@ layout 360.1 and 515.1 ms (benchmarks/moe_overlap.py).
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from .evaluate import Evaluator
 from .layout import Layout
 from .listsched import Pairing
-from .seeds import seed_policies
+from .seeds import seeded_plans
 
 KEEP = 2  # list-scheduled orders of the rising layout taken on to the shard insertion, fastest first
 
@@ -53,15 +52,5 @@ def rising_plans(model, cluster, num_microbatches: int, plan, options=None, cons
     ev = Evaluator(model, cluster, num_microbatches, options=options)
     if not ev.pairing or not ev.static_fits(lay):
         return []
-    split_backward = constraints is None or constraints.split_backward
-    found = []
-    for pol in seed_policies(lay, cluster.num_devices, num_microbatches, split_backward=split_backward):
-        for mode in (Pairing.READY, Pairing.WAIT):
-            out = ev.scheduled(lay, replace(pol, pair=mode))
-            if out is None or out.plan is None or not out.fits:
-                continue
-            if constraints is not None and not constraints.allows_plan(out.plan):
-                continue
-            found.append(out)
-    found.sort(key=lambda o: o.step_ms)
-    return [o.plan for o in found[:KEEP]]
+    return seeded_plans(ev, lay, cluster.num_devices, num_microbatches, constraints,
+                        pairings=(Pairing.READY, Pairing.WAIT), keep=KEEP)

@@ -205,6 +205,24 @@ def seed_layouts(model, num_devices: int) -> list[tuple[str, Layout]]:
     return out
 
 
+def seeded_plans(ev, layout: Layout, num_devices: int, num_microbatches: int, constraints=None, *,
+                 pairings=(None,), keep: int = 2) -> list:
+    """The `keep` fastest fitting plans of `layout`, list-scheduled by evaluator `ev` under the seed policies
+    (each with every pair mode of `pairings`, None: the policy's own) and keeping to `constraints`."""
+    split_backward = constraints is None or constraints.split_backward
+    found = []
+    for pol in seed_policies(layout, num_devices, num_microbatches, split_backward=split_backward):
+        for mode in pairings:
+            out = ev.scheduled(layout, pol if mode is None else replace(pol, pair=mode))
+            if out is None or out.plan is None or not out.fits:
+                continue
+            if constraints is not None and not constraints.allows_plan(out.plan):
+                continue
+            found.append(out)
+    found.sort(key=lambda o: o.step_ms)
+    return [o.plan for o in found[:keep]]
+
+
 def seed_policies(layout: Layout, num_devices: int, num_microbatches: int, *,
                   split_backward: bool = True) -> list[Policy]:
     """Greedy (memory-capped only), 1F1B-depth and fused variants for one layout (all fused without split backward)."""
