@@ -6,7 +6,9 @@ from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
 from itertools import product
-from math import inf, prod
+from math import prod
+
+import numpy as np
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +57,9 @@ def packing_bound(model, num_devices: int, num_microbatches: int, fluid=()) -> f
 
 
 EXACT_STATES = 4096  # count vectors the exact packing visits at most; more distinct costs keep the threshold bound
+# (state, full-device vector) pairs one load check may visit (vectorised: tens of ms); past it the threshold
+# bound stands
+EXACT_WORK = 2_000_000
 
 
 def whole_layer_makespan(totals, num_devices: int, at_least: float = 0.0) -> float | None:
@@ -65,37 +70,56 @@ def whole_layer_makespan(totals, num_devices: int, at_least: float = 0.0) -> flo
     the loads a device can have, each checked by the fewest devices that hold every layer under that load
     (`at_least`: a bound already known; loads below the last one under it are not checked, so a
     result below `at_least` only says the answer is at most that)."""
+    least: dict[float, float] = {}  # costs equal to 9 decimals are one kind, priced at its cheapest member's
+    for t in totals:
+        key = round(t, 9)
+        least[key] = min(t, least.get(key, t))
     kinds = sorted(Counter(round(t, 9) for t in totals).items(), reverse=True)
     if not kinds or prod(c + 1 for _, c in kinds) > EXACT_STATES:
         return None
-    sizes = tuple(s for s, _ in kinds)
-    counts = tuple(c for _, c in kinds)
-    vectors = list(product(*(range(c + 1) for c in counts)))
-
-    load = {v: sum(n * s for n, s in zip(v, sizes)) for v in vectors}
-    loads = sorted({x for v, x in load.items() if any(v)})
-    order = sorted(vectors, key=sum)  # a state's remainders come before it
+    sizes = np.array([least[s] for s, _ in kinds])  # never above a real cost: the result stays a lower bound
+    counts = np.array([c for _, c in kinds])
+    vectors = np.array(list(product(*(range(c + 1) for c in counts))), dtype=np.int64).reshape(-1, len(kinds))
+    strides = np.array([prod(int(c) + 1 for c in counts[i + 1:]) for i in range(len(kinds))], dtype=np.int64)
+    load = vectors @ sizes  # a vector's index in `vectors` is its code, vectors @ strides
+    loads = sorted(set(load[1:].tolist()))
+    sums = vectors.sum(axis=1)
+    levels = [np.nonzero(sums == k)[0] for k in range(1, int(sums[-1]) + 1)]  # a state's remainders hold fewer
 
     def fits(cap: float) -> bool:
         # what one device can hold under `cap` with no room for another layer (fewer never need more devices)
-        full = [v for v in vectors if load[v] <= cap + 1e-9
-                and all(n == c or load[v] + sizes[i] > cap + 1e-9 for i, (n, c) in enumerate(zip(v, counts)))]
-        need = {}  # fewest devices holding every layer of a state
-        for state in order:
-            rests = [tuple(max(0, a - b) for a, b in zip(state, v)) for v in full
-                     if any(a and b for a, b in zip(state, v))]
-            need[state] = 1 + min((need[r] for r in rests), default=inf) if any(state) else 0  # inf: a layer above cap
-        return need[counts] <= num_devices
+        room = (vectors == counts) | (load[:, None] + sizes[None, :] > cap + 1e-9)
+        full = vectors[(load <= cap + 1e-9) & room.all(axis=1) & (sums > 0)]
+        if len(full) == 0:
+            return False  # a layer above cap
+        if len(full) * len(vectors) > EXACT_WORK:
+            raise _TooLarge
+        need = np.full(len(vectors), np.inf)  # fewest devices holding every layer of a state
+        need[0] = 0.0
+        for idx in levels:  # every state of one layer count at once: their remainders are all known
+            rest = np.maximum(vectors[idx][:, None, :] - full[None, :, :], 0) @ strides
+            got = need[rest]
+            got[rest == idx[:, None]] = np.inf  # a device vector sharing no layer with the state takes none
+            need[idx] = 1.0 + got.min(axis=1)
+        return need[-1] <= num_devices
 
     # the answer is at least the last load not above `at_least`; loads[-1] (all on one device) always fits
     lo, hi = max(0, bisect_right(loads, at_least + 1e-9) - 1), len(loads) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(loads[mid]):
+        try:
+            ok = fits(loads[mid])
+        except _TooLarge:
+            return None
+        if ok:
             hi = mid
         else:
             lo = mid + 1
     return loads[lo]
+
+
+class _TooLarge(Exception):
+    """A load check would pass EXACT_WORK."""
 
 
 def fill_bound(model, num_microbatches: int, fluid=()) -> float:
