@@ -67,9 +67,7 @@ def evened_layout(costs, layout: Layout) -> Layout | None:
                 bounds[c] = cut
                 fresh = tuple(bounds) not in seen
                 bounds[c] = cut - delta
-                if not fresh:
-                    continue
-                if choice is None or k < choice[0]:
+                if fresh:
                     choice = (k, c, delta, la, lb)
         if choice is None:
             break

@@ -18,7 +18,6 @@ layout 360.1 and 515.1 ms (benchmarks/moe_overlap.py).
 
 from __future__ import annotations
 
-
 from .evaluate import Evaluator
 from .layout import Layout
 from .listsched import Pairing

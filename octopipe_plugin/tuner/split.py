@@ -9,6 +9,8 @@ policies, then other share sets, then shares moved towards each device's room in
 step (its shard work plus its idle time; a device whose share falls below 0.2% is dropped, so
 the search also picks which devices), then the other policies. The insertions of one variant
 stop when their work units (`attempt_units`) pass INSERT_SHARE times the variant's budget.
+Besides each variant's tuned layout, the shards also go into its rising layout (tuner/rising.py, models
+that communicate) and its evened one (tuner/evened.py, whole layers of unequal size), list-scheduled afresh.
 Every candidate is judged by the simulator with its communication; one whose messages cost
 more than its split saves simply loses to the plan without splits, which is kept.
 `constraints.owner_shard` (framework runners) keeps a shard on the owner's device in every one.
