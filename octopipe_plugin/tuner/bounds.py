@@ -71,10 +71,12 @@ def whole_layer_makespan(totals, num_devices: int, at_least: float = 0.0) -> flo
     (`at_least`: a bound already known; loads below the last one under it are not checked, so a
     result below `at_least` only says the answer is at most that)."""
     least: dict[float, float] = {}  # costs equal to 9 decimals are one kind, priced at its cheapest member's
+    number: Counter = Counter()
     for t in totals:
         key = round(t, 9)
         least[key] = min(t, least.get(key, t))
-    kinds = sorted(Counter(round(t, 9) for t in totals).items(), reverse=True)
+        number[key] += 1
+    kinds = sorted(number.items(), reverse=True)
     if not kinds or prod(c + 1 for _, c in kinds) > EXACT_STATES:
         return None
     sizes = np.array([least[s] for s, _ in kinds])  # never above a real cost: the result stays a lower bound

@@ -51,10 +51,6 @@ class Meter:
 log = logging.getLogger(__name__)
 
 
-def _layout_of(plan: Plan) -> Layout:
-    return Layout(bounds=tuple((st.start, st.end) for st in plan.stages), devices=tuple(st.device for st in plan.stages))
-
-
 class Evaluator:
     """Simulates candidates of one tuning problem, with caches and a work counter."""
 
@@ -178,7 +174,7 @@ class Evaluator:
         """The outcome replayed by the simulator (the judge); as it is when it already was."""
         if out is None or out.judged or out.plan is None:
             return out
-        sim = self.simulated(out.plan, costs=self.job(_layout_of(out.plan))[1])
+        sim = self.simulated(out.plan, costs=self.job(Layout.of_stages(out.plan.stages))[1])
         if sim is not None and abs(sim.step_ms - out.step_ms) > 1e-6 * max(1.0, out.step_ms):
             log.warning("list scheduler clock %.6f ms != simulator %.6f ms; keeping the simulator's",
                         out.step_ms, sim.step_ms)

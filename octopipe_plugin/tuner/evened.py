@@ -86,8 +86,7 @@ def evened_plans(model, cluster, num_microbatches: int, plan, costs, options=Non
     """Plans of `plan`'s evened layout (for layer costs `costs`: the head's work left to its shards) on `model`,
     fitting `cluster` and keeping to `constraints`, list-scheduled under the seed policies, the KEEP fastest
     first; none where evening lowers no load."""
-    lay = evened_layout(costs, Layout(bounds=tuple((st.start, st.end) for st in plan.stages),
-                                      devices=tuple(st.device for st in plan.stages)))
+    lay = evened_layout(costs, Layout.of_stages(plan.stages))
     if lay is None:
         return []
     ev = Evaluator(model, cluster, num_microbatches, options=options)

@@ -34,6 +34,11 @@ class Layout:
         return tuple(a for a, _ in self.bounds[1:])
 
     @staticmethod
+    def of_stages(stages) -> "Layout":
+        """Layout of a plan's Stage records (the inverse of `stages`)."""
+        return Layout(bounds=tuple((st.start, st.end) for st in stages), devices=tuple(st.device for st in stages))
+
+    @staticmethod
     def from_cuts(cuts, num_layers: int, devices) -> "Layout":
         """Layout from interior boundaries (non-decreasing) and a device per stage."""
         edges = (0, *cuts, num_layers)

@@ -310,9 +310,7 @@ def repaired_builtins(ev, model, baselines, build, below_ms: float = float("inf"
             continue
         got = ev.simulated(plan)
         if got is not None and got.fits and got.plan is not None and got.plan.memory and got.step_ms < below_ms:
-            lay = Layout(bounds=tuple((st.start, st.end) for st in plan.stages),
-                         devices=tuple(st.device for st in plan.stages))
-            found.append((lay, got))
+            found.append((Layout.of_stages(plan.stages), got))
     if not found:
         ev.meter.work, ev.meter.evaluations = work, evals
     return found

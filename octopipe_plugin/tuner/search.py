@@ -326,9 +326,7 @@ def _builtin_elite(baselines) -> list[Candidate]:
     for b in baselines:
         o = b.search
         if o is not None and o.fits and o.plan is not None:
-            lay = Layout(bounds=tuple((st.start, st.end) for st in o.plan.stages),
-                         devices=tuple(st.device for st in o.plan.stages))
-            out.append(Candidate(step_ms=o.step_ms, layout=lay, spec=o.plan.schedule, outcome=o))
+            out.append(Candidate(step_ms=o.step_ms, layout=Layout.of_stages(o.plan.stages), spec=o.plan.schedule, outcome=o))
     return out
 
 
